@@ -1,0 +1,1 @@
+"""A PyTorch-native LLM pre-training framework with one activation-checkpointing module."""

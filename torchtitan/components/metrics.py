@@ -1,0 +1,145 @@
+"""Step metrics: one log line, one metrics.jsonl record, TensorBoard and W&B scalars."""
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import ConfigError
+from torchtitan.tools.device_info import peak_bf16_flops, peak_memory_gib, reset_peak_memory
+
+logger = logging.getLogger(__name__)
+
+
+class _TensorBoard:
+    def __init__(self, folder: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(folder))
+
+    def log(self, record: dict, step: int) -> None:
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key != "step":
+                self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    def __init__(self, folder: Path, job_config: JobConfig):
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError(
+                "'metrics.enable_wandb' = true needs the wandb package: pip install wandb "
+                "(set WANDB_MODE=offline without network), or remove the key."
+            ) from None
+        self.run = wandb.init(dir=str(folder), config=job_config.to_dict(),
+                              project="torchtitan", name=job_config.job.description)
+
+    def log(self, record: dict, step: int) -> None:
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricsProcessor:
+    """Accumulates timing between log steps and writes a record at each log step.
+
+    Args:
+        job_config: for `[metrics]` and the dump folder.
+        device: for peak FLOPs and memory.
+        flops_per_token: training FLOPs per token of the model (for TFLOPs and MFU).
+        is_writer: whether this rank writes files (rank 0 unless save_for_all_ranks).
+    """
+
+    def __init__(self, job_config: JobConfig, device: torch.device, flops_per_token: float,
+                 is_writer: bool, rank: int = 0):
+        self.cfg = job_config.metrics
+        self.device, self.flops_per_token = device, flops_per_token
+        self.peak_flops = peak_bf16_flops(device)
+        self.is_writer = is_writer or self.cfg.save_for_all_ranks
+        dump = Path(job_config.job.dump_folder)
+        suffix = f"_rank{rank}" if self.cfg.save_for_all_ranks else ""
+        self.jsonl_path = dump / f"metrics{suffix}.jsonl"
+        self.sinks = []
+        if self.is_writer:
+            dump.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(self.jsonl_path, "a")
+            if self.cfg.enable_tensorboard:
+                self.sinks.append(_TensorBoard(dump / self.cfg.save_tb_folder / f"rank{rank}"))
+            if self.cfg.enable_wandb:
+                self.sinks.append(_WandB(dump, job_config))
+        self.reset_window()
+
+    def reset_window(self) -> None:
+        self.window_start = time.perf_counter()
+        self.tokens, self.data_seconds, self.steps = 0, 0.0, 0
+        reset_peak_memory(self.device)
+
+    def count(self, tokens: int, data_seconds: float) -> None:
+        """Record one step's local tokens and data-loading time."""
+        self.tokens += tokens
+        self.data_seconds += data_seconds
+        self.steps += 1
+
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, eta_seconds: float | None = None,
+            extra: dict | None = None) -> dict:
+        """Write one record for `step` (from every rank's own counts) and start a new window."""
+        elapsed = time.perf_counter() - self.window_start
+        tps = self.tokens / elapsed if elapsed > 0 else 0.0
+        tflops = self.flops_per_token * tps / 1e12
+        record = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tps": tps,
+            "tflops": tflops,
+            "mfu_pct": 100 * tflops * 1e12 / self.peak_flops if self.peak_flops else None,
+            "data_loading_pct": 100 * self.data_seconds / elapsed if elapsed > 0 else 0.0,
+            "step_seconds": elapsed / max(self.steps, 1),
+            **peak_memory_gib(self.device),
+            **(extra or {}),
+        }
+        logger.info(self.format_line(record, eta_seconds))
+        self.write(record)
+        self.reset_window()
+        return record
+
+    def write(self, record: dict) -> None:
+        """Append a record to metrics.jsonl and every enabled sink (writer ranks only)."""
+        if not self.is_writer:
+            return
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for sink in self.sinks:
+            sink.log(record, record["step"])
+
+    @staticmethod
+    def format_line(r: dict, eta_seconds: float | None) -> str:
+        memory = next((f"{v:.2f}GiB" for k, v in r.items() if k.startswith("memory/max")), "n/a")
+        mfu = f"{r['mfu_pct']:.2f}%" if r["mfu_pct"] is not None else "n/a"
+        eta = f"  eta: {_format_eta(eta_seconds)}" if eta_seconds is not None else ""
+        return (
+            f"step: {r['step']:>5}  loss: {r['loss']:8.4f}  grad_norm: {r['grad_norm']:7.4f}  "
+            f"lr: {r['lr']:.3e}  memory: {memory}  tps: {r['tps']:,.0f}  "
+            f"tflops: {r['tflops']:.2f}  mfu: {mfu}  data: {r['data_loading_pct']:.1f}%{eta}"
+        )
+
+    def close(self) -> None:
+        if self.is_writer:
+            self.jsonl.close()
+            for sink in self.sinks:
+                sink.close()
+
+
+def _format_eta(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"

@@ -1,0 +1,34 @@
+"""Held-out loss: one pass over the validation split, averaged over all data-parallel ranks."""
+
+import torch
+import torch.nn as nn
+
+from torchtitan.distributed.utils import all_reduce_mean
+
+
+class Validator:
+    """Evaluates the mean next-token loss of a model on a finite loader.
+
+    Args:
+        dataloader: finite loader of (input, label) batches; rewound before each pass.
+        loss_fn: `(logits, labels) -> mean loss`.
+        max_steps: batches per pass; -1 for the whole split.
+    """
+
+    def __init__(self, dataloader, loss_fn, device: torch.device, max_steps: int = -1):
+        self.dataloader, self.loss_fn = dataloader, loss_fn
+        self.device, self.max_steps = device, max_steps
+
+    @torch.no_grad()
+    def validate(self, model: nn.Module) -> float:
+        """The mean loss over the split (same value on every rank)."""
+        model.eval()
+        self.dataloader.dataset.load_state_dict({"sample_index": 0})
+        total, batches = torch.zeros((), device=self.device), 0
+        for inputs, labels in self.dataloader:
+            if batches == self.max_steps:
+                break
+            total += self.loss_fn(model(inputs.to(self.device)), labels.to(self.device)).detach()
+            batches += 1
+        model.train()
+        return all_reduce_mean(total.item() / max(batches, 1), self.device)

@@ -1,0 +1,217 @@
+"""The TOML schema as dataclasses: one dataclass per `[section]`, one field per key.
+
+Names follow torchtitan's schema so that a torchtitan user's file runs unchanged where the
+feature exists. Every field carries a one-line help text (shown by `--help`) through `opt`.
+Sections whose feature is not built yet are declared so that files parse, and
+`torchtitan.config.manager` rejects any non-default value that would need them.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def opt(default, help: str, **checks):
+    """A dataclass field with its `--help` line and optional range checks.
+
+    Args:
+        default: the default value (lists are copied per instance).
+        help: one line for `--help`.
+        checks: `min`, `max` (inclusive) or `gt` (exclusive) bounds checked by the manager.
+    """
+    metadata = {"help": help, **checks}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class Job:
+    config_file: str = opt("", "TOML file to read; also --config NAME_OR_PATH or $CONFIG_FILE")
+    dump_folder: str = opt("./outputs", "folder for logs, metrics, resolved config and outputs")
+    description: str = opt("default job", "free-text description of the run")
+    print_args: bool = opt(False, "print the resolved config to stdout at start")
+
+
+@dataclass
+class Model:
+    name: str = opt("llama3", "registered model name (see torchtitan/models)")
+    flavor: str = opt("debugmodel", "model size preset of that model")
+    hf_assets_path: str = opt(
+        "torchtitan/assets/tokenizer", "folder with tokenizer.json (and HF config/weights)"
+    )
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = opt("AdamW", "optimizer class")
+    lr: float = opt(8e-4, "peak learning rate", gt=0.0)
+    beta1: float = opt(0.9, "Adam beta1", min=0.0, max=1.0)
+    beta2: float = opt(0.95, "Adam beta2", min=0.0, max=1.0)
+    eps: float = opt(1e-8, "Adam epsilon", gt=0.0)
+    weight_decay: float = opt(0.1, "decoupled weight decay (AdamW) or L2 penalty (Adam)", min=0.0)
+    implementation: Literal["fused", "foreach", "for-loop"] = opt(
+        "fused", "optimizer kernel; fused falls back to foreach on devices without it"
+    )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(200, "linear warmup steps from near zero to optimizer.lr", min=0)
+    decay_ratio: float | None = opt(
+        None, "fraction of the steps after warmup spent decaying; unset = decay all", min=0.0, max=1.0
+    )
+    decay_type: Literal["linear", "sqrt", "cosine"] = opt("linear", "shape of the decay phase")
+    min_lr_factor: float = opt(0.0, "final lr as a fraction of optimizer.lr", min=0.0, max=1.0)
+
+
+@dataclass
+class Training:
+    dataset: str = opt("smoke", "dataset name: smoke (bundled), or a Hugging Face hub name")
+    dataset_path: str | None = opt(
+        None, "local file or folder (json, jsonl, parquet, txt) instead of the hub"
+    )
+    local_batch_size: int = opt(8, "sequences per rank per micro-batch", min=1)
+    global_batch_size: int = opt(
+        -1, "sequences per optimizer step over all ranks; -1 = local x dp (no accumulation)"
+    )
+    seq_len: int = opt(2048, "tokens per sequence", min=1)
+    max_norm: float = opt(1.0, "gradient clipping max global norm; 0 disables", min=0.0)
+    steps: int = opt(10000, "optimizer steps to train", min=1)
+    dtype: Literal["float32", "bfloat16"] = opt(
+        "float32", "dtype of parameters, gradients and optimizer state"
+    )
+    mixed_precision_param: Literal["bfloat16", "float32"] = opt(
+        "bfloat16", "compute dtype of parameters under FSDP (autocast without FSDP)"
+    )
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = opt(
+        "float32", "dtype of FSDP gradient reduction"
+    )
+    gc_freq: int = opt(50, "run gc.collect every this many steps", min=1)
+    seed: int | None = opt(None, "random seed; unset = 0 for weights, fixed data order")
+    deterministic: bool = opt(False, "use deterministic algorithms (slower)")
+    enable_cpu_offload: bool = opt(False, "FSDP CPU offload of parameters and optimizer state")
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = opt(1, "replicas (HSDP outer dim)", min=1)
+    data_parallel_shard_degree: int = opt(-1, "FSDP shard degree; -1 = the ranks left over")
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = opt(
+        "default", "free gathered params after forward (default: all but the root)"
+    )
+    tensor_parallel_degree: int = opt(1, "tensor parallel degree", min=1)
+    disable_loss_parallel: bool = opt(False, "gather logits instead of vocab-parallel loss")
+    enable_async_tensor_parallel: bool = opt(False, "overlap TP comms with compute (compile)")
+    context_parallel_degree: int = opt(1, "context parallel degree", min=1)
+    pipeline_parallel_degree: int = opt(1, "pipeline parallel degree", min=1)
+    expert_parallel_degree: int = opt(1, "expert parallel degree", min=1)
+    expert_tensor_parallel_degree: int = opt(1, "tensor parallel degree inside experts", min=1)
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "log metrics every this many steps", min=1)
+    enable_tensorboard: bool = opt(False, "write TensorBoard scalars")
+    save_tb_folder: str = opt("tb", "TensorBoard folder under dump_folder")
+    enable_wandb: bool = opt(False, "log to Weights & Biases")
+    disable_color_printing: bool = opt(False, "plain log lines without ANSI colors")
+    save_for_all_ranks: bool = opt(False, "write metrics from every rank, not only rank 0")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective", "memory_budget"] = opt(
+        "selective", "activation checkpointing mode"
+    )
+    selective_ac_option: str = opt(
+        "2", '"op" for per-op selective AC, or N to checkpoint every Nth block'
+    )
+    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = opt(
+        ["moe.router.gate"], "Linear FQN substrings whose matmul shapes are always recomputed"
+    )
+    early_stop: bool = opt(False, "stop recompute once the needed activations are rebuilt")
+    preserve_rng_state: bool = opt(False, "replay RNG in recompute (needed with dropout)")
+    memory_budget: float = opt(0.5, "memory_budget mode: 0 = recompute all, 1 = save all", min=0.0, max=1.0)
+    visualize_memory_budget_pareto: bool = opt(False, "dump the partitioner's pareto plot")
+
+
+@dataclass
+class Compile:
+    enable: bool = opt(False, "torch.compile the components below")
+    components: list[str] = opt(["model", "loss"], "what to compile: model, loss")
+    backend: str = opt("inductor", "torch.compile backend")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = opt(False, "save and resume distributed checkpoints")
+    folder: str = opt("checkpoint", "checkpoint folder under dump_folder")
+    interval: int = opt(500, "save every this many steps", min=1)
+    keep_latest_k: int = opt(10, "keep this many newest checkpoints; 0 keeps all", min=0)
+    load_step: int = opt(-1, "resume from this step; -1 = newest")
+    exclude_from_loading: list[str] = opt([], "state keys not to load on resume")
+    last_save_model_only: bool = opt(True, "final save holds the model only")
+    export_dtype: Literal["float32", "bfloat16", "float16"] = opt(
+        "float32", "dtype of the model-only final save"
+    )
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = opt(
+        "disabled", "asynchronous checkpoint saving"
+    )
+    enable_first_step_checkpoint: bool = opt(False, "save right after step 1")
+    create_seed_checkpoint: bool = opt(False, "write initial weights and exit (one process)")
+    initial_load_path: str | None = opt(None, "checkpoint to start from when the folder is empty")
+    initial_load_model_only: bool = opt(True, "initial load reads model weights only")
+    initial_load_in_hf: bool = opt(False, "initial_load_path holds HF safetensors")
+    last_save_in_hf: bool = opt(False, "final save as HF safetensors")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "record torch.profiler traces")
+    save_traces_folder: str = opt("profile_traces", "trace folder under dump_folder")
+    profile_freq: int = opt(10, "profile every this many steps", min=1)
+    profiler_warmup: int = opt(3, "profiler warmup steps", min=0)
+    profiler_active: int = opt(1, "profiler active steps", min=1)
+    enable_memory_snapshot: bool = opt(False, "dump CUDA memory snapshots")
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "snapshot folder under dump_folder")
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = opt(300, "collective timeout until the first step ends", min=1)
+    train_timeout_seconds: int = opt(100, "collective timeout after the first step", min=1)
+    trace_buf_size: int = opt(20000, "NCCL flight recorder entries", min=0)
+
+
+@dataclass
+class Validation:
+    enable: bool = opt(False, "evaluate on a held-out split")
+    dataset: str = opt("smoke_validation", "validation dataset name")
+    dataset_path: str | None = opt(None, "local validation file or folder")
+    local_batch_size: int = opt(8, "validation sequences per rank", min=1)
+    seq_len: int = opt(2048, "validation tokens per sequence", min=1)
+    freq: int = opt(500, "validate every this many steps", min=1)
+    steps: int = opt(-1, "validation batches per run; -1 = the whole split")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    metrics: Metrics = field(default_factory=Metrics)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
+    validation: Validation = field(default_factory=Validation)
+
+    def to_dict(self) -> dict:
+        """The config as nested plain dicts, as it would be written to TOML."""
+        from dataclasses import asdict
+
+        return asdict(self)

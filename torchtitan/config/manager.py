@@ -1,0 +1,385 @@
+"""TOML file + command line -> validated `JobConfig`.
+
+Precedence is defaults < TOML file < command line. Every mistake a user can make in a config
+becomes a `ConfigError` whose message names the key, the value and the fix; `train.main`
+turns it into one paragraph on stderr and exit code 2.
+"""
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from pathlib import Path
+
+from torchtitan.config.job_config import JobConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = PACKAGE_ROOT.parent
+DEFAULT_CONFIG = "debug_model.toml"
+
+# Keys whose feature is not built yet: any value other than the default stops the run.
+NOT_BUILT_YET = {
+    "checkpoint": "distributed checkpointing",
+    "profiling": "profiling",
+    "parallelism.tensor_parallel_degree": "tensor parallelism",
+    "parallelism.enable_async_tensor_parallel": "async tensor parallelism",
+    "parallelism.context_parallel_degree": "context parallelism",
+    "parallelism.pipeline_parallel_degree": "pipeline parallelism",
+    "parallelism.expert_parallel_degree": "expert parallelism",
+    "parallelism.expert_tensor_parallel_degree": "expert tensor parallelism",
+}
+
+
+class ConfigError(ValueError):
+    """A config mistake the user can fix; its message says what and how."""
+
+
+def find_config_dirs() -> list[Path]:
+    """Every `torchtitan/models/*/train_configs/` folder, sorted."""
+    return sorted((PACKAGE_ROOT / "models").glob("*/train_configs"))
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """Find a config by path, or by bare file name across all models' train_configs.
+
+    Raises:
+        ConfigError: when nothing matches (listing where it looked) or a bare name is ambiguous.
+    """
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    looked = [str(path.resolve())]
+    if path.parent == Path("."):
+        names = [path.name] if path.suffix == ".toml" else [path.name, path.name + ".toml"]
+        matches = [d / n for d in find_config_dirs() for n in names if (d / n).is_file()]
+        if len(matches) == 1:
+            return matches[0]
+        if len(matches) > 1:
+            listed = ", ".join(str(m.relative_to(PROJECT_ROOT)) for m in matches)
+            raise ConfigError(
+                f"config name '{name_or_path}' is ambiguous; it matches {listed}. "
+                "Pass one of these paths to --config instead."
+            )
+        looked += [str(d) for d in find_config_dirs()]
+    raise ConfigError(
+        f"config file '{name_or_path}' does not exist. Looked in: {'; '.join(looked)}. "
+        "Pass a path to a TOML file, or the name of a file in one of those folders."
+    )
+
+
+def _section_fields(section_cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(section_cls)}
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def _closest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _unknown_key_error(where: str, section: str | None, key: str) -> ConfigError:
+    sections = _sections()
+    if section is None or section not in sections:
+        name = section if section is not None else key
+        return ConfigError(
+            f"unknown section [{name}] in {where}.{_closest(name, sections)} "
+            f"Valid sections: {', '.join(sections)}."
+        )
+    fields = _section_fields(sections[section])
+    return ConfigError(
+        f"unknown key '{section}.{key}' in {where}.{_closest(key, fields)} "
+        f"Valid keys of [{section}]: {', '.join(fields)}."
+    )
+
+
+def _describe_type(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe_type(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe_type(typing.get_args(tp)[0])}"
+    return "none" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _parse_text(text: str, tp):
+    """Parse a command-line string into `tp`; raises ValueError when it does not fit."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        item = typing.get_args(tp)[0]
+        return [_parse_text(s.strip(), item) for s in text.split(",") if s.strip()]
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if type(None) in args and text.lower() in ("none", "null", ""):
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _parse_text(text, arg)
+            except ValueError:
+                pass
+        raise ValueError(text)
+    if origin is typing.Literal:
+        return _coerce(text, tp)
+    if tp is bool:
+        lowered = text.lower()
+        if lowered in ("true", "1", "yes"):
+            return True
+        if lowered in ("false", "0", "no"):
+            return False
+        raise ValueError(text)
+    return tp(text)
+
+
+def _coerce(value, tp):
+    """Check a TOML value against `tp` (ints widen to floats); raises ValueError on mismatch."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ValueError(value)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg)
+            except ValueError:
+                pass
+        raise ValueError(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(value)
+        return [_coerce(v, typing.get_args(tp)[0]) for v in value]
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ValueError(value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return value
+    raise ValueError(value)
+
+
+def _set_value(config: JobConfig, section: str, key: str, value, where: str, from_text: bool):
+    sections = _sections()
+    if section not in sections:
+        raise _unknown_key_error(where, section, key)
+    fields = _section_fields(sections[section])
+    if key not in fields:
+        raise _unknown_key_error(where, section, key)
+    tp = typing.get_type_hints(sections[section])[key]
+    try:
+        parsed = _parse_text(value, tp) if from_text else _coerce(value, tp)
+    except (ValueError, TypeError):
+        raise ConfigError(
+            f"'{section}.{key}' = {value!r} in {where} has the wrong type: "
+            f"expected {_describe_type(tp)}."
+        ) from None
+    setattr(getattr(config, section), key, parsed)
+
+
+def _apply_toml(config: JobConfig, path: Path) -> None:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}.") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise _unknown_key_error(str(path), None, section)
+        for key, value in table.items():
+            _set_value(config, section, key, value, str(path), from_text=False)
+
+
+def _split_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | None]]]:
+    """Split argv into the config file and (section, key, text-or-None-for-flag) overrides."""
+    config_file = None
+    overrides = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(
+                f"unexpected argument '{arg}'. Options look like --section.key value "
+                "(see --help)."
+            )
+        name, eq, inline = arg[2:].partition("=")
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        takes_next = not eq and nxt is not None and not nxt.startswith("--")
+        text = inline if eq else (nxt if takes_next else None)
+        i += 2 if takes_next else 1
+        if name in ("config", "job.config_file"):
+            if text is None:
+                raise ConfigError(f"--{name} needs a value: a TOML path or config file name.")
+            config_file = text
+            continue
+        section, dot, key = name.partition(".")
+        if not dot:
+            raise _unknown_key_error("the command line", None, section)
+        overrides.append((section, key, text))
+    return config_file, overrides
+
+
+def _apply_override(config: JobConfig, section: str, key: str, text: str | None) -> None:
+    where = "the command line"
+    sections = _sections()
+    if text is not None:
+        _set_value(config, section, key, text, where, from_text=True)
+        return
+    fields = _section_fields(sections[section]) if section in sections else {}
+    hints = typing.get_type_hints(sections[section]) if section in sections else {}
+    if hints.get(key) is bool:
+        setattr(getattr(config, section), key, True)
+    elif key.startswith("no_") and hints.get(key[3:]) is bool:
+        setattr(getattr(config, section), key[3:], False)
+    elif key in fields:
+        raise ConfigError(f"--{section}.{key} needs a value ({_describe_type(hints[key])}).")
+    else:
+        raise _unknown_key_error(where, section, key)
+
+
+def _check_ranges(config: JobConfig) -> None:
+    for section, cls in _sections().items():
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(config, section), f.name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            lo, hi, gt = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("gt")
+            bad = (lo is not None and value < lo) or (hi is not None and value > hi)
+            bad = bad or (gt is not None and value <= gt)
+            if bad:
+                bounds = [f">= {lo}"] * (lo is not None) + [f"<= {hi}"] * (hi is not None)
+                bounds += [f"> {gt}"] * (gt is not None)
+                raise ConfigError(
+                    f"'{section}.{f.name}' = {value} is out of range: it must be "
+                    f"{' and '.join(bounds)}."
+                )
+
+
+def _check_not_built(config: JobConfig) -> None:
+    defaults = JobConfig()
+    for target, feature in NOT_BUILT_YET.items():
+        section, _, only_key = target.partition(".")
+        keys = [only_key] if only_key else [f.name for f in dataclasses.fields(getattr(config, section))]
+        for key in keys:
+            value = getattr(getattr(config, section), key)
+            if value != getattr(getattr(defaults, section), key):
+                raise ConfigError(
+                    f"'{section}.{key}' = {value!r} needs {feature}, which is not supported yet. "
+                    f"Remove the key or set it back to "
+                    f"{getattr(getattr(defaults, section), key)!r}."
+                )
+
+
+def _check_consistency(config: JobConfig) -> None:
+    t, p = config.training, config.parallelism
+    if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
+        raise ConfigError(
+            f"'parallelism.data_parallel_shard_degree' = {p.data_parallel_shard_degree} is "
+            "invalid: use a positive degree or -1 for the ranks left over."
+        )
+    if t.global_batch_size != -1 and t.global_batch_size < 1:
+        raise ConfigError(
+            f"'training.global_batch_size' = {t.global_batch_size} is invalid: use a positive "
+            "number of sequences or -1 for local_batch_size x data-parallel degree."
+        )
+    if t.dtype == "bfloat16" and t.mixed_precision_param == "float32":
+        raise ConfigError(
+            "'training.dtype' = 'bfloat16' with 'training.mixed_precision_param' = 'float32' "
+            "would upcast bf16 weights; set mixed_precision_param to 'bfloat16'."
+        )
+    if config.compile.enable:
+        unknown = sorted(set(config.compile.components) - {"model", "loss"})
+        if unknown:
+            raise ConfigError(
+                f"'compile.components' = {config.compile.components} contains {unknown}; "
+                "valid components are 'model' and 'loss'."
+            )
+
+
+def validate(config: JobConfig) -> JobConfig:
+    """Range, not-built-yet and cross-key checks; raises ConfigError on the first problem."""
+    _check_ranges(config)
+    _check_consistency(config)
+    _check_not_built(config)
+    return config
+
+
+def parse_args(argv: list[str] | None = None, env: dict | None = None) -> JobConfig:
+    """Build the JobConfig from `argv` (default sys.argv[1:]) and `$CONFIG_FILE`.
+
+    The config file comes from `--config`, `--job.config_file` or `$CONFIG_FILE` (in that
+    order); with none of them the Llama 3 debug config is used.
+
+    Raises:
+        ConfigError: for any unknown, mistyped, out-of-range or unsupported setting.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    env = dict(__import__("os").environ) if env is None else env
+    config_file, overrides = _split_cli(argv)
+    config_file = config_file or env.get("CONFIG_FILE") or DEFAULT_CONFIG
+    path = resolve_config_path(config_file)
+    config = JobConfig()
+    _apply_toml(config, path)
+    for section, key, text in overrides:
+        _apply_override(config, section, key, text)
+    config.job.config_file = str(path)
+    return validate(config)
+
+
+def format_help() -> str:
+    """`--help` text: every option with its type, default and one-line description."""
+    lines = [
+        "usage: python -m torchtitan.train [--config NAME_OR_PATH] [--section.key VALUE ...]",
+        "",
+        "Precedence: defaults < TOML file < command line. Booleans: --section.key or",
+        "--section.no_key. Lists: comma-separated. The config file may also come from",
+        "--job.config_file or $CONFIG_FILE; the default is " + DEFAULT_CONFIG + ".",
+    ]
+    defaults = JobConfig()
+    for section, cls in _sections().items():
+        lines += ["", f"[{section}]"]
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = getattr(getattr(defaults, section), f.name)
+            lines.append(f"  --{section}.{f.name} ({_describe_type(hints[f.name])}, "
+                         f"default {default!r})")
+            lines.append(f"      {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def to_toml(config: JobConfig) -> str:
+    """Serialize a JobConfig as TOML text (None values are left out, as TOML has no null)."""
+    out = []
+    for section, table in config.to_dict().items():
+        out.append(f"[{section}]")
+        for key, value in table.items():
+            if value is not None:
+                out.append(f"{key} = {_toml_value(value)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'

@@ -1,0 +1,1 @@
+"""Text datasets: sources (bundled, local files, hub), the token cache, and packing."""

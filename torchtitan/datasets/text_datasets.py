@@ -1,0 +1,186 @@
+"""Where documents come from, and how they become (input, label) windows per rank.
+
+Local files and the bundled corpus are tokenized once (see `token_cache`), cut into
+`seq_len + 1` windows globally, and every rank takes its slice of each global batch, so the
+tokens of a step do not depend on the data-parallel degree. Hub datasets stream and shard by
+rank instead, since their full token stream is not known up front.
+"""
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from torchtitan.config.manager import ConfigError
+from torchtitan.datasets import token_cache
+from torchtitan.tools.paths import BUNDLED_ASSETS, resolve_path
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_DATASETS = {
+    "smoke": BUNDLED_ASSETS / "smoke_corpus" / "train.jsonl",
+    "smoke_validation": BUNDLED_ASSETS / "smoke_corpus" / "validation.jsonl",
+}
+# Short names for hub datasets: name -> (hub path, dataset config).
+HUB_ALIASES = {"c4": ("allenai/c4", "en")}
+_BUILDER_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+def local_files(dataset_path: str, key: str) -> list[Path]:
+    """The data files at `dataset_path` (a file, or a folder of files of one supported kind)."""
+    path = resolve_path(dataset_path)
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in _BUILDER_BY_SUFFIX)
+    else:
+        raise ConfigError(f"'{key}' = '{dataset_path}' does not exist; give a file or folder.")
+    kinds = {_BUILDER_BY_SUFFIX.get(f.suffix) for f in files}
+    if not files or None in kinds or len(kinds) > 1:
+        raise ConfigError(
+            f"'{key}' = '{dataset_path}' must hold files of one kind among "
+            f"{', '.join(_BUILDER_BY_SUFFIX)}; found {[f.name for f in files][:5] or 'none'}."
+        )
+    return files
+
+
+def _text_column(dataset, source: str) -> str:
+    if "text" in dataset.column_names:
+        return "text"
+    raise ConfigError(
+        f"dataset '{source}' has no 'text' column (columns: {dataset.column_names}); "
+        "store each document's text under the key 'text'."
+    )
+
+
+def read_local_documents(files: list[Path]):
+    """Yield the 'text' field of every record of `files`, in order, via HF `datasets`."""
+    import datasets
+
+    builder = _BUILDER_BY_SUFFIX[files[0].suffix]
+    ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+    column = _text_column(ds, str(files[0].parent))
+    for record in ds:
+        yield record[column]
+
+
+def resolve_local_source(dataset: str, dataset_path: str | None, key: str) -> list[Path] | None:
+    """Files for a local/bundled dataset, or None when `dataset` is a hub name to stream."""
+    if dataset_path:
+        return local_files(dataset_path, f"{key}_path")
+    if dataset in BUNDLED_DATASETS:
+        return [BUNDLED_DATASETS[dataset]]
+    return None
+
+
+class PackedTokenDataset(IterableDataset):
+    """Fixed windows of one token stream, dealt to data-parallel ranks batch by batch.
+
+    The rank's k-th sample is global window `(k // B) * B * D + rank * B + k % B` (B = local
+    batch, D = dp degree), taken modulo the window count: micro-batch i of every rank
+    together is global windows [i*B*D, (i+1)*B*D). Windows overlap by one token so every
+    token after the first is a label exactly once per epoch.
+
+    Args:
+        tokens: 1-D token ids (a memmap is fine; it is never copied whole).
+        seq_len: tokens per input; each window holds seq_len + 1.
+        infinite: loop over epochs (training) or stop after one pass of whole global
+            batches (validation).
+    """
+
+    def __init__(self, tokens, seq_len: int, dp_rank: int, dp_degree: int, local_batch_size: int,
+                 infinite: bool = True, name: str = "dataset"):
+        super().__init__()
+        self.tokens, self.seq_len, self.name = tokens, seq_len, name
+        self.dp_rank, self.dp_degree, self.local_batch_size = dp_rank, dp_degree, local_batch_size
+        self.infinite = infinite
+        self.num_windows = (len(tokens) - 1) // seq_len
+        if self.num_windows < local_batch_size * dp_degree:
+            raise ConfigError(
+                f"dataset '{name}' has {len(tokens)} tokens: too few for one global batch of "
+                f"{local_batch_size * dp_degree} x {seq_len + 1}; use a larger dataset or a "
+                "smaller training.seq_len / local_batch_size."
+            )
+        self.sample_index = 0
+
+    def global_window(self, sample_index: int) -> int:
+        b, d = self.local_batch_size, self.dp_degree
+        return (sample_index // b) * b * d + self.dp_rank * b + sample_index % b
+
+    def __iter__(self):
+        per_pass = (self.num_windows // (self.local_batch_size * self.dp_degree)) * self.local_batch_size
+        while self.infinite or self.sample_index < per_pass:
+            g = self.global_window(self.sample_index)
+            epoch, window = divmod(g, self.num_windows)
+            if window == 0 and epoch > 0 and self.dp_rank == 0:
+                logger.info(f"dataset '{self.name}' starts epoch {epoch + 1}")
+            start = window * self.seq_len
+            chunk = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+            self.sample_index += 1
+            yield chunk[:-1], chunk[1:]
+
+    def state_dict(self) -> dict:
+        return {"sample_index": self.sample_index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sample_index = state["sample_index"]
+
+
+class StreamingTokenDataset(IterableDataset):
+    """A Hugging Face hub dataset, streamed, sharded by rank, tokenized and packed on the fly."""
+
+    def __init__(self, name: str, tokenizer, seq_len: int, dp_rank: int, dp_degree: int):
+        super().__init__()
+        import datasets
+        from datasets.distributed import split_dataset_by_node
+
+        try:
+            path, subset = HUB_ALIASES.get(name, (name, None))
+            ds = datasets.load_dataset(path, subset, split="train", streaming=True)
+        except Exception as e:  # the hub raises many types; all mean the same to the user
+            raise ConfigError(
+                f"cannot open 'training.dataset' = '{name}' from the Hugging Face hub ({e}). "
+                "Use 'smoke', or set training.dataset_path to local files."
+            ) from None
+        self.data = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_degree)
+        self.name, self.tokenizer, self.seq_len = name, tokenizer, seq_len
+        self.buffer: list[int] = []
+        self.epoch = 0
+
+    def __iter__(self):
+        while True:
+            for record in self.data:
+                self.buffer.extend(self.tokenizer.encode(record["text"], bos=True, eos=True))
+                while len(self.buffer) >= self.seq_len + 1:
+                    chunk = torch.tensor(self.buffer[: self.seq_len + 1])
+                    self.buffer = self.buffer[self.seq_len + 1 :]
+                    yield chunk[:-1], chunk[1:]
+            self.epoch += 1
+            self.data.set_epoch(self.epoch)
+            logger.info(f"dataset '{self.name}' starts epoch {self.epoch + 1}")
+
+    def state_dict(self) -> dict:
+        return {"data": self.data.state_dict(), "buffer": list(self.buffer), "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.data.load_state_dict(state["data"])
+        self.buffer, self.epoch = list(state["buffer"]), state["epoch"]
+
+
+def build_text_dataset(dataset: str, dataset_path: str | None, tokenizer, seq_len: int,
+                       dp_rank: int, dp_degree: int, local_batch_size: int, infinite: bool,
+                       key: str = "training.dataset") -> IterableDataset:
+    """The dataset for a `[training]`/`[validation]` section's dataset keys."""
+    files = resolve_local_source(dataset, dataset_path, key)
+    if files is None:
+        if not infinite:
+            raise ConfigError(
+                f"'{key}' = '{dataset}' streams from the hub; validation needs a finite local "
+                f"split: set '{key}_path' to local files."
+            )
+        return StreamingTokenDataset(dataset, tokenizer, seq_len, dp_rank, dp_degree)
+    tokens = token_cache.load_or_build(files, tokenizer, lambda: read_local_documents(files))
+    name = dataset_path or dataset
+    return PackedTokenDataset(tokens, seq_len, dp_rank, dp_degree, local_batch_size, infinite, name)

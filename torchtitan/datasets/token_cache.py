@@ -1,0 +1,70 @@
+"""Tokenize a local dataset once into a memory-mapped token file, shared by every rank and run.
+
+The file is keyed by the dataset files (path, size, modification time) and the tokenizer's
+fingerprint, so editing either makes a new cache. Writes go to a temporary file renamed into
+place, so concurrent ranks and crashed runs never leave a partial cache behind.
+"""
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+TOKEN_DTYPE = np.uint32
+_DOCS_PER_BATCH = 1024
+
+
+def cache_dir() -> Path:
+    """`$TORCHTITAN_CACHE_DIR`, else ~/.cache/torchtitan/tokens."""
+    default = Path.home() / ".cache" / "torchtitan" / "tokens"
+    return Path(os.environ.get("TORCHTITAN_CACHE_DIR", default))
+
+
+def cache_key(files: list[Path], tokenizer_fingerprint: str) -> str:
+    """A hex key that changes when any file or the tokenizer changes."""
+    h = hashlib.sha256(tokenizer_fingerprint.encode())
+    for f in sorted(files):
+        stat = f.stat()
+        h.update(f"{f.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return h.hexdigest()[:24]
+
+
+def _write_tokens(path: Path, documents, tokenizer) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            batch = []
+            for text in documents:
+                batch.append(text)
+                if len(batch) == _DOCS_PER_BATCH:
+                    _flush(out, batch, tokenizer)
+                    batch = []
+            _flush(out, batch, tokenizer)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _flush(out, texts: list[str], tokenizer) -> None:
+    if texts:
+        ids = [t for doc in tokenizer.encode_batch(texts, bos=True, eos=True) for t in doc]
+        np.asarray(ids, dtype=TOKEN_DTYPE).tofile(out)
+
+
+def load_or_build(files: list[Path], tokenizer, read_documents) -> np.memmap:
+    """The token stream of `files` as a read-only memmap, tokenizing on first use.
+
+    Args:
+        files: the dataset's files (they key the cache).
+        tokenizer: has `fingerprint` and `encode_batch(texts, bos, eos)`.
+        read_documents: zero-argument callable yielding document strings in order; called
+            only when the cache is missing.
+    """
+    path = cache_dir() / f"{cache_key(files, tokenizer.fingerprint)}.bin"
+    if not path.exists():
+        _write_tokens(path, read_documents(), tokenizer)
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")

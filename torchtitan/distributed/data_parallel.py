@@ -1,0 +1,54 @@
+"""FSDP2 (`fully_shard`) per transformer block, then the root, shared by every model."""
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import ConfigError
+from torchtitan.distributed.parallel_dims import ParallelDims
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _reshard_policy(setting: str) -> tuple[bool, bool]:
+    """(blocks, root) reshard_after_forward for `parallelism.fsdp_reshard_after_forward`.
+
+    "default" frees each block's gathered weights after its forward but keeps the root's
+    (embedding, norm, output), which backward needs first anyway.
+    """
+    return {"default": (True, False), "always": (True, True), "never": (False, False)}[setting]
+
+
+def data_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
+    """The mesh FSDP shards over: 1-D dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP."""
+    if parallel_dims.dp_replicate > 1:
+        return parallel_dims.mesh["dp_replicate", "dp_shard"]
+    return parallel_dims.mesh["dp_shard"]
+
+
+def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device) -> None:
+    """Shard `model` in place: each block of `model.layers` is one FSDP unit, the rest the root.
+
+    Mixed precision follows `training.mixed_precision_param/_reduce`; CPU offload follows
+    `training.enable_cpu_offload` and needs an accelerator.
+    """
+    t = job_config.training
+    if t.enable_cpu_offload and device.type == "cpu":
+        raise ConfigError(
+            "'training.enable_cpu_offload' = true offloads from an accelerator to the CPU, but "
+            "this run has no accelerator; remove the key."
+        )
+    kwargs = {
+        "mesh": data_parallel_mesh(parallel_dims),
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=_DTYPES[t.mixed_precision_param], reduce_dtype=_DTYPES[t.mixed_precision_reduce]
+        ),
+    }
+    if t.enable_cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    reshard_blocks, reshard_root = _reshard_policy(job_config.parallelism.fsdp_reshard_after_forward)
+    for block in model.layers.values():
+        fully_shard(block, reshard_after_forward=reshard_blocks, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_root, **kwargs)

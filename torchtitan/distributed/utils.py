@@ -1,0 +1,113 @@
+"""Device and process-group setup, layout-independent init, and global-norm clipping."""
+
+import datetime
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def device_type() -> str:
+    """The accelerator type when one is present, else "cpu"; the only place that decides."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator.type if accelerator is not None else "cpu"
+
+
+def backend_for(device: str) -> str:
+    """The collective backend for a device type: nccl for CUDA, gloo for the CPU."""
+    return {"cuda": "nccl", "cpu": "gloo"}.get(device, "gloo")
+
+
+def local_device() -> torch.device:
+    """This rank's device: accelerator LOCAL_RANK when present, else the CPU."""
+    kind = device_type()
+    if kind == "cpu":
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", 0))
+    torch.accelerator.set_device_index(index)
+    return torch.device(kind, index)
+
+
+def init_distributed(device: torch.device, timeout_seconds: int, trace_buf_size: int) -> int:
+    """Join the process group when launched by torchrun; returns the world size.
+
+    A plain `python -m torchtitan.train` (no WORLD_SIZE) runs as one process with no group.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        return 1
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(trace_buf_size))
+    dist.init_process_group(
+        backend=backend_for(device.type),
+        timeout=datetime.timedelta(seconds=timeout_seconds),
+        device_id=device if device.type != "cpu" else None,
+    )
+    return dist.get_world_size()
+
+
+def set_collective_timeout(timeout_seconds: int) -> None:
+    """Shorten the default group's timeout once the slow first step is over."""
+    if dist.is_initialized():
+        from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
+
+        _set_pg_timeout(datetime.timedelta(seconds=timeout_seconds), _get_default_group())
+
+
+@torch.no_grad()
+def init_param_(param: torch.Tensor, fill_) -> None:
+    """Initialize `param` in place with `fill_`, identically for every parallel layout.
+
+    `fill_(tensor)` draws from the global RNG. For a DTensor the full parameter is drawn on
+    every rank and each keeps its own shard, so a seeded 1-process run and an N-process run
+    start from the same weights. Pitfall: this briefly holds one full parameter per rank.
+    """
+    if not isinstance(param, DTensor):
+        fill_(param)
+        return
+    full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+    fill_(full)
+    shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    param.to_local().copy_(shard.to_local())
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Clip gradients by their global 2-norm and return the norm before clipping.
+
+    DTensor gradients (FSDP shards) reduce their partial norms across the mesh, so the norm
+    is the true global one whatever the layout. `max_norm <= 0` only measures.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+    return norm
+
+
+def set_determinism(seed: int | None, deterministic: bool) -> None:
+    """Seed every RNG (same seed on all ranks) and optionally force deterministic kernels."""
+    torch.manual_seed(0 if seed is None else seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def all_reduce_mean(value: float, device: torch.device) -> float:
+    """Mean of a Python float over all ranks (itself when not distributed)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor(value, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def finite_or_raise(loss: float, step: int) -> None:
+    """Stop at the first non-finite loss, naming the step, rather than training on NaNs."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"loss is {loss} at step {step}; lower optimizer.lr or check data")

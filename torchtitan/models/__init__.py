@@ -1,0 +1,3 @@
+"""Model families; importing this package registers every model's TrainSpec."""
+
+from torchtitan.models import llama3  # noqa: F401

@@ -1,0 +1,125 @@
+"""Llama 3: GQA attention with RoPE, RMSNorm, SwiGLU feed-forward, built on the meta device."""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torchtitan.distributed.utils import init_param_
+from torchtitan.models.attention import build_attention
+from torchtitan.models.llama3.args import TransformerModelArgs
+from torchtitan.models.rope import apply_rope, precompute_rope_cache
+
+
+def _trunc_normal(std: float):
+    return lambda t: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: TransformerModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.sdpa = build_attention(args.attn_backend)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its local heads.
+        q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+    def init_weights(self, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            init_param_(linear.weight, _trunc_normal(0.02))
+        init_param_(self.wo.weight, _trunc_normal(out_std))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, out_std: float) -> None:
+        init_param_(self.w1.weight, _trunc_normal(0.02))
+        for linear in (self.w2, self.w3):
+            init_param_(linear.weight, _trunc_normal(out_std))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: TransformerModelArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.out_std = 0.02 / math.sqrt(2 * depth)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        for norm in (self.attention_norm, self.ffn_norm):
+            init_param_(norm.weight, nn.init.ones_)
+        self.attention.init_weights(self.out_std)
+        self.feed_forward.init_weights(self.out_std)
+
+
+class Transformer(nn.Module):
+    """Decoder-only Llama 3. Blocks live in `self.layers` (a ModuleDict keyed "0", "1", ...),
+    which is where activation checkpointing and FSDP find them.
+
+    With `tie_word_embeddings` there is no `output` module: logits reuse the embedding matrix.
+    """
+
+    def __init__(self, args: TransformerModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
+
+    def _rope_cache(self) -> torch.Tensor:
+        a = self.args
+        return precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Fill every parameter and buffer in place (after `to_empty`), same for any layout."""
+        rope_cache = self._rope_cache()
+        self.rope_cache = rope_cache.to(buffer_device or self.rope_cache.device)
+        if self.output is None:
+            # Tied logits reuse the embedding, so it takes the output projection's scale.
+            init_param_(self.tok_embeddings.weight, _trunc_normal(self.args.dim**-0.5))
+        else:
+            init_param_(self.tok_embeddings.weight, nn.init.normal_)
+        for block in self.layers.values():
+            block.init_weights()
+        init_param_(self.norm.weight, nn.init.ones_)
+        if self.output is not None:
+            init_param_(self.output.weight, _trunc_normal(self.args.dim**-0.5))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, self.rope_cache)
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)

@@ -1,0 +1,65 @@
+"""TrainSpec: the one registration that ties a model name to everything the trainer builds."""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.nn as nn
+
+from torchtitan.config.manager import ConfigError
+from torchtitan.protocols.model_args import BaseModelArgs
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Builders for one model family.
+
+    Attributes:
+        name: the `model.name` users write in TOML.
+        model_cls: built as `model_cls(args)` on the meta device; must have `init_weights()`.
+        flavors: flavor name -> args.
+        parallelize_fn: `(model, parallel_dims, job_config) -> model`, applies AC, compile and
+            data parallelism in the order the model needs.
+        build_optimizer_fn, build_lr_scheduler_fn, build_dataloader_fn, build_tokenizer_fn,
+        build_loss_fn: the components; shared defaults live in `torchtitan.components`.
+    """
+
+    name: str
+    model_cls: type[nn.Module]
+    flavors: dict[str, BaseModelArgs]
+    parallelize_fn: Callable
+    build_optimizer_fn: Callable
+    build_lr_scheduler_fn: Callable
+    build_dataloader_fn: Callable
+    build_tokenizer_fn: Callable
+    build_loss_fn: Callable
+
+    def get_flavor(self, flavor: str) -> BaseModelArgs:
+        """The args of `flavor`; raises ConfigError listing the valid flavors."""
+        if flavor not in self.flavors:
+            raise ConfigError(
+                f"unknown flavor 'model.flavor' = '{flavor}' for model '{self.name}'. "
+                f"Valid flavors: {', '.join(self.flavors)}."
+            )
+        return self.flavors[flavor]
+
+
+_REGISTRY: dict[str, TrainSpec] = {}
+
+
+def register_train_spec(spec: TrainSpec) -> None:
+    """Make `spec` available under `spec.name`; a second registration of a name is a bug."""
+    if spec.name in _REGISTRY:
+        raise ValueError(f"train spec '{spec.name}' is already registered")
+    _REGISTRY[spec.name] = spec
+
+
+def get_train_spec(name: str) -> TrainSpec:
+    """The spec registered as `name`; raises ConfigError listing the registered models."""
+    import torchtitan.models  # noqa: F401  (registers every model)
+
+    if name not in _REGISTRY:
+        raise ConfigError(
+            f"unknown model 'model.name' = '{name}'. Registered models: "
+            f"{', '.join(sorted(_REGISTRY))}."
+        )
+    return _REGISTRY[name]

@@ -1,0 +1,1 @@
+"""Logging, paths, device facts and other helpers with no training logic."""

@@ -1,0 +1,264 @@
+"""The trainer: builds everything from a JobConfig through the model's TrainSpec, then steps.
+
+Run as `python -m torchtitan.train [--config NAME_OR_PATH] [--section.key value ...]`, alone
+or under torchrun. The same code runs on CUDA (nccl) and on the CPU (gloo).
+"""
+
+import contextlib
+import gc
+import logging
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.components.validate import Validator
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import ConfigError, format_help, parse_args, to_toml
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.tools.device_info import device_name
+from torchtitan.tools.logging import init_logger
+
+logger = logging.getLogger("torchtitan")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class StopRequested(Exception):
+    """Raised between steps after SIGTERM, so the run ends through the normal cleanup."""
+
+
+class Trainer:
+    """Owns the model, optimizer, data and metrics of one run."""
+
+    def __init__(self, job_config: JobConfig):
+        self.job_config = cfg = job_config
+        self.device = dist_utils.local_device()
+        world_size = dist_utils.init_distributed(
+            self.device, cfg.comm.init_timeout_seconds, cfg.comm.trace_buf_size
+        )
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        p = cfg.parallelism
+        self.parallel_dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, world_size)
+        self.parallel_dims.build_mesh(self.device.type)
+        dist_utils.set_determinism(cfg.training.seed, cfg.training.deterministic)
+        self._write_resolved_config()
+
+        self.spec = get_train_spec(cfg.model.name)
+        self.model_args = self.spec.get_flavor(cfg.model.flavor).update_from_config(cfg)
+        self.tokenizer = self.spec.build_tokenizer_fn(cfg)
+        self._check_vocab()
+        self.accum_steps = self._gradient_accumulation_steps()
+        dp_rank, dp_degree = self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
+        self.dataloader = self.spec.build_dataloader_fn(cfg, self.tokenizer, dp_rank, dp_degree)
+
+        self.model = self._build_model()
+        self.optimizer = self.spec.build_optimizer_fn(self.model, cfg, self.device)
+        self.lr_scheduler = self.spec.build_lr_scheduler_fn(self.optimizer, cfg)
+        self.loss_fn = self.spec.build_loss_fn(cfg)
+        self.validator = self._build_validator(dp_rank, dp_degree)
+        from torchtitan.components.metrics import MetricsProcessor
+
+        self.metrics = MetricsProcessor(cfg, self.device, self.flops_per_token, self.rank == 0, self.rank)
+        self.step = 0
+        self.stop_requested = False
+
+    # ----- construction -------------------------------------------------------------------
+
+    def _write_resolved_config(self) -> None:
+        text = to_toml(self.job_config)
+        if self.rank == 0:
+            dump = Path(self.job_config.job.dump_folder)
+            dump.mkdir(parents=True, exist_ok=True)
+            (dump / "config.toml").write_text(text)
+            logger.info(f"Resolved config (also in {dump / 'config.toml'}):\n{text}")
+            if self.job_config.job.print_args:
+                print(text)
+
+    def _check_vocab(self) -> None:
+        if self.tokenizer.vocab_size > self.model_args.vocab_size:
+            raise ConfigError(
+                f"the tokenizer in 'model.hf_assets_path' = '{self.job_config.model.hf_assets_path}' "
+                f"has {self.tokenizer.vocab_size} tokens but flavor '{self.job_config.model.flavor}' "
+                f"embeds only {self.model_args.vocab_size}; use the flavor's own tokenizer."
+            )
+
+    def _gradient_accumulation_steps(self) -> int:
+        t = self.job_config.training
+        per_micro_batch = t.local_batch_size * self.parallel_dims.dp_degree
+        global_batch = per_micro_batch if t.global_batch_size == -1 else t.global_batch_size
+        if global_batch % per_micro_batch:
+            raise ConfigError(
+                f"'training.global_batch_size' = {global_batch} is not a multiple of "
+                f"local_batch_size {t.local_batch_size} x data-parallel degree "
+                f"{self.parallel_dims.dp_degree} = {per_micro_batch}; choose a multiple."
+            )
+        return global_batch // per_micro_batch
+
+    def _build_model(self) -> torch.nn.Module:
+        cfg = self.job_config
+        dtype = _DTYPES[cfg.training.dtype]
+        previous_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device("meta"):
+                model = self.spec.model_cls(self.model_args)
+        finally:
+            torch.set_default_dtype(previous_dtype)
+        self.num_params, self.flops_per_token = self.model_args.num_flops_per_token(model, cfg.training.seq_len)
+        logger.info(
+            f"Model {cfg.model.name} {cfg.model.flavor}: "
+            f"{sum(p.numel() for p in model.parameters()):,} parameters "
+            f"({self.num_params:,} without embeddings) on {device_name(self.device)}"
+        )
+        model = self.spec.parallelize_fn(model, self.parallel_dims, cfg, self.device)
+        model.to_empty(device=self.device)
+        # Re-seed so the weights do not depend on any RNG use during construction.
+        torch.manual_seed(0 if cfg.training.seed is None else cfg.training.seed)
+        model.init_weights(buffer_device=self.device)
+        model.train()
+        return model
+
+    def _build_validator(self, dp_rank: int, dp_degree: int) -> Validator | None:
+        if not self.job_config.validation.enable:
+            return None
+        from torchtitan.components.dataloader import build_validation_dataloader
+
+        loader = build_validation_dataloader(self.job_config, self.tokenizer, dp_rank, dp_degree)
+        return Validator(loader, self.loss_fn, self.device, self.job_config.validation.steps)
+
+    # ----- training -----------------------------------------------------------------------
+
+    def _autocast(self):
+        """bf16 autocast for a run without FSDP; under FSDP its MixedPrecisionPolicy casts."""
+        t = self.job_config.training
+        if self.parallel_dims.dp_degree > 1 or t.mixed_precision_param == t.dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=_DTYPES[t.mixed_precision_param])
+
+    def _next_batch(self, data_iter) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, labels = next(data_iter)
+        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+    def train_step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over `accum_steps` micro-batches.
+
+        Returns (loss averaged over this rank's micro-batches, grad norm, data seconds);
+        tensors stay on the device so nothing waits for the host here.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss = torch.zeros((), device=self.device)
+        data_seconds = 0.0
+        for _ in range(self.accum_steps):
+            start = time.perf_counter()
+            inputs, labels = self._next_batch(data_iter)
+            data_seconds += time.perf_counter() - start
+            with self._autocast():
+                logits = self.model(inputs)
+            loss = self.loss_fn(logits, labels) / self.accum_steps
+            del logits
+            loss.backward()
+            total_loss += loss.detach()
+        grad_norm = dist_utils.clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        return total_loss, grad_norm, data_seconds
+
+    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, started: float) -> None:
+        global_loss = dist_utils.all_reduce_mean(loss.item(), self.device)
+        dist_utils.finite_or_raise(global_loss, self.step)
+        steps_left = self.job_config.training.steps - self.step
+        eta = (time.perf_counter() - started) / self.step * steps_left
+        self.metrics.log(self.step, global_loss, grad_norm.item(), self.lr_scheduler.get_last_lr()[0], eta)
+
+    def _validate(self) -> None:
+        with self._autocast():
+            val_loss = self.validator.validate(self.model)
+        logger.info(f"step: {self.step:>5}  validation/loss: {val_loss:.4f}")
+        self.metrics.write({"step": self.step, "validation/loss": val_loss})
+
+    def train(self) -> None:
+        """Run `training.steps` optimizer steps (or until SIGTERM), logging as configured."""
+        cfg = self.job_config
+        data_iter = iter(self.dataloader)
+        gc.disable()
+        started = time.perf_counter()
+        logger.info(
+            f"Training {cfg.training.steps} steps: global batch "
+            f"{cfg.training.local_batch_size * self.parallel_dims.dp_degree * self.accum_steps} x "
+            f"{cfg.training.seq_len} tokens, {self.accum_steps} micro-batch(es) per step"
+        )
+        while self.step < cfg.training.steps:
+            if self.stop_requested:
+                raise StopRequested
+            self.step += 1
+            if self.step % cfg.training.gc_freq == 0:
+                gc.collect(1)
+            loss, grad_norm, data_seconds = self.train_step(data_iter)
+            local_tokens = cfg.training.local_batch_size * cfg.training.seq_len * self.accum_steps
+            self.metrics.count(local_tokens, data_seconds)
+            if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+                self._log(loss, grad_norm, started)
+            if self.step == 1:
+                dist_utils.set_collective_timeout(cfg.comm.train_timeout_seconds)
+            if self.validator and (self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps):
+                self._validate()
+        logger.info(f"Training finished after {self.step} steps in {time.perf_counter() - started:.1f}s")
+
+    def request_stop(self, signum, frame) -> None:
+        logger.warning(f"Received signal {signum}: stopping after the current step")
+        self.stop_requested = True
+
+    def close(self) -> None:
+        self.metrics.close()
+        gc.enable()
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the config, train, and always clean up (writers, process group)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(format_help())
+        return
+    init_logger()
+    trainer = None
+    exit_code = 0
+    try:
+        job_config = parse_args(argv)
+        trainer = Trainer(job_config)
+        signal.signal(signal.SIGTERM, trainer.request_stop)
+        trainer.train()
+    except ConfigError as e:
+        _cleanup(trainer)
+        _fail(str(e))
+    except StopRequested:
+        logger.warning(f"Stopped by SIGTERM after step {trainer.step}")
+        exit_code = 128 + signal.SIGTERM
+    except KeyboardInterrupt:
+        logger.warning("Interrupted; shutting down")
+        exit_code = 130
+    _cleanup(trainer)
+    if exit_code:
+        sys.exit(exit_code)
+
+
+def _cleanup(trainer: Trainer | None) -> None:
+    if trainer is not None:
+        trainer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
