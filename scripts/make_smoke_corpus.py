@@ -37,12 +37,16 @@ def words(text: str) -> list[str]:
     return text.split()
 
 
+def word_pairs(text: str) -> dict[str, str]:
+    """A mapping written compactly as "key:value key:value ..."."""
+    return dict(pair.split(":") for pair in words(text))
+
+
 SHE_NAMES = words(
     "Anna Clara Emma Grace Ivy Lily Nora Rosa Zoe Mia Ella Ruby Alice Hannah Julia Sara Olivia Maya Lucy Eva"
 )
 HE_NAMES = words(
-    "Ben David Finn Henry Jack Max Oscar Sam Tom Leo Owen Hugo Adam Lucas Noah Peter Daniel "
-    "Felix Milo Theo"
+    "Ben David Finn Henry Jack Max Oscar Sam Tom Leo Owen Hugo Adam Lucas Noah Peter Daniel Felix Milo Theo"
 )
 PLACES = words(
     "park garden kitchen school forest beach library market farm river hill station bakery "
@@ -69,10 +73,6 @@ FOODS = words(
     "jam nuts berries cake beans oranges grapes potatoes butter noodles pancakes salad corn "
     "peas lemons muffins yogurt melon cherries peaches"
 )
-ROLES = words(
-    "farmer baker teacher painter sailor doctor singer builder gardener writer tailor fisher "
-    "pilot cook driver miller guard dancer"
-)
 ROLE_DUTIES = {
     "farmer": "grows corn and feeds the cows",
     "baker": "bakes bread and cakes",
@@ -94,18 +94,9 @@ ROLE_DUTIES = {
     "dancer": "dances on a stage",
 }
 BODY_PARTS = {
-    "eyes": 2,
-    "ears": 2,
-    "hands": 2,
+    **dict.fromkeys(words("eyes ears hands thumbs feet arms legs knees elbows shoulders"), 2),
     "fingers": 10,
-    "thumbs": 2,
-    "feet": 2,
     "toes": 10,
-    "arms": 2,
-    "legs": 2,
-    "knees": 2,
-    "elbows": 2,
-    "shoulders": 2,
 }
 WEATHER_CLOTHES = {
     "sunny": "a sun hat",
@@ -117,6 +108,7 @@ WEATHER_CLOTHES = {
     "snowy": "mittens and a wool scarf",
     "foggy": "a bright vest",
 }
+ROLES = list(ROLE_DUTIES)
 CHORES = words("painted washed fixed opened cleaned carried wrapped polished mended filled")
 SPOTS = [
     "under a tree",
@@ -133,20 +125,20 @@ SPOTS = [
 ADMIRING_WORDS = words("nice lovely strange beautiful funny pretty wonderful")
 RELATIVES = words("mother father sister brother grandmother grandfather aunt uncle cousin")
 ROUTINE_STEPS = [
-    "wakes up and opens the window",
-    "washes {possessive} face and brushes {possessive} hair",
-    "eats {food} and {other_food} for breakfast",
-    "walks to the {place}",
-    "reads a book about {animals}",
-    "writes a letter to {friend}",
-    "plays with {possessive} {thing}",
-    "eats {food} for lunch",
-    "helps {friend} at the {place}",
-    "paints a picture of {a_thing}",
-    "feeds the {animals}",
-    "cooks {food} for dinner",
-    "sings a song with {possessive} {relative}",
-    "goes to bed",
+    (6, "wakes up and opens the window"),
+    (7, "washes {possessive} face and brushes {possessive} hair"),
+    (8, "eats {food} and {other_food} for breakfast"),
+    (9, "walks to the {place}"),
+    (10, "reads a book about {animals}"),
+    (11, "writes a letter to {friend}"),
+    (12, "eats {food} for lunch"),
+    (13, "plays with {possessive} {thing}"),
+    (14, "helps {friend} at the {place}"),
+    (15, "paints a picture of {a_thing}"),
+    (16, "feeds the {animals}"),
+    (18, "cooks {food} for dinner"),
+    (19, "sings a song with {possessive} {relative}"),
+    (21, "goes to bed"),
 ]
 
 
@@ -186,26 +178,12 @@ ANIMALS = [
     Animal("goat", "goats", 4, "maa", "a field"),
 ]
 
-THING_COLORS = {
-    "sky": "blue",
-    "grass": "green",
-    "snow": "white",
-    "sun": "yellow",
-    "coal": "black",
-    "tomato": "red",
-    "carrot": "orange",
-    "plum": "purple",
-    "leaf": "green",
-    "lemon": "yellow",
-    "cloud": "white",
-    "strawberry": "red",
-    "banana": "yellow",
-    "sea": "blue",
-}
-
-MONTHS = words(
-    "January February March April May June July August September October November December"
+THING_COLORS = word_pairs(
+    "sky:blue grass:green snow:white sun:yellow coal:black tomato:red carrot:orange "
+    "plum:purple leaf:green lemon:yellow cloud:white strawberry:red banana:yellow sea:blue"
 )
+
+MONTHS = words("January February March April May June July August September October November December")
 SEASONS = {
     "spring": "the flowers open and the birds sing",
     "summer": "it is hot and we swim in the lake",
@@ -213,28 +191,11 @@ SEASONS = {
     "winter": "it is cold and snowy",
 }
 SHAPE_SIDES = {"triangle": 3, "square": 4, "rectangle": 4, "pentagon": 5, "hexagon": 6}
-OPPOSITES = {
-    "big": "small",
-    "hot": "cold",
-    "up": "down",
-    "day": "night",
-    "happy": "sad",
-    "fast": "slow",
-    "open": "closed",
-    "light": "dark",
-    "wet": "dry",
-    "full": "empty",
-    "loud": "quiet",
-    "early": "late",
-    "left": "right",
-    "high": "low",
-    "long": "short",
-    "soft": "hard",
-    "near": "far",
-    "first": "last",
-    "clean": "dirty",
-    "young": "old",
-}
+OPPOSITES = word_pairs(
+    "big:small hot:cold up:down day:night happy:sad fast:slow open:closed light:dark wet:dry "
+    "full:empty loud:quiet early:late left:right high:low long:short soft:hard near:far "
+    "first:last clean:dirty young:old"
+)
 
 ONES = words(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
@@ -344,9 +305,7 @@ def new_story(rng: random.Random) -> Story:
 def story_opening(story: Story, rng: random.Random) -> list[str]:
     """First sentences: who the hero is and where they live."""
     hero = story.hero
-    story.questions.append(
-        (f"Where does {hero.name} live?", f"{hero.name} lives near the {story.home}.")
-    )
+    story.questions.append((f"Where does {hero.name} live?", f"{hero.name} lives near the {story.home}."))
     variants = [
         [
             (
@@ -366,10 +325,7 @@ def story_opening(story: Story, rng: random.Random) -> list[str]:
             f"{capitalize(hero.subject)} lived near the {story.home}.",
         ],
         [
-            (
-                f"{hero.name} lived near the {story.home} and worked as "
-                f"{with_article(rng.choice(ROLES))}."
-            ),
+            (f"{hero.name} lived near the {story.home} and worked as {with_article(rng.choice(ROLES))}."),
             f"Every day {hero.subject} felt {rng.choice(FEELINGS)}.",
         ],
     ]
@@ -395,17 +351,12 @@ def story_find(story: Story, rng: random.Random) -> list[str]:
     """The hero finds the story's object."""
     hero = story.hero
     item = f"{story.color} {story.thing}"
-    story.questions.append(
-        (f"What did {hero.name} find?", f"{hero.name} found {with_article(story.thing)}.")
-    )
+    story.questions.append((f"What did {hero.name} find?", f"{hero.name} found {with_article(story.thing)}."))
     story.questions.append((f"What color was the {story.thing}?", f"It was {story.color}."))
     return [
         f"{hero.name} found {with_article(item)} {rng.choice(SPOTS)}.",
         f"{capitalize(hero.subject)} showed the {story.thing} to {story.friend.name}.",
-        (
-            f'{story.friend.name} said, "What {with_article(rng.choice(ADMIRING_WORDS))} '
-            f'{story.thing}!"'
-        ),
+        (f'{story.friend.name} said, "What {with_article(rng.choice(ADMIRING_WORDS))} {story.thing}!"'),
     ]
 
 
@@ -476,9 +427,7 @@ def story_count(story: Story, rng: random.Random) -> list[str]:
             f"{capitalize(number_to_words(number))}.",
         )
     )
-    return [
-        f"{hero.name} counted {number_to_words(number)} {animal.plural} near the {story.place}."
-    ]
+    return [f"{hero.name} counted {number_to_words(number)} {animal.plural} near the {story.place}."]
 
 
 def story_chore(story: Story, rng: random.Random) -> list[str]:
@@ -1062,7 +1011,7 @@ def make_dialogue(rng: random.Random, target_words: int) -> str:
         f"{b.name}: I am {rng.choice(FEELINGS)}, thank you.",
     ]
     while count_words("\n".join(lines)) < target_words:
-        speakers = (a, b) if rng.random() < 0.5 else (b, a)
+        speakers = (b, a) if lines[-1].startswith(f"{a.name}:") else (a, b)
         lines += rng.choice(DIALOGUE_TOPICS)(rng, *speakers)
     lines += [f"{a.name}: Goodbye, {b.name}!", f"{b.name}: See you tomorrow, {a.name}!"]
     return "\n".join(lines)
@@ -1084,21 +1033,30 @@ def routine_fields(rng: random.Random, person: Person, friend: Person) -> dict[s
     }
 
 
+def clock_time(hour: int) -> str:
+    """A whole hour of a 24-hour day as spoken, e.g. 15 -> "three o'clock in the afternoon"."""
+    if hour == 12:
+        return "noon"
+    part = "morning" if hour < 12 else "afternoon" if hour < 18 else "evening"
+    return f"{number_to_words((hour - 1) % 12 + 1)} o'clock in the {part}"
+
+
 def daily_routine(rng: random.Random) -> str:
     """One character's day, hour by hour, followed by questions about it."""
     person = pick_person(rng)
     friend = pick_person(rng, (person,))
     middle = sorted(rng.sample(range(1, len(ROUTINE_STEPS) - 1), rng.randint(3, 7)))
-    steps = [0, *middle, len(ROUTINE_STEPS) - 1]
-    hours = sorted(rng.sample(range(6, 23), len(steps)))
     sentences = [f"This is what {person.name} does every {rng.choice(DAYS)}."]
     questions = []
-    for hour, step in zip(hours, steps):
-        action = ROUTINE_STEPS[step].format(**routine_fields(rng, person, friend))
-        when = f"At {number_to_words(hour)} o'clock"
-        sentences.append(f"{when}, {person.name} {action}.")
+    for step in [0, *middle, len(ROUTINE_STEPS) - 1]:
+        hour, template = ROUTINE_STEPS[step]
+        action = template.format(**routine_fields(rng, person, friend))
+        sentences.append(f"At {clock_time(hour)}, {person.name} {action}.")
         questions.append(
-            (f"What does {person.name} do at {hour}:00?", f"{when}, {person.subject} {action}.")
+            (
+                f"What does {person.name} do at {clock_time(hour)}?",
+                f"{capitalize(person.subject)} {action}.",
+            )
         )
     asked = rng.sample(questions, rng.randint(1, 3))
     return "\n".join([" ".join(sentences), *(f"Q: {q}\nA: {a}" for q, a in asked)])
@@ -1113,13 +1071,13 @@ def make_routine(rng: random.Random, target_words: int) -> str:
 
 
 def letter_sentences(rng: random.Random, friend: Person) -> list[str]:
-    """First-person news a character might write to a friend, in random order."""
+    """First-person news a character might write to a friend, in a sensible order."""
     relative, other_relative = pick_distinct(rng, RELATIVES, 2)
     animal = rng.choice(ANIMALS)
     food, other_food = pick_distinct(rng, FOODS, 2)
     sentences = [
-        f"Today I went to the {rng.choice(PLACES)} with my {relative}.",
-        f"We saw {number_to_words(rng.randint(2, 9))} {animal.plural} there.",
+        f"Today I went to the {rng.choice(PLACES)} with my {relative}. We saw "
+        f"{number_to_words(rng.randint(2, 9))} {animal.plural} there.",
         f"I found {with_article(rng.choice(COLORS))} {rng.choice(THINGS)} {rng.choice(SPOTS)}.",
         f"My {other_relative} made {food} and {other_food} for dinner.",
         f"The weather was {rng.choice(WEATHER)}, so we stayed inside and played games.",
@@ -1130,17 +1088,14 @@ def letter_sentences(rng: random.Random, friend: Person) -> list[str]:
         f"Please say hello to your {rng.choice(RELATIVES)} for me.",
         f"Do you still have the {rng.choice(COLORS)} {rng.choice(THINGS)}, {friend.name}?",
     ]
-    return rng.sample(sentences, len(sentences))
+    return sentences
 
 
 def make_letter(rng: random.Random, target_words: int) -> str:
-    """A short letter from one character to another."""
+    """A short letter from one character to another; letters ignore `target_words`."""
     writer = pick_person(rng)
     friend = pick_person(rng, (writer,))
-    body: list[str] = []
-    remaining = letter_sentences(rng, friend)
-    while remaining and count_words(" ".join(body)) < target_words:
-        body.append(remaining.pop())
+    body = [sentence for sentence in letter_sentences(rng, friend) if rng.random() < 0.8]
     closing = rng.choice(["Love,", "Your friend,", "See you soon,"])
     return f"Dear {friend.name},\n\n{' '.join(body)}\n\n{closing}\n{writer.name}"
 
@@ -1197,10 +1152,14 @@ def write_split(path: Path, seed: int, target_bytes: int) -> None:
 def parse_args() -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    parser.add_argument("--train-bytes", type=int, default=DEFAULT_TRAIN_BYTES)
-    parser.add_argument("--val-bytes", type=int, default=DEFAULT_VAL_BYTES)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="folder for the two .jsonl files"
+    )
+    parser.add_argument("--train-bytes", type=int, default=DEFAULT_TRAIN_BYTES, help="train.jsonl size limit")
+    parser.add_argument(
+        "--val-bytes", type=int, default=DEFAULT_VAL_BYTES, help="validation.jsonl size limit"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of both random streams")
     return parser.parse_args()
 
 

@@ -84,9 +84,18 @@ def save(tokenizer: Tokenizer, out_dir: Path) -> None:
 def parse_args() -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    parser.add_argument(
+        "--corpus", type=Path, default=DEFAULT_CORPUS, help='JSON Lines file of {"text": ...}'
+    )
+    parser.add_argument(
+        "--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="folder for the tokenizer files"
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=DEFAULT_VOCAB_SIZE,
+        help="total vocabulary size, special tokens included",
+    )
     return parser.parse_args()
 
 
@@ -96,7 +105,10 @@ def main() -> None:
     tokenizer = train_tokenizer(args.corpus, args.vocab_size)
     actual_size = tokenizer.get_vocab_size(with_added_tokens=True)
     if actual_size != args.vocab_size:
-        raise SystemExit(f"trained vocabulary has {actual_size} entries, not {args.vocab_size}")
+        raise SystemExit(
+            f"trained vocabulary has {actual_size} entries, not {args.vocab_size}: the corpus "
+            "has too few distinct words; use a larger corpus or a smaller --vocab-size"
+        )
     save(tokenizer, args.out_dir)
     print(f"wrote {args.out_dir} (vocabulary of {actual_size} entries)")
 

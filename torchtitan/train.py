@@ -7,7 +7,6 @@ or under torchrun. The same code runs on CUDA (nccl) and on the CPU (gloo).
 import contextlib
 import gc
 import logging
-import math
 import signal
 import sys
 import time
@@ -45,7 +44,9 @@ class Trainer:
         )
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         p = cfg.parallelism
-        self.parallel_dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, world_size)
+        self.parallel_dims = ParallelDims(
+            p.data_parallel_replicate_degree, p.data_parallel_shard_degree, world_size
+        )
         self.parallel_dims.build_mesh(self.device.type)
         dist_utils.set_determinism(cfg.training.seed, cfg.training.deterministic)
         self._write_resolved_config()
@@ -111,7 +112,9 @@ class Trainer:
                 model = self.spec.model_cls(self.model_args)
         finally:
             torch.set_default_dtype(previous_dtype)
-        self.num_params, self.flops_per_token = self.model_args.num_flops_per_token(model, cfg.training.seq_len)
+        self.num_params, self.flops_per_token = self.model_args.num_flops_per_token(
+            model, cfg.training.seq_len
+        )
         logger.info(
             f"Model {cfg.model.name} {cfg.model.flavor}: "
             f"{sum(p.numel() for p in model.parameters()):,} parameters "

@@ -8,7 +8,9 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchtitan.config.job_config import JobConfig
 
 
-def lr_factor(step: int, warmup: int, stable_end: int, total: int, decay_type: str, min_factor: float) -> float:
+def lr_factor(
+    step: int, warmup: int, stable_end: int, total: int, decay_type: str, min_factor: float
+) -> float:
     """The multiplier of the peak lr for optimizer step `step` (1-based).
 
     Warmup rises linearly to 1 over `warmup` steps, stays at 1 until `stable_end`, then

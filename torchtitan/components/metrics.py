@@ -38,8 +38,12 @@ class _WandB:
                 "'metrics.enable_wandb' = true needs the wandb package: pip install wandb "
                 "(set WANDB_MODE=offline without network), or remove the key."
             ) from None
-        self.run = wandb.init(dir=str(folder), config=job_config.to_dict(),
-                              project="torchtitan", name=job_config.job.description)
+        self.run = wandb.init(
+            dir=str(folder),
+            config=job_config.to_dict(),
+            project="torchtitan",
+            name=job_config.job.description,
+        )
 
     def log(self, record: dict, step: int) -> None:
         self.run.log({k: v for k, v in record.items() if k != "step"}, step=step)
@@ -58,8 +62,14 @@ class MetricsProcessor:
         is_writer: whether this rank writes files (rank 0 unless save_for_all_ranks).
     """
 
-    def __init__(self, job_config: JobConfig, device: torch.device, flops_per_token: float,
-                 is_writer: bool, rank: int = 0):
+    def __init__(
+        self,
+        job_config: JobConfig,
+        device: torch.device,
+        flops_per_token: float,
+        is_writer: bool,
+        rank: int = 0,
+    ):
         self.cfg = job_config.metrics
         self.device, self.flops_per_token = device, flops_per_token
         self.peak_flops = peak_bf16_flops(device)
@@ -88,8 +98,15 @@ class MetricsProcessor:
         self.data_seconds += data_seconds
         self.steps += 1
 
-    def log(self, step: int, loss: float, grad_norm: float, lr: float, eta_seconds: float | None = None,
-            extra: dict | None = None) -> dict:
+    def log(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        eta_seconds: float | None = None,
+        extra: dict | None = None,
+    ) -> dict:
         """Write one record for `step` (from every rank's own counts) and start a new window."""
         elapsed = time.perf_counter() - self.window_start
         tps = self.tokens / elapsed if elapsed > 0 else 0.0

@@ -123,9 +123,7 @@ class ActivationCheckpoint:
     mode: Literal["none", "full", "selective", "memory_budget"] = opt(
         "selective", "activation checkpointing mode"
     )
-    selective_ac_option: str = opt(
-        "2", '"op" for per-op selective AC, or N to checkpoint every Nth block'
-    )
+    selective_ac_option: str = opt("2", '"op" for per-op selective AC, or N to checkpoint every Nth block')
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = opt(
         ["moe.router.gate"], "Linear FQN substrings whose matmul shapes are always recomputed"
     )

@@ -186,8 +186,7 @@ def _set_value(config: JobConfig, section: str, key: str, value, where: str, fro
         parsed = _parse_text(value, tp) if from_text else _coerce(value, tp)
     except (ValueError, TypeError):
         raise ConfigError(
-            f"'{section}.{key}' = {value!r} in {where} has the wrong type: "
-            f"expected {_describe_type(tp)}."
+            f"'{section}.{key}' = {value!r} in {where} has the wrong type: expected {_describe_type(tp)}."
         ) from None
     setattr(getattr(config, section), key, parsed)
 
@@ -214,8 +213,7 @@ def _split_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | 
         arg = argv[i]
         if not arg.startswith("--"):
             raise ConfigError(
-                f"unexpected argument '{arg}'. Options look like --section.key value "
-                "(see --help)."
+                f"unexpected argument '{arg}'. Options look like --section.key value (see --help)."
             )
         name, eq, inline = arg[2:].partition("=")
         nxt = argv[i + 1] if i + 1 < len(argv) else None
@@ -265,8 +263,7 @@ def _check_ranges(config: JobConfig) -> None:
                 bounds = [f">= {lo}"] * (lo is not None) + [f"<= {hi}"] * (hi is not None)
                 bounds += [f"> {gt}"] * (gt is not None)
                 raise ConfigError(
-                    f"'{section}.{f.name}' = {value} is out of range: it must be "
-                    f"{' and '.join(bounds)}."
+                    f"'{section}.{f.name}' = {value} is out of range: it must be {' and '.join(bounds)}."
                 )
 
 
@@ -356,8 +353,7 @@ def format_help() -> str:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = getattr(getattr(defaults, section), f.name)
-            lines.append(f"  --{section}.{f.name} ({_describe_type(hints[f.name])}, "
-                         f"default {default!r})")
+            lines.append(f"  --{section}.{f.name} ({_describe_type(hints[f.name])}, default {default!r})")
             lines.append(f"      {f.metadata.get('help', '')}")
     return "\n".join(lines)
 

@@ -90,8 +90,16 @@ class PackedTokenDataset(IterableDataset):
             batches (validation).
     """
 
-    def __init__(self, tokens, seq_len: int, dp_rank: int, dp_degree: int, local_batch_size: int,
-                 infinite: bool = True, name: str = "dataset"):
+    def __init__(
+        self,
+        tokens,
+        seq_len: int,
+        dp_rank: int,
+        dp_degree: int,
+        local_batch_size: int,
+        infinite: bool = True,
+        name: str = "dataset",
+    ):
         super().__init__()
         self.tokens, self.seq_len, self.name = tokens, seq_len, name
         self.dp_rank, self.dp_degree, self.local_batch_size = dp_rank, dp_degree, local_batch_size
@@ -169,9 +177,17 @@ class StreamingTokenDataset(IterableDataset):
         self.buffer, self.epoch = list(state["buffer"]), state["epoch"]
 
 
-def build_text_dataset(dataset: str, dataset_path: str | None, tokenizer, seq_len: int,
-                       dp_rank: int, dp_degree: int, local_batch_size: int, infinite: bool,
-                       key: str = "training.dataset") -> IterableDataset:
+def build_text_dataset(
+    dataset: str,
+    dataset_path: str | None,
+    tokenizer,
+    seq_len: int,
+    dp_rank: int,
+    dp_degree: int,
+    local_batch_size: int,
+    infinite: bool,
+    key: str = "training.dataset",
+) -> IterableDataset:
     """The dataset for a `[training]`/`[validation]` section's dataset keys."""
     files = resolve_local_source(dataset, dataset_path, key)
     if files is None:

@@ -63,7 +63,7 @@ def _validate(ac_config: ActivationCheckpoint, model_compile_enabled: bool) -> N
     if ac_config.mode == "memory_budget" and not model_compile_enabled:
         raise ConfigError(
             "'activation_checkpoint.mode' = 'memory_budget' works through torch.compile's "
-            "partitioner: set compile.enable = true with \"model\" in compile.components."
+            'partitioner: set compile.enable = true with "model" in compile.components.'
         )
 
 
@@ -181,7 +181,9 @@ def apply_ac(
         if index % every == 0:
             wrapped = _wrap(block, ac_config, context_fn)
             model.layers.register_module(name, wrapped)
-    kind = ac_config.mode if context_fn is None and every == 1 else (
-        "op-selective" if context_fn is not None else f"every-{every}-layer selective"
+    kind = (
+        ac_config.mode
+        if context_fn is None and every == 1
+        else ("op-selective" if context_fn is not None else f"every-{every}-layer selective")
     )
     logger.info(f"Applied {kind} activation checkpointing to the model")

@@ -28,7 +28,9 @@ def data_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     return parallel_dims.mesh["dp_shard"]
 
 
-def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device) -> None:
+def apply_fsdp(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device
+) -> None:
     """Shard `model` in place: each block of `model.layers` is one FSDP unit, the rest the root.
 
     Mixed precision follows `training.mixed_precision_param/_reduce`; CPU offload follows

@@ -1,7 +1,7 @@
 """TrainSpec: the one registration that ties a model name to everything the trainer builds."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch.nn as nn
 
@@ -59,7 +59,6 @@ def get_train_spec(name: str) -> TrainSpec:
 
     if name not in _REGISTRY:
         raise ConfigError(
-            f"unknown model 'model.name' = '{name}'. Registered models: "
-            f"{', '.join(sorted(_REGISTRY))}."
+            f"unknown model 'model.name' = '{name}'. Registered models: {', '.join(sorted(_REGISTRY))}."
         )
     return _REGISTRY[name]

@@ -13,7 +13,9 @@ def init_logger() -> None:
         return
     handler = logging.StreamHandler()
     rank = os.environ.get("RANK")
-    prefix = f"[titan rank{rank}]" if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else "[titan]"
+    prefix = (
+        f"[titan rank{rank}]" if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else "[titan]"
+    )
     handler.setFormatter(logging.Formatter(f"{prefix} %(asctime)s - %(levelname)s - %(message)s"))
     handler._titan = True
     root.addHandler(handler)

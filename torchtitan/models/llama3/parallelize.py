@@ -13,8 +13,9 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 LLAMA3_SAVE_LIST = save_list()
 
 
-def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig,
-                      device: torch.device) -> nn.Module:
+def parallelize_llama(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device
+) -> nn.Module:
     """Apply `[activation_checkpoint]`, `[compile]` and data parallelism to `model` in place."""
     compile_model = model_compile_enabled(job_config)
     apply_ac(
