@@ -4,7 +4,8 @@
 #   LOG_RANK  ranks whose output is shown, comma-separated (default: 0)
 #   CONFIG_FILE  config used when --config is not given (default: debug_model.toml)
 set -euo pipefail
-cd "$(dirname "$0")"
+# Import the checkout's torchtitan even when it is not pip-installed.
+export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)${PYTHONPATH:+:${PYTHONPATH}}"
 
 if [ -z "${NGPU:-}" ]; then
   NGPU=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 1)")

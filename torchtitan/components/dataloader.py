@@ -1,9 +1,14 @@
 """Dataloaders as torchdata `StatefulDataLoader`s, so a resume continues with unseen tokens."""
 
+import warnings
+
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.text_datasets import build_text_dataset
+
+# torchdata 0.11 calls an API torch deprecated later; the warning says nothing to our users.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 
 def build_text_dataloader(

@@ -82,8 +82,17 @@ def _sections() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
 
 
+def _is_abbreviation(short: str, name: str) -> bool:
+    letters = iter(name)
+    return short[:1] == name[:1] and all(c in letters for c in short)
+
+
 def _closest(name: str, choices) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    """' Did you mean X?' with the most similar choice: close spelling, else an abbreviation."""
+    choices = list(choices)
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    close = close or [c for c in choices if _is_abbreviation(c, name)][:1]
+    close = close or difflib.get_close_matches(name, choices, n=1, cutoff=0.0)
     return f" Did you mean '{close[0]}'?" if close else ""
 
 

@@ -1,0 +1,186 @@
+"""The config loader: precedence, CLI syntax, shipped files, and every bad-input message."""
+
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from torchtitan.config import ConfigError, JobConfig, parse_args
+from torchtitan.config.manager import find_config_dirs, format_help, resolve_config_path, to_toml
+from torchtitan.train import main
+
+SHIPPED = sorted(p for d in find_config_dirs() for p in d.glob("*.toml"))
+
+
+def test_default_config_is_llama3_debug_model():
+    cfg = parse_args([], env={})
+    assert cfg.model.name == "llama3"
+    assert cfg.model.flavor == "debugmodel"
+    assert cfg.job.config_file.endswith("debug_model.toml")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_config_round_trips_through_toml(path, tmp_path):
+    cfg = parse_args(["--config", str(path)], env={})
+    written = tmp_path / "resolved.toml"
+    written.write_text(to_toml(cfg))
+    again = parse_args(["--config", str(written)], env={})
+    again.job.config_file = cfg.job.config_file
+    assert again == cfg
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_config_sets_only_known_keys(path):
+    data = tomllib.loads(path.read_text())
+    defaults = JobConfig().to_dict()
+    for section, table in data.items():
+        assert set(table) <= set(defaults[section]), (section, set(table) - set(defaults[section]))
+
+
+def test_command_line_overrides_file_which_overrides_defaults():
+    cfg = parse_args(["--training.steps", "7"], env={})
+    assert cfg.training.steps == 7  # command line beats the file's 100
+    assert cfg.training.seq_len == 256  # the file beats the default 2048
+    assert cfg.training.max_norm == 1.0  # default kept
+
+
+def test_bare_name_finds_config_in_any_model_folder():
+    cfg = parse_args(["--config", "llama3_8b.toml"], env={})
+    assert cfg.model.flavor == "8B"
+    assert parse_args(["--config", "llama3_70b"], env={}).model.flavor == "70B"
+
+
+def test_job_config_file_and_env_variable_select_the_file():
+    assert parse_args(["--job.config_file", "llama3_8b.toml"], env={}).model.flavor == "8B"
+    assert parse_args([], env={"CONFIG_FILE": "llama3_405b.toml"}).model.flavor == "405B"
+    assert parse_args(["--config", "llama3_8b"], env={"CONFIG_FILE": "llama3_405b"}).model.flavor == "8B"
+
+
+def test_boolean_flags_and_negations():
+    cfg = parse_args(["--metrics.enable_tensorboard", "--training.deterministic"], env={})
+    assert cfg.metrics.enable_tensorboard is True and cfg.training.deterministic is True
+    cfg = parse_args(["--metrics.enable_tensorboard", "--metrics.no_enable_tensorboard"], env={})
+    assert cfg.metrics.enable_tensorboard is False
+    assert parse_args(["--training.deterministic=true"], env={}).training.deterministic is True
+
+
+def test_lists_are_comma_separated_and_equals_syntax_works():
+    cfg = parse_args(["--compile.components", "model", "--activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns=a.b,c"], env={})
+    assert cfg.compile.components == ["model"]
+    assert cfg.activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns == ["a.b", "c"]
+
+
+def test_optional_values_accept_none():
+    cfg = parse_args(["--training.seed", "none", "--lr_scheduler.decay_ratio", "0.5"], env={})
+    assert cfg.training.seed is None and cfg.lr_scheduler.decay_ratio == 0.5
+
+
+def test_help_lists_every_option_with_its_default():
+    text = format_help()
+    for section, table in JobConfig().to_dict().items():
+        for key, value in table.items():
+            assert f"--{section}.{key} (" in text
+            assert f"default {value!r}" in text
+
+
+def _error(argv, env=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv, env=env or {})
+    return str(info.value)
+
+
+def test_unknown_key_on_command_line_suggests_the_closest():
+    message = _error(["--training.stpes", "3"])
+    assert "training.stpes" in message and "Did you mean 'steps'" in message
+
+
+def test_unknown_key_in_file_names_file_and_closest(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optimizer]\nlearning_rate = 0.1\n")
+    message = _error(["--config", str(bad)])
+    assert str(bad) in message and "optimizer.learning_rate" in message and "'lr'" in message
+
+
+def test_unknown_section_lists_valid_sections(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainning]\nsteps = 1\n")
+    message = _error(["--config", str(bad)])
+    assert "[trainning]" in message and "Did you mean 'training'" in message
+
+
+def test_wrong_type_names_key_value_and_expected_type(tmp_path):
+    message = _error(["--training.steps", "ten"])
+    assert "training.steps" in message and "'ten'" in message and "int" in message
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[training]\nseq_len = "long"\n')
+    assert "training.seq_len" in _error(["--config", str(bad)])
+
+
+def test_choice_outside_its_literal_lists_the_choices():
+    message = _error(["--lr_scheduler.decay_type", "exp"])
+    assert "'linear', 'sqrt', 'cosine'" in message
+
+
+def test_out_of_range_value_states_the_bound():
+    message = _error(["--optimizer.lr", "-1"])
+    assert "optimizer.lr" in message and "> 0.0" in message
+    assert ">= 0.0 and <= 1.0" in _error(["--activation_checkpoint.memory_budget", "1.5"])
+
+
+def test_missing_config_file_lists_where_it_looked():
+    message = _error(["--config", "nope.toml"])
+    assert "nope.toml" in message and "train_configs" in message
+
+
+def test_ambiguous_bare_name_lists_the_matches(tmp_path, monkeypatch):
+    for model in ("a", "b"):
+        folder = tmp_path / model / "train_configs"
+        folder.mkdir(parents=True)
+        (folder / "same.toml").write_text("")
+    monkeypatch.setattr("torchtitan.config.manager.find_config_dirs", lambda: sorted(tmp_path.glob("*/train_configs")))
+    monkeypatch.setattr("torchtitan.config.manager.PROJECT_ROOT", tmp_path)
+    message = _error(["--config", "same.toml"])
+    assert "ambiguous" in message and "a/train_configs/same.toml" in message and "b/train_configs/same.toml" in message
+
+
+def test_unbuilt_feature_is_refused_not_ignored():
+    message = _error(["--checkpoint.enable"])
+    assert "checkpoint.enable" in message and "not supported yet" in message
+    assert "tensor parallelism" in _error(["--parallelism.tensor_parallel_degree", "2"])
+
+
+def test_shipped_bare_config_names_are_unique():
+    names = [p.name for p in SHIPPED]
+    assert len(names) == len(set(names))
+    for name in names:
+        assert resolve_config_path(name).name == name
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--model.name", "gpt9"], "Registered models: llama3"),
+        (["--model.flavor", "9B"], "Valid flavors: debugmodel, 1B, 3B, 8B, 70B, 405B"),
+        (["--training.global_batch_size", "12"], "not a multiple"),
+    ],
+    ids=["unknown-model", "unknown-flavor", "indivisible-global-batch"],
+)
+def test_trainer_errors_exit_2_with_one_paragraph(argv, expected, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv + ["--job.dump_folder", str(tmp_path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+def test_bad_input_from_the_shell_exits_2_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "torchtitan.train", "--training.stpes", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Did you mean 'steps'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_help_exits_0_and_prints_options(capsys):
+    main(["--help"])
+    assert "--activation_checkpoint.mode" in capsys.readouterr().out

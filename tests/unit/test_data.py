@@ -1,0 +1,147 @@
+"""Data: tokenizer, token cache, packing, rank slicing, resumable state, local formats."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.config.manager import ConfigError
+from torchtitan.datasets import token_cache
+from torchtitan.datasets.text_datasets import PackedTokenDataset, build_text_dataset
+
+BUNDLED_TOKENIZER = "torchtitan/assets/tokenizer"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return HuggingFaceTokenizer(BUNDLED_TOKENIZER)
+
+
+def test_bundled_tokenizer_adds_bos_and_eos_and_round_trips(tokenizer):
+    ids = tokenizer.encode("seven plus two is nine.")
+    assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id
+    assert tokenizer.decode(ids[1:-1]) == "seven plus two is nine."
+    assert tokenizer.vocab_size == 2048
+
+
+def test_missing_tokenizer_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="model.hf_assets_path"):
+        HuggingFaceTokenizer(str(tmp_path))
+
+
+def _take(dataset, n):
+    it = iter(dataset)
+    return [next(it) for _ in range(n)]
+
+
+def test_windows_are_consecutive_with_labels_shifted_by_one():
+    tokens = np.arange(101, dtype=np.uint32)
+    (x0, y0), (x1, _) = _take(PackedTokenDataset(tokens, 10, 0, 1, 2), 2)
+    assert x0.tolist() == list(range(10)) and y0.tolist() == list(range(1, 11))
+    assert x1[0].item() == 10
+
+
+def test_ranks_split_each_global_batch_so_dp_degree_does_not_change_the_tokens():
+    tokens = np.arange(1001, dtype=np.uint32)
+    single = [x for x, _ in _take(PackedTokenDataset(tokens, 10, 0, 1, 4), 8)]
+    rank0 = [x for x, _ in _take(PackedTokenDataset(tokens, 10, 0, 2, 2), 4)]
+    rank1 = [x for x, _ in _take(PackedTokenDataset(tokens, 10, 1, 2, 2), 4)]
+    for step in range(2):
+        global_batch = single[4 * step : 4 * step + 4]
+        dp_batch = rank0[2 * step : 2 * step + 2] + rank1[2 * step : 2 * step + 2]
+        assert all(torch.equal(a, b) for a, b in zip(global_batch, dp_batch))
+
+
+def test_training_loops_over_epochs():
+    tokens = np.arange(41, dtype=np.uint32)  # four windows of 10
+    xs = [x for x, _ in _take(PackedTokenDataset(tokens, 10, 0, 1, 2), 6)]
+    assert torch.equal(xs[4], xs[0]) and torch.equal(xs[5], xs[1])
+
+
+def test_state_dict_resumes_at_the_next_unseen_sample():
+    tokens = np.arange(1001, dtype=np.uint32)
+    first = PackedTokenDataset(tokens, 10, 1, 2, 2)
+    seen = _take(first, 3)
+    resumed = PackedTokenDataset(tokens, 10, 1, 2, 2)
+    resumed.load_state_dict(first.state_dict())
+    reference = _take(PackedTokenDataset(tokens, 10, 1, 2, 2), 5)
+    assert len(seen) == 3
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(_take(resumed, 2), reference[3:]))
+
+
+def test_validation_pass_is_finite_and_uses_whole_global_batches():
+    tokens = np.arange(71, dtype=np.uint32)  # seven windows; global batch 2 x 2 -> one batch
+    samples = list(PackedTokenDataset(tokens, 10, 0, 2, 2, infinite=False))
+    assert len(samples) == 2
+
+
+def test_too_small_dataset_is_a_clear_error():
+    with pytest.raises(ConfigError, match="too few"):
+        PackedTokenDataset(np.arange(15, dtype=np.uint32), 10, 0, 2, 2)
+
+
+def _write_corpus(folder, kind: str, docs: list[str]):
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind == "jsonl":
+        (folder / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    elif kind == "txt":
+        (folder / "a.txt").write_text("\n".join(docs) + "\n")
+    elif kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": docs}), folder / "a.parquet")
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "txt", "parquet"])
+def test_local_files_are_tokenized_with_bos_and_eos_per_document(kind, tmp_path, tokenizer):
+    docs = ["one two three", "four five six"]
+    _write_corpus(tmp_path / "data", kind, docs)
+    ds = build_text_dataset("unused", str(tmp_path / "data"), tokenizer, 4, 0, 1, 1, infinite=True)
+    expected = [t for d in docs for t in tokenizer.encode(d)]
+    assert np.asarray(ds.tokens).tolist() == expected
+
+
+def test_token_cache_is_built_once_and_rebuilt_when_the_file_changes(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"text": "one two"}) + "\n")
+    calls = []
+
+    def read():
+        calls.append(1)
+        yield "one two"
+
+    token_cache.load_or_build([data], tokenizer, read)
+    token_cache.load_or_build([data], tokenizer, read)
+    assert len(calls) == 1
+    data.write_text(json.dumps({"text": "one two three"}) + "\n")
+    token_cache.load_or_build([data], tokenizer, read)
+    assert len(calls) == 2 and len(list((tmp_path / "cache").glob("*.tmp"))) == 0
+
+
+def test_records_without_text_field_name_the_columns(tmp_path, tokenizer):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(ConfigError, match="no 'text' column"):
+        build_text_dataset("unused", str(tmp_path / "d.jsonl"), tokenizer, 4, 0, 1, 1, infinite=True)
+
+
+def test_missing_dataset_path_is_a_clear_error(tokenizer):
+    with pytest.raises(ConfigError, match="training.dataset_path"):
+        build_text_dataset("x", "/no/such/place", tokenizer, 4, 0, 1, 1, infinite=True)
+
+
+def test_stateful_dataloader_round_trips_its_position(tokenizer):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    ds = build_text_dataset("smoke", None, tokenizer, 32, 0, 1, 2, infinite=True)
+    loader = StatefulDataLoader(ds, batch_size=2)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    expected = next(it)[0]
+    again = StatefulDataLoader(build_text_dataset("smoke", None, tokenizer, 32, 0, 1, 2, infinite=True), batch_size=2)
+    again.load_state_dict(state)
+    assert torch.equal(next(iter(again))[0], expected)
