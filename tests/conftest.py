@@ -27,8 +27,19 @@ def run_trainer(args: list[str], nproc: int = 1, timeout: int = 600, env: dict |
     if nproc == 1:
         cmd = [sys.executable, "-m", "torchtitan.train"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "-m", "torchtitan.train"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            "localhost:0",
+            "-m",
+            "torchtitan.train",
+        ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", **(env or {})}
-    return subprocess.run(cmd + args, cwd=PROJECT_ROOT, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        cmd + args, cwd=PROJECT_ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+    )

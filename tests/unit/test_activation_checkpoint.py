@@ -23,7 +23,9 @@ def _loss_and_grads(model):
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())
     loss.backward()
-    return loss.detach(), {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
+    return loss.detach(), {
+        n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()
+    }
 
 
 def _wrapped(model) -> list[str]:
@@ -32,8 +34,12 @@ def _wrapped(model) -> list[str]:
 
 @pytest.mark.parametrize(
     "mode, option, wrapped",
-    [("full", "2", ["0", "1", "2", "3"]), ("selective", "1", ["0", "1", "2", "3"]),
-     ("selective", "2", ["0", "2"]), ("selective", "op", ["0", "1", "2", "3"])],
+    [
+        ("full", "2", ["0", "1", "2", "3"]),
+        ("selective", "1", ["0", "1", "2", "3"]),
+        ("selective", "2", ["0", "2"]),
+        ("selective", "op", ["0", "1", "2", "3"]),
+    ],
 )
 def test_mode_wraps_expected_blocks_and_keeps_loss_and_grads(mode, option, wrapped):
     ref_loss, ref_grads = _loss_and_grads(_model())
@@ -71,8 +77,11 @@ def test_memory_budget_without_compile_is_refused():
 
 
 def test_force_recompute_fqn_on_non_linear_is_refused():
-    cfg = ActivationCheckpoint(mode="selective", selective_ac_option="op",
-                               per_op_sac_force_recompute_mm_shapes_by_fqns=["attention_norm"])
+    cfg = ActivationCheckpoint(
+        mode="selective",
+        selective_ac_option="op",
+        per_op_sac_force_recompute_mm_shapes_by_fqns=["attention_norm"],
+    )
     with pytest.raises(ConfigError, match="not an nn.Linear"):
         apply_ac(_model(), cfg)
 

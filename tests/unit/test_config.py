@@ -2,9 +2,9 @@
 
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 from torchtitan.config import ConfigError, JobConfig, parse_args
 from torchtitan.config.manager import find_config_dirs, format_help, resolve_config_path, to_toml
@@ -66,7 +66,14 @@ def test_boolean_flags_and_negations():
 
 
 def test_lists_are_comma_separated_and_equals_syntax_works():
-    cfg = parse_args(["--compile.components", "model", "--activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns=a.b,c"], env={})
+    cfg = parse_args(
+        [
+            "--compile.components",
+            "model",
+            "--activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns=a.b,c",
+        ],
+        env={},
+    )
     assert cfg.compile.components == ["model"]
     assert cfg.activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns == ["a.b", "c"]
 
@@ -138,10 +145,16 @@ def test_ambiguous_bare_name_lists_the_matches(tmp_path, monkeypatch):
         folder = tmp_path / model / "train_configs"
         folder.mkdir(parents=True)
         (folder / "same.toml").write_text("")
-    monkeypatch.setattr("torchtitan.config.manager.find_config_dirs", lambda: sorted(tmp_path.glob("*/train_configs")))
+    monkeypatch.setattr(
+        "torchtitan.config.manager.find_config_dirs", lambda: sorted(tmp_path.glob("*/train_configs"))
+    )
     monkeypatch.setattr("torchtitan.config.manager.PROJECT_ROOT", tmp_path)
     message = _error(["--config", "same.toml"])
-    assert "ambiguous" in message and "a/train_configs/same.toml" in message and "b/train_configs/same.toml" in message
+    assert (
+        "ambiguous" in message
+        and "a/train_configs/same.toml" in message
+        and "b/train_configs/same.toml" in message
+    )
 
 
 def test_unbuilt_feature_is_refused_not_ignored():
@@ -175,8 +188,12 @@ def test_trainer_errors_exit_2_with_one_paragraph(argv, expected, tmp_path, caps
 
 
 def test_bad_input_from_the_shell_exits_2_without_traceback():
-    proc = subprocess.run([sys.executable, "-m", "torchtitan.train", "--training.stpes", "3"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan.train", "--training.stpes", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "Did you mean 'steps'" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -184,3 +201,14 @@ def test_bad_input_from_the_shell_exits_2_without_traceback():
 def test_help_exits_0_and_prints_options(capsys):
     main(["--help"])
     assert "--activation_checkpoint.mode" in capsys.readouterr().out
+
+
+def test_config_reference_doc_is_generated_from_the_schema():
+    import importlib.util
+
+    from tests.conftest import PROJECT_ROOT
+
+    spec = importlib.util.spec_from_file_location("gen", PROJECT_ROOT / "scripts" / "gen_config_reference.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.OUT.read_text() == gen.render(), "run: python scripts/gen_config_reference.py"

@@ -142,6 +142,8 @@ def test_stateful_dataloader_round_trips_its_position(tokenizer):
     next(it)
     state = loader.state_dict()
     expected = next(it)[0]
-    again = StatefulDataLoader(build_text_dataset("smoke", None, tokenizer, 32, 0, 1, 2, infinite=True), batch_size=2)
+    again = StatefulDataLoader(
+        build_text_dataset("smoke", None, tokenizer, 32, 0, 1, 2, infinite=True), batch_size=2
+    )
     again.load_state_dict(state)
     assert torch.equal(next(iter(again))[0], expected)

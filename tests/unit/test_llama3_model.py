@@ -20,7 +20,9 @@ def test_parameter_count_matches_published_total(flavor, published):
     assert abs(count - published) / published < 0.005, count
 
 
-@pytest.mark.parametrize("flavor, hidden", [("1B", 8192), ("3B", 8192), ("8B", 14336), ("70B", 28672), ("405B", 53248)])
+@pytest.mark.parametrize(
+    "flavor, hidden", [("1B", 8192), ("3B", 8192), ("8B", 14336), ("70B", 28672), ("405B", 53248)]
+)
 def test_ffn_hidden_dim_matches_published_intermediate_size(flavor, hidden):
     assert llama3_flavors[flavor].ffn_hidden_dim == hidden
 
@@ -32,7 +34,9 @@ def test_tied_flavors_have_no_output_projection():
 
 
 def _tiny(**overrides) -> Transformer:
-    args = TransformerModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16, **overrides)
+    args = TransformerModelArgs(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16, **overrides
+    )
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")

@@ -111,14 +111,14 @@ def _unknown_key_error(where: str, section: str | None, key: str) -> ConfigError
     )
 
 
-def _describe_type(tp) -> str:
+def describe_type(tp) -> str:
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe_type(a) for a in typing.get_args(tp))
+        return " or ".join(describe_type(a) for a in typing.get_args(tp))
     if origin is list:
-        return f"a list of {_describe_type(typing.get_args(tp)[0])}"
+        return f"a list of {describe_type(typing.get_args(tp)[0])}"
     return "none" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -195,7 +195,7 @@ def _set_value(config: JobConfig, section: str, key: str, value, where: str, fro
         parsed = _parse_text(value, tp) if from_text else _coerce(value, tp)
     except (ValueError, TypeError):
         raise ConfigError(
-            f"'{section}.{key}' = {value!r} in {where} has the wrong type: expected {_describe_type(tp)}."
+            f"'{section}.{key}' = {value!r} in {where} has the wrong type: expected {describe_type(tp)}."
         ) from None
     setattr(getattr(config, section), key, parsed)
 
@@ -254,7 +254,7 @@ def _apply_override(config: JobConfig, section: str, key: str, text: str | None)
     elif key.startswith("no_") and hints.get(key[3:]) is bool:
         setattr(getattr(config, section), key[3:], False)
     elif key in fields:
-        raise ConfigError(f"--{section}.{key} needs a value ({_describe_type(hints[key])}).")
+        raise ConfigError(f"--{section}.{key} needs a value ({describe_type(hints[key])}).")
     else:
         raise _unknown_key_error(where, section, key)
 
@@ -362,7 +362,7 @@ def format_help() -> str:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = getattr(getattr(defaults, section), f.name)
-            lines.append(f"  --{section}.{f.name} ({_describe_type(hints[f.name])}, default {default!r})")
+            lines.append(f"  --{section}.{f.name} ({describe_type(hints[f.name])}, default {default!r})")
             lines.append(f"      {f.metadata.get('help', '')}")
     return "\n".join(lines)
 

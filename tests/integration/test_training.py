@@ -1,0 +1,124 @@
+"""End-to-end runs on the CPU: default launch, data-parallel parity, validation, signals."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import PROJECT_ROOT, read_metrics, run_trainer
+
+pytestmark = pytest.mark.integration
+
+# Small and quick, fp32 so that parity holds to rounding.
+SMALL = [
+    "--training.seq_len",
+    "64",
+    "--training.steps",
+    "5",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--training.mixed_precision_param",
+    "float32",
+]
+
+
+def _losses(dump) -> list[float]:
+    return [r["loss"] for r in read_metrics(dump)]
+
+
+def _assert_close(a: list[float], b: list[float], rtol: float) -> None:
+    assert len(a) == len(b) == 5
+    for x, y in zip(a, b):
+        assert abs(x - y) <= rtol * abs(y), (a, b)
+
+
+def _train(tmp_path, name, args, nproc=1) -> list[float]:
+    proc = run_trainer(SMALL + args + ["--job.dump_folder", str(tmp_path / name)], nproc=nproc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _losses(tmp_path / name)
+
+
+def test_run_train_sh_without_arguments_trains_debug_model_and_loss_falls():
+    metrics = PROJECT_ROOT / "outputs" / "metrics.jsonl"
+    already = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    start = time.perf_counter()
+    proc = subprocess.run(["./run_train.sh"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(PROJECT_ROOT / "outputs")[already:]
+    first, last = records[0]["loss"], records[-1]["loss"]
+    print(f"run_train.sh: {elapsed:.0f}s, loss {first:.3f} -> {last:.3f}")
+    assert records[-1]["step"] == 100
+    assert last <= 0.6 * first
+    assert elapsed < 180
+
+
+def test_fsdp_on_two_processes_matches_one_process_with_the_same_global_batch(tmp_path):
+    single = _train(tmp_path, "single", ["--training.local_batch_size", "4"])
+    fsdp = _train(tmp_path, "fsdp", ["--training.local_batch_size", "2"], nproc=2)
+    _assert_close(fsdp, single, rtol=1e-4)
+
+
+def test_gradient_accumulation_of_two_half_batches_matches_one_full_batch(tmp_path):
+    full = _train(tmp_path, "full", ["--training.local_batch_size", "4"])
+    accumulated = _train(
+        tmp_path, "accum", ["--training.local_batch_size", "2", "--training.global_batch_size", "4"]
+    )
+    _assert_close(accumulated, full, rtol=1e-4)
+
+
+def test_validation_loss_and_tensorboard_scalars_are_recorded(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    dump = tmp_path / "val"
+    proc = run_trainer(
+        SMALL
+        + [
+            "--job.dump_folder",
+            str(dump),
+            "--validation.enable",
+            "--validation.freq",
+            "5",
+            "--validation.seq_len",
+            "64",
+            "--validation.steps",
+            "2",
+            "--metrics.enable_tensorboard",
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (dump / "metrics.jsonl").read_text()
+    assert '"validation/loss"' in lines and "validation/loss" in proc.stderr
+    events = EventAccumulator(str(dump / "tb" / "rank0"))
+    events.Reload()
+    logged = [e.value for e in events.Scalars("loss")]
+    assert len(logged) == 5 and logged == pytest.approx(_losses(dump))
+    assert (dump / "config.toml").is_file()
+
+
+def test_sigterm_stops_after_the_current_step_and_cleans_up(tmp_path):
+    dump = tmp_path / "term"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchtitan.train",
+        *SMALL,
+        "--training.steps",
+        "1000",
+        "--job.dump_folder",
+        str(dump),
+    ]
+    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((dump / "metrics.jsonl").exists() and read_metrics(dump)):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "Stopped by SIGTERM" in err and "Traceback" not in err
+    assert read_metrics(dump)[0]["step"] == 1
