@@ -147,3 +147,42 @@ def test_stateful_dataloader_round_trips_its_position(tokenizer):
     )
     again.load_state_dict(state)
     assert torch.equal(next(iter(again))[0], expected)
+
+
+def _fake_hub(monkeypatch, tmp_path, docs):
+    """Serve `docs` as a streaming hub dataset, without network."""
+    import datasets
+
+    data = tmp_path / "hub.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    real = datasets.load_dataset
+    seen = []
+
+    def load_dataset(path, name=None, split=None, streaming=False):
+        seen.append((path, name, streaming))
+        return real("json", data_files=str(data), split=split, streaming=streaming)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return seen
+
+
+def test_hub_dataset_streams_and_shards_documents_by_rank(monkeypatch, tmp_path, tokenizer):
+    docs = [f"document number {i} " * 5 for i in range(8)]
+    seen = _fake_hub(monkeypatch, tmp_path, docs)
+    rank0 = build_text_dataset("c4", None, tokenizer, 8, 0, 2, 1, infinite=True)
+    rank1 = build_text_dataset("c4", None, tokenizer, 8, 1, 2, 1, infinite=True)
+    assert seen[0] == ("allenai/c4", "en", True)
+    first0, first1 = next(iter(rank0))[0], next(iter(rank1))[0]
+    assert first0.tolist() == tokenizer.encode(docs[0])[:8]
+    assert first1.tolist() == tokenizer.encode(docs[1])[:8]
+
+
+def test_hub_dataset_state_resumes_mid_stream(monkeypatch, tmp_path, tokenizer):
+    _fake_hub(monkeypatch, tmp_path, [f"text {i} " * 7 for i in range(6)])
+    first = build_text_dataset("some/hub-set", None, tokenizer, 8, 0, 1, 1, infinite=True)
+    samples = _take(first, 6)
+    restarted = build_text_dataset("some/hub-set", None, tokenizer, 8, 0, 1, 1, infinite=True)
+    partial = build_text_dataset("some/hub-set", None, tokenizer, 8, 0, 1, 1, infinite=True)
+    _take(partial, 3)
+    restarted.load_state_dict(partial.state_dict())
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(_take(restarted, 3), samples[3:]))

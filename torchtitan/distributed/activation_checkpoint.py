@@ -1,17 +1,19 @@
 """The one place that applies activation checkpointing (AC) to a model.
 
-Every model's `parallelize.py` calls `apply_ac` after tensor parallelism and before compile
-and FSDP. It sees blocks only through `model.layers` and knows no model by name; a model
-passes its own save list, built from `DEFAULT_SAVE_LIST` (see `save_list`).
+Every model's `parallelize.py` calls `apply_ac` after tensor parallelism and before per-block
+compile and FSDP. The module knows no model by name: it sees blocks through `model.layers`
+(a ModuleDict or ModuleList) and, for the flex-attention rules, the block's `attention` and
+`feed_forward` or `moe` submodules. A model passes its own op save list, built from
+`DEFAULT_SAVE_LIST` with `save_list(add=..., drop=...)`.
 
 Modes (`[activation_checkpoint].mode`):
     none: nothing is wrapped.
     full: every block recomputes its whole forward in backward.
-    selective + "N": every Nth block of this model is fully checkpointed.
-    selective + "op": every block saves the outputs of the ops in the save list and
+    selective, option "N": every Nth block of this model (0, N, 2N, ...) is fully checkpointed.
+    selective, option "op": every block saves the outputs of the ops in the save list and
         recomputes the rest, except that every second matmul is recomputed.
     memory_budget: no wrapping; torch.compile's partitioner chooses what to save so that
-        activations stay within a fraction of what saving everything costs.
+        activations stay within `memory_budget` of what saving everything costs.
 """
 
 import logging
@@ -19,6 +21,7 @@ from collections import defaultdict
 
 import torch
 import torch.nn as nn
+from torch._higher_order_ops.flex_attention import flex_attention as _flex_attention_op
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper as ptd_checkpoint_wrapper,
 )
@@ -30,35 +33,63 @@ from torchtitan.config.manager import ConfigError
 logger = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
 
-# Ops whose outputs are worth keeping: expensive to recompute, cheap to store, or
-# collectives whose recompute would communicate again.
+# What op-SAC saves unless a model says otherwise. Matmuls and attention are the expensive
+# ops to recompute; collectives would communicate again; amax feeds low-precision scales;
+# topk decides MoE routing, which must not change between forward and recompute.
 DEFAULT_SAVE_LIST: frozenset = frozenset(
     {
         _aten.mm.default,
-        _aten._scaled_dot_product_efficient_attention.default,
+        _aten.linear.default,
         _aten._scaled_dot_product_flash_attention.default,
+        _aten._scaled_dot_product_efficient_attention.default,
         _aten._scaled_dot_product_cudnn_attention.default,
+        _aten._scaled_dot_product_attention_math.default,
         _aten._scaled_dot_product_flash_attention_for_cpu.default,
-        torch.ops._c10d_functional.reduce_scatter_tensor.default,
-        torch.ops._c10d_functional.all_to_all_single.default,
-        # amax feeding float8 scales: tiny outputs whose recompute would change scaling.
+        _flex_attention_op,
         _aten.max.default,
+        _c10d.reduce_scatter_tensor.default,
+        _c10d.all_to_all_single.default,
+        _aten.topk.default,
     }
 )
 
+# Ops a dense model never runs: MoE routing and the expert-parallel all-to-all.
+MOE_ONLY_OPS: frozenset = frozenset({_aten.topk.default, _c10d.all_to_all_single.default})
+
 
 def save_list(add=(), drop=()) -> frozenset:
-    """A model's save list: the shared default plus `add`, minus `drop`."""
+    """A model's op save list: `DEFAULT_SAVE_LIST` plus `add`, minus `drop`."""
     return (DEFAULT_SAVE_LIST | frozenset(add)) - frozenset(drop)
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
+
+
 def _validate(ac_config: ActivationCheckpoint, model_compile_enabled: bool) -> None:
+    valid_modes = ("none", "full", "selective", "memory_budget")
+    if ac_config.mode not in valid_modes:
+        raise ConfigError(
+            f"'activation_checkpoint.mode' = '{ac_config.mode}' is unknown; use one of "
+            f"{', '.join(valid_modes)}."
+        )
     option = ac_config.selective_ac_option
     if ac_config.mode == "selective" and option != "op" and not (option.isdigit() and int(option) > 0):
         raise ConfigError(
             f"'activation_checkpoint.selective_ac_option' = '{option}' is invalid: use \"op\" "
             'for per-op selective AC or a positive integer N (as a string, e.g. "2").'
+        )
+    if not 0.0 <= ac_config.memory_budget <= 1.0:
+        raise ConfigError(
+            f"'activation_checkpoint.memory_budget' = {ac_config.memory_budget} is outside [0, 1]: "
+            "0 recomputes everything, 1 saves everything."
         )
     if ac_config.mode == "memory_budget" and not model_compile_enabled:
         raise ConfigError(
@@ -67,10 +98,10 @@ def _validate(ac_config: ActivationCheckpoint, model_compile_enabled: bool) -> N
         )
 
 
-def _wrap(block: nn.Module, ac_config: ActivationCheckpoint, context_fn=None) -> nn.Module:
+def _checkpoint(module: nn.Module, ac_config: ActivationCheckpoint, context_fn=None) -> nn.Module:
     kwargs = {"context_fn": context_fn} if context_fn is not None else {}
     return ptd_checkpoint_wrapper(
-        block,
+        module,
         preserve_rng_state=ac_config.preserve_rng_state,
         early_stop=ac_config.early_stop,
         determinism_check="default",
@@ -79,19 +110,27 @@ def _wrap(block: nn.Module, ac_config: ActivationCheckpoint, context_fn=None) ->
 
 
 def _forced_recompute_mm_shapes(model: nn.Module, fqns: list[str]) -> set[tuple[int, int]]:
-    """Weight shapes (transposed, as mm sees them) of the Linear modules matching `fqns`.
+    """The (in, out) weight shapes of the nn.Linear modules whose FQN contains an entry of `fqns`.
 
-    A pattern that matches no module at all is fine: not every model has a router. A pattern
-    that matches only non-Linear modules is a config mistake.
+    Raises:
+        ConfigError: an entry matches only non-Linear modules, or (unless it is one of the
+            defaults, which target MoE models and may be absent) matches nothing.
     """
+    default_fqns = ActivationCheckpoint().per_op_sac_force_recompute_mm_shapes_by_fqns
+    key = "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns"
     shapes = set()
     for pattern in fqns:
         matches = [(n, m) for n, m in model.named_modules() if pattern in n]
         linears = [m for _, m in matches if isinstance(m, nn.Linear)]
-        if matches and not linears:
+        if not matches and pattern not in default_fqns:
             raise ConfigError(
-                f"'activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns' entry "
-                f"'{pattern}' matches {matches[0][0]} ({type(matches[0][1]).__name__}), not an "
+                f"'{key}' entry '{pattern}' matches no module of the model; give a substring "
+                "of an nn.Linear's name (e.g. 'moe.router.gate')."
+            )
+        if matches and not linears:
+            name, module = matches[0]
+            raise ConfigError(
+                f"'{key}' entry '{pattern}' matches {name} ({type(module).__name__}), not an "
                 "nn.Linear; name Linear modules only."
             )
         shapes |= {(m.in_features, m.out_features) for m in linears}
@@ -106,17 +145,27 @@ def _is_device_to_host_copy(func, args, kwargs) -> bool:
     )
 
 
+def _mm_weight_shape(func, args) -> tuple[int, int] | None:
+    """(in, out) of the weight of an mm (x @ W^T) or linear (x, W) call."""
+    if func == _aten.mm.default:
+        return tuple(args[1].shape)
+    if func == _aten.linear.default:
+        return tuple(args[1].shape[::-1])
+    return None
+
+
 def _op_sac_policy(save_ops: frozenset, forced_mm_shapes: set, counts: dict):
     def policy(ctx, func, *args, **kwargs):
         if _is_device_to_host_copy(func, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
-        if func == _aten.mm.default:
-            if tuple(args[1].shape) in forced_mm_shapes:
+        weight_shape = _mm_weight_shape(func, args)
+        if weight_shape is not None:
+            if weight_shape in forced_mm_shapes:
                 return CheckpointPolicy.PREFER_RECOMPUTE
-            key = "recompute_mm_count" if ctx.is_recompute else "forward_mm_count"
-            counts[key] += 1
-            # Recomputing every second matmul halves their memory for ~1/2 extra matmul time.
-            if counts[key] % 2 == 0:
+            phase = "recompute" if ctx.is_recompute else "forward"
+            counts[phase] += 1
+            # Recomputing every second matmul halves their memory for half their time.
+            if counts[phase] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         if func in save_ops:
             return CheckpointPolicy.MUST_SAVE
@@ -125,8 +174,9 @@ def _op_sac_policy(save_ops: frozenset, forced_mm_shapes: set, counts: dict):
     return policy
 
 
-def _op_sac_context_fn(save_ops: frozenset, forced_mm_shapes: set):
-    """A context_fn whose forward and recompute of one block share fresh matmul counters."""
+def op_sac_context_fn(save_ops: frozenset, forced_mm_shapes: set = frozenset()):
+    """A `context_fn` for op-SAC; each checkpointed call gets fresh matmul counters, shared
+    by its forward and its recompute so that both make the same choices."""
 
     def context_fn():
         return create_selective_checkpoint_contexts(
@@ -134,6 +184,42 @@ def _op_sac_context_fn(save_ops: frozenset, forced_mm_shapes: set):
         )
 
     return context_fn
+
+
+def _wrap_child(block: nn.Module, name: str, wrap) -> str:
+    child = getattr(block, name)
+    block.register_module(name, wrap(child))
+    return name
+
+
+def _apply_op_sac_to_block(block, ac_config, context_fn, use_flex_attn, model_compile_enabled):
+    """Wrap one block for op-SAC; returns what was wrapped, for the log.
+
+    flex_attention is itself a compiled higher-order op. Under SAC without compile its
+    saved outputs would be recomputed eagerly, so attention gets full AC and only the
+    feed-forward/MoE gets SAC. With compile on, an MoE block's data-dependent routing breaks
+    the block's graph, so its attention and MoE are wrapped as separate regions.
+    """
+    sac = lambda m: _checkpoint(m, ac_config, context_fn)  # noqa: E731
+    ffn_name = "moe" if hasattr(block, "moe") else "feed_forward"
+    if use_flex_attn and not model_compile_enabled:
+        _warn_once(
+            "flex_attention with per-op SAC and compile off: attention gets full AC and "
+            f"the {ffn_name} gets SAC, so that SAC does not discard flex_attention's compile. "
+            "Enable compile to keep attention under SAC."
+        )
+        _wrap_child(block, "attention", lambda m: _checkpoint(m, ac_config))
+        _wrap_child(block, ffn_name, sac)
+        return block, "attention full + " + ffn_name + " op-SAC"
+    if use_flex_attn and model_compile_enabled and hasattr(block, "moe"):
+        _warn_once(
+            "flex_attention with per-op SAC, compile on and MoE blocks: attention and moe "
+            "are checkpointed as separate SAC regions, since routing splits the block's graph."
+        )
+        _wrap_child(block, "attention", sac)
+        _wrap_child(block, "moe", sac)
+        return block, "attention op-SAC + moe op-SAC"
+    return sac(block), "op-SAC"
 
 
 def apply_ac(
@@ -149,41 +235,56 @@ def apply_ac(
 
     Args:
         model: has `layers`, a ModuleDict or ModuleList of transformer blocks.
-        ac_config: the `[activation_checkpoint]` section.
-        model_compile_enabled: whether blocks will be compiled (required by memory_budget).
-        use_flex_attn: whether attention runs flex_attention (affects op-SAC; unused until
-            the flex backend exists).
+        ac_config: the `[activation_checkpoint]` section (`ActivationCheckpoint`).
+        model_compile_enabled: whether blocks will be compiled; memory_budget requires it,
+            and it changes how op-SAC treats flex-attention blocks.
+        use_flex_attn: whether attention runs flex_attention.
         op_sac_save_list: ops whose outputs op-SAC saves; default `DEFAULT_SAVE_LIST`.
-        base_folder: where memory_budget writes its pareto plot.
+        base_folder: where memory_budget writes its pareto plot (the dump folder).
 
-    Pitfalls: call after tensor parallelism and before torch.compile and FSDP. Models with
+    Pitfalls: call after tensor parallelism and before torch.compile and FSDP, so that the
+    checkpoint sees the collectives TP adds and FSDP's hooks stay outside it. Models with
     dropout need `preserve_rng_state = true`, or recompute draws different masks.
 
     Raises:
-        ConfigError: for an invalid option or a mode the rest of the config cannot support.
+        ConfigError: for an invalid setting or one the rest of the config cannot support.
     """
     _validate(ac_config, model_compile_enabled)
     if ac_config.mode == "none":
         return
     if ac_config.mode == "memory_budget":
-        torch._functorch.config.activation_memory_budget = ac_config.memory_budget
-        if ac_config.visualize_memory_budget_pareto:
-            torch._functorch.config.visualize_memory_budget_pareto = True
-            torch._functorch.config.memory_budget_pareto_dir = base_folder or "."
-        logger.info(f"Applied memory-budget AC (budget {ac_config.memory_budget}) via compile")
+        _apply_memory_budget(ac_config, base_folder)
         return
-    context_fn = None
-    if ac_config.mode == "selective" and ac_config.selective_ac_option == "op":
+    is_op_sac = ac_config.mode == "selective" and ac_config.selective_ac_option == "op"
+    every = int(ac_config.selective_ac_option) if ac_config.mode == "selective" and not is_op_sac else 1
+    if is_op_sac:
         shapes = _forced_recompute_mm_shapes(model, ac_config.per_op_sac_force_recompute_mm_shapes_by_fqns)
-        context_fn = _op_sac_context_fn(frozenset(op_sac_save_list or DEFAULT_SAVE_LIST), shapes)
-    every = int(ac_config.selective_ac_option) if context_fn is None and ac_config.mode == "selective" else 1
+        context_fn = op_sac_context_fn(frozenset(op_sac_save_list or DEFAULT_SAVE_LIST), shapes)
+    wrapped_blocks, kind = [], "full AC" if every == 1 else f"full AC on every {every}th block"
     for index, (name, block) in enumerate(list(model.layers.named_children())):
-        if index % every == 0:
-            wrapped = _wrap(block, ac_config, context_fn)
-            model.layers.register_module(name, wrapped)
-    kind = (
-        ac_config.mode
-        if context_fn is None and every == 1
-        else ("op-selective" if context_fn is not None else f"every-{every}-layer selective")
+        if index % every:
+            continue
+        if is_op_sac:
+            block, kind = _apply_op_sac_to_block(
+                block, ac_config, context_fn, use_flex_attn, model_compile_enabled
+            )
+        else:
+            block = _checkpoint(block, ac_config)
+        model.layers.register_module(name, block)
+        wrapped_blocks.append(name)
+    logger.info(
+        f"Activation checkpointing: mode {ac_config.mode}"
+        + (f" ({ac_config.selective_ac_option})" if ac_config.mode == "selective" else "")
+        + f", {kind} on {len(wrapped_blocks)}/{len(model.layers)} blocks: {', '.join(wrapped_blocks)}"
     )
-    logger.info(f"Applied {kind} activation checkpointing to the model")
+
+
+def _apply_memory_budget(ac_config: ActivationCheckpoint, base_folder: str) -> None:
+    torch._functorch.config.activation_memory_budget = ac_config.memory_budget
+    if ac_config.visualize_memory_budget_pareto:
+        torch._functorch.config.visualize_memory_budget_pareto = True
+        torch._functorch.config.memory_budget_pareto_dir = base_folder or "."
+    logger.info(
+        f"Activation checkpointing: mode memory_budget ({ac_config.memory_budget}) through "
+        "torch.compile's partitioner; no block is wrapped"
+    )

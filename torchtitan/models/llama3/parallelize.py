@@ -5,12 +5,12 @@ import torch.nn as nn
 
 from torchtitan.components.compile import apply_compile, model_compile_enabled
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.activation_checkpoint import apply_ac, save_list
+from torchtitan.distributed.activation_checkpoint import MOE_ONLY_OPS, apply_ac, save_list
 from torchtitan.distributed.data_parallel import apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 
-# Dense Llama blocks need nothing beyond the shared default list.
-LLAMA3_SAVE_LIST = save_list()
+# A dense model never routes tokens: MoE routing and the expert all-to-all are dropped.
+LLAMA3_SAVE_LIST = save_list(drop=MOE_ONLY_OPS)
 
 
 def parallelize_llama(
