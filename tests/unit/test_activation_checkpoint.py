@@ -1,18 +1,46 @@
-"""apply_ac: every mode leaves loss and gradients unchanged; bad settings are refused."""
+"""apply_ac: numerics, wrapping, recompute accounting, memory held, and refused settings."""
+
+import ast
+import logging
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from torchtitan.config import ActivationCheckpoint, ConfigError
-from torchtitan.distributed.activation_checkpoint import DEFAULT_SAVE_LIST, apply_ac, save_list
-from torchtitan.models.llama3.args import TransformerModelArgs
-from torchtitan.models.llama3.model import Transformer
+from torchtitan.config.manager import parse_args
+from torchtitan.distributed import activation_checkpoint as ac_module
+from torchtitan.distributed.activation_checkpoint import DEFAULT_SAVE_LIST, MOE_ONLY_OPS, apply_ac, save_list
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.llama3 import llama3_flavors
+from torchtitan.models.llama3.model import Transformer, TransformerBlock
+from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
+from torchtitan.models.rope import precompute_rope_cache
+from torchtitan.protocols.train_spec import _REGISTRY, get_train_spec
+from torchtitan.tools.activation_memory import bytes_held_for_backward
+
+NONE = ActivationCheckpoint(mode="none")
+FULL = ActivationCheckpoint(mode="full")
+OP_SAC = ActivationCheckpoint(mode="selective", selective_ac_option="op")
+MODES = {
+    "none": NONE,
+    "full": FULL,
+    "selective 1": ActivationCheckpoint(mode="selective", selective_ac_option="1"),
+    "selective 2": ActivationCheckpoint(mode="selective", selective_ac_option="2"),
+    "selective op": OP_SAC,
+}
+DEBUG_ARGS = replace(llama3_flavors["debugmodel"], max_seq_len=64)
 
 
-def _model() -> Transformer:
-    args = TransformerModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16)
+def _debug_model(ac: ActivationCheckpoint = NONE) -> Transformer:
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(DEBUG_ARGS)
+    apply_ac(model, ac, op_sac_save_list=LLAMA3_SAVE_LIST)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     model.init_weights()
@@ -20,74 +48,338 @@ def _model() -> Transformer:
 
 
 def _loss_and_grads(model):
-    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())
+    tokens = torch.randint(0, DEBUG_ARGS.vocab_size, (2, 65), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens[:, :-1])
+    loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
-    return loss.detach(), {
-        n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()
-    }
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+    return loss.detach(), grads
 
 
 def _wrapped(model) -> list[str]:
     return [name for name, block in model.layers.named_children() if "Checkpoint" in type(block).__name__]
 
 
-@pytest.mark.parametrize(
-    "mode, option, wrapped",
-    [
-        ("full", "2", ["0", "1", "2", "3"]),
-        ("selective", "1", ["0", "1", "2", "3"]),
-        ("selective", "2", ["0", "2"]),
-        ("selective", "op", ["0", "1", "2", "3"]),
-    ],
-)
-def test_mode_wraps_expected_blocks_and_keeps_loss_and_grads(mode, option, wrapped):
-    ref_loss, ref_grads = _loss_and_grads(_model())
-    model = _model()
-    apply_ac(model, ActivationCheckpoint(mode=mode, selective_ac_option=option))
-    loss, grads = _loss_and_grads(model)
-    assert _wrapped(model) == wrapped
-    assert torch.allclose(loss, ref_loss, rtol=1e-6)
+@pytest.fixture(scope="module")
+def reference():
+    return _loss_and_grads(_debug_model())
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_mode_leaves_loss_and_every_gradient_unchanged(mode, reference):
+    ref_loss, ref_grads = reference
+    loss, grads = _loss_and_grads(_debug_model(MODES[mode]))
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
     for name, grad in ref_grads.items():
-        assert torch.allclose(grads[name], grad, rtol=1e-5, atol=1e-7), name
+        assert torch.equal(grads[name], grad), name  # CPU kernels are deterministic: bit for bit
 
 
-def test_none_wraps_nothing():
-    model = _model()
-    apply_ac(model, ActivationCheckpoint(mode="none"))
-    assert _wrapped(model) == []
+@pytest.mark.parametrize(
+    "mode, wrapped",
+    [("none", []), ("full", ["0", "1", "2", "3", "4", "5"]), ("selective 1", ["0", "1", "2", "3", "4", "5"]),
+     ("selective 2", ["0", "2", "4"]), ("selective op", ["0", "1", "2", "3", "4", "5"])],
+)  # fmt: skip
+def test_mode_wraps_the_expected_blocks(mode, wrapped):
+    assert _wrapped(_debug_model(MODES[mode])) == wrapped
 
 
 def test_layer_selective_count_belongs_to_each_model():
-    first, second = _model(), _model()
-    apply_ac(first, ActivationCheckpoint(mode="selective", selective_ac_option="3"))
-    apply_ac(second, ActivationCheckpoint(mode="selective", selective_ac_option="3"))
-    assert _wrapped(first) == _wrapped(second) == ["0", "3"]
+    every_4 = ActivationCheckpoint(mode="selective", selective_ac_option="4")
+    assert _wrapped(_debug_model(every_4)) == _wrapped(_debug_model(every_4)) == ["0", "4"]
 
 
-@pytest.mark.parametrize("option", ["0", "-1", "every", "1.5"])
+def test_log_names_the_mode_and_the_blocks_once(caplog):
+    with caplog.at_level(logging.INFO):
+        _debug_model(MODES["selective 2"])
+    lines = [r.message for r in caplog.records if "Activation checkpointing" in r.message]
+    assert lines == [
+        "Activation checkpointing: mode selective (2), full AC on every 2th block on 3/6 blocks: 0, 2, 4"
+    ]
+
+
+# ----- refused settings --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["0", "-1", "every", "1.5", ""])
 def test_invalid_selective_option_is_refused(option):
     with pytest.raises(ConfigError, match="selective_ac_option"):
-        apply_ac(_model(), ActivationCheckpoint(mode="selective", selective_ac_option=option))
+        _debug_model(ActivationCheckpoint(mode="selective", selective_ac_option=option))
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ConfigError, match="'activation_checkpoint.mode' = 'some'"):
+        _debug_model(ActivationCheckpoint(mode="some"))
+
+
+@pytest.mark.parametrize("budget", [-0.1, 1.5])
+def test_memory_budget_outside_unit_interval_is_refused(budget):
+    with pytest.raises(ConfigError, match="outside \\[0, 1\\]"):
+        apply_ac(
+            nn.Module(),
+            ActivationCheckpoint(mode="memory_budget", memory_budget=budget),
+            model_compile_enabled=True,
+        )
 
 
 def test_memory_budget_without_compile_is_refused():
     with pytest.raises(ConfigError, match="compile.enable"):
-        apply_ac(_model(), ActivationCheckpoint(mode="memory_budget"))
+        _debug_model(ActivationCheckpoint(mode="memory_budget"))
+
+
+def test_memory_budget_sets_the_partitioner_budget_and_wraps_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 1.0)
+    monkeypatch.setattr(torch._functorch.config, "visualize_memory_budget_pareto", False)
+    monkeypatch.setattr(torch._functorch.config, "memory_budget_pareto_dir", None)
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(2, 2)])
+    cfg = ActivationCheckpoint(mode="memory_budget", memory_budget=0.3, visualize_memory_budget_pareto=True)
+    apply_ac(model, cfg, model_compile_enabled=True, base_folder=str(tmp_path))
+    assert torch._functorch.config.activation_memory_budget == 0.3
+    assert torch._functorch.config.memory_budget_pareto_dir == str(tmp_path)
+    assert _wrapped(model) == []
 
 
 def test_force_recompute_fqn_on_non_linear_is_refused():
-    cfg = ActivationCheckpoint(
-        mode="selective",
-        selective_ac_option="op",
-        per_op_sac_force_recompute_mm_shapes_by_fqns=["attention_norm"],
-    )
+    cfg = replace(OP_SAC, per_op_sac_force_recompute_mm_shapes_by_fqns=["attention_norm"])
     with pytest.raises(ConfigError, match="not an nn.Linear"):
-        apply_ac(_model(), cfg)
+        _debug_model(cfg)
+
+
+def test_force_recompute_fqn_matching_nothing_is_refused_unless_it_is_a_default():
+    with pytest.raises(ConfigError, match="matches no module"):
+        _debug_model(replace(OP_SAC, per_op_sac_force_recompute_mm_shapes_by_fqns=["moe.rooter"]))
+    assert len(_wrapped(_debug_model(OP_SAC))) == 6  # default "moe.router.gate" on a dense model
+
+
+def test_mode_from_the_command_line_is_checked_before_training():
+    with pytest.raises(ConfigError, match="activation_checkpoint.mode"):
+        parse_args(["--activation_checkpoint.mode", "partial"], env={})
+
+
+# ----- save lists --------------------------------------------------------------------------
+
+
+def test_default_save_list_covers_matmuls_every_attention_kernel_collectives_and_routing():
+    aten = torch.ops.aten
+    expected = {
+        aten.mm.default, aten.linear.default, aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_attention_math.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten.max.default, aten.topk.default, torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        torch.ops._c10d_functional.all_to_all_single.default,
+    }  # fmt: skip
+    assert expected <= DEFAULT_SAVE_LIST
+    assert any("flex_attention" in str(op) for op in DEFAULT_SAVE_LIST)
 
 
 def test_model_save_list_is_default_plus_additions_minus_drops():
     extra = torch.ops.aten.addmm.default
     built = save_list(add=[extra], drop=[torch.ops.aten.max.default])
-    assert extra in built and torch.ops.aten.max.default not in built
-    assert built - {extra} == DEFAULT_SAVE_LIST - {torch.ops.aten.max.default}
+    assert built == (DEFAULT_SAVE_LIST | {extra}) - {torch.ops.aten.max.default}
+
+
+def test_dense_llama_list_drops_moe_routing_ops():
+    assert LLAMA3_SAVE_LIST == DEFAULT_SAVE_LIST - MOE_ONLY_OPS
+
+
+# ----- recompute accounting on one block ---------------------------------------------------
+
+BLOCK_ARGS = replace(llama3_flavors["debugmodel"], max_seq_len=128)
+
+
+def _block(ac: ActivationCheckpoint) -> nn.Module:
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.layers = nn.ModuleDict({"0": TransformerBlock(0, BLOCK_ARGS)})
+    apply_ac(holder, ac, op_sac_save_list=LLAMA3_SAVE_LIST)
+    return holder.layers["0"]
+
+
+def _block_inputs():
+    x = torch.randn(2, 128, BLOCK_ARGS.dim, requires_grad=True, generator=torch.Generator().manual_seed(2))
+    return x, precompute_rope_cache(BLOCK_ARGS.head_dim, 128, BLOCK_ARGS.rope_theta)
+
+
+def _forward_and_backward_flops(ac: ActivationCheckpoint) -> tuple[int, int]:
+    block, (x, rope) = _block(ac), _block_inputs()
+    with FlopCounterMode(display=False) as counter:
+        out = block(x, rope)
+        forward = counter.get_total_flops()
+        out.sum().backward()
+    return forward, counter.get_total_flops() - forward
+
+
+def test_backward_flops_grow_with_recompute_and_full_adds_one_forward():
+    forced = replace(OP_SAC, per_op_sac_force_recompute_mm_shapes_by_fqns=["feed_forward.w1"])
+    forward, none = _forward_and_backward_flops(NONE)
+    _, op_sac = _forward_and_backward_flops(OP_SAC)
+    _, op_sac_forced = _forward_and_backward_flops(forced)
+    _, full = _forward_and_backward_flops(FULL)
+    assert none < op_sac < op_sac_forced < full
+    assert full - none == forward
+
+
+class _CountInBackward(TorchDispatchMode):
+    """Counts calls of one op after `in_backward` is set; active over forward and backward."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.in_backward, self.backward_calls = op, False, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.backward_calls += self.in_backward and func == self.op
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode, reruns", [("selective op", 0), ("full", 1), ("none", 0)])
+def test_attention_kernel_is_not_rerun_in_backward_under_op_sac(mode, reruns):
+    block, (x, rope) = _block(MODES[mode]), _block_inputs()
+    with _CountInBackward(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default) as counter:
+        out = block(x, rope)
+        counter.in_backward = True
+        out.sum().backward()
+    assert counter.backward_calls == reruns
+
+
+# ----- memory held for backward ------------------------------------------------------------
+
+
+def _held_by_block(ac: ActivationCheckpoint) -> tuple[int, int]:
+    block, (x, rope) = _block(ac), _block_inputs()
+    return bytes_held_for_backward(block, x, rope), x.numel() * x.element_size()
+
+
+def test_full_ac_holds_only_the_block_input():
+    held, block_input = _held_by_block(FULL)
+    assert block_input <= held <= 1.05 * block_input
+
+
+def test_op_sac_holds_under_half_of_no_ac():
+    assert _held_by_block(OP_SAC)[0] <= 0.45 * _held_by_block(NONE)[0]
+
+
+def _held_by_8b_block(ac: ActivationCheckpoint) -> tuple[int, int]:
+    args = replace(llama3_flavors["8B"], max_seq_len=8192)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with FakeTensorMode():
+            holder = nn.Module()
+            holder.layers = nn.ModuleDict({"0": TransformerBlock(0, args)})
+            apply_ac(holder, ac, op_sac_save_list=LLAMA3_SAVE_LIST)
+            x = torch.randn(1, 8192, args.dim, requires_grad=True)
+            rope = precompute_rope_cache(args.head_dim, 8192, args.rope_theta)
+            return bytes_held_for_backward(holder.layers["0"], x, rope), x.numel() * 2
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_8b_block_full_ac_holds_exactly_its_input_and_op_sac_under_30_percent():
+    none, block_input = _held_by_8b_block(NONE)
+    full, _ = _held_by_8b_block(FULL)
+    op_sac, _ = _held_by_8b_block(OP_SAC)
+    assert full == block_input == 64 * 2**20
+    assert op_sac <= 0.30 * none
+
+
+# ----- flex_attention and compile rules ----------------------------------------------------
+
+
+def test_flex_with_op_sac_and_no_compile_puts_attention_under_full_ac(caplog, monkeypatch):
+    monkeypatch.setattr(ac_module, "_warned", set())
+    with torch.device("meta"):
+        model = Transformer(DEBUG_ARGS)
+    with caplog.at_level(logging.WARNING):
+        apply_ac(model, OP_SAC, use_flex_attn=True)
+        apply_ac(_second_meta_model(), OP_SAC, use_flex_attn=True)
+    block = model.layers["0"]
+    assert "Checkpoint" not in type(block).__name__
+    assert "Checkpoint" in type(block.attention).__name__
+    assert "Checkpoint" in type(block.feed_forward).__name__
+    assert block.attention._checkpoint_wrapped_module.wq is not None
+    warnings = [r.message for r in caplog.records if "flex_attention" in r.message]
+    assert len(warnings) == 1 and "compile off" in warnings[0]
+
+
+def _second_meta_model():
+    with torch.device("meta"):
+        return Transformer(DEBUG_ARGS)
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention, self.moe = nn.Linear(4, 4), nn.Linear(4, 4)
+
+
+def test_flex_with_compile_and_moe_blocks_wraps_attention_and_moe_separately(monkeypatch):
+    monkeypatch.setattr(ac_module, "_warned", set())
+    model = nn.Module()
+    model.layers = nn.ModuleList([_MoEBlock(), _MoEBlock()])
+    apply_ac(model, OP_SAC, use_flex_attn=True, model_compile_enabled=True)
+    for block in model.layers:
+        assert isinstance(block, _MoEBlock)
+        assert "Checkpoint" in type(block.attention).__name__ and "Checkpoint" in type(block.moe).__name__
+
+
+def test_flex_with_compile_and_dense_blocks_wraps_whole_blocks():
+    with torch.device("meta"):
+        model = Transformer(DEBUG_ARGS)
+    apply_ac(model, OP_SAC, use_flex_attn=True, model_compile_enabled=True)
+    assert len(_wrapped(model)) == 6
+
+
+# ----- every model, and the one-module rule ------------------------------------------------
+
+
+@pytest.mark.parametrize("mode, every", [("none", 0), ("full", 1), ("selective 2", 2), ("selective op", 1)])
+@pytest.mark.parametrize("model_name", sorted(_REGISTRY) or ["llama3"])
+def test_every_registered_model_wraps_blocks_through_its_parallelize(model_name, mode, every):
+    spec = get_train_spec(model_name)
+    cfg = parse_args(["--model.name", model_name], env={})
+    cfg.activation_checkpoint = MODES[mode]
+    with torch.device("meta"):
+        model = spec.model_cls(spec.flavors["debugmodel"])
+    spec.parallelize_fn(model, ParallelDims(1, 1, 1), cfg, torch.device("cpu"))
+    names = [name for name, _ in model.layers.named_children()]
+    expected = [n for i, n in enumerate(names) if every and i % every == 0]
+    assert _wrapped(model) == expected
+
+
+CHECKPOINT_MODULES = ("torch.utils.checkpoint", "torch.distributed.algorithms._checkpoint")
+CHECKPOINT_NAMES = {
+    "checkpoint",
+    "checkpoint_wrapper",
+    "create_selective_checkpoint_contexts",
+    "CheckpointPolicy",
+}
+
+
+def _uses_checkpoint_api(source: str) -> bool:
+    if any(module in source for module in CHECKPOINT_MODULES):
+        return True
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module in (
+            "torch.utils",
+            "torch.distributed.algorithms",
+        ):
+            if {a.name for a in node.names} & (CHECKPOINT_NAMES | {"_checkpoint"}):
+                return True
+    return False
+
+
+def test_only_the_ac_module_uses_checkpoint_apis():
+    package = Path(ac_module.__file__).resolve().parents[1]
+    users = [
+        str(p.relative_to(package)) for p in package.rglob("*.py") if _uses_checkpoint_api(p.read_text())
+    ]
+    assert users == ["distributed/activation_checkpoint.py"]
+
+
+def test_checkpoint_api_detector_catches_each_import_style():
+    assert _uses_checkpoint_api("from torch.utils.checkpoint import checkpoint")
+    assert _uses_checkpoint_api("from torch.utils import checkpoint")
+    assert _uses_checkpoint_api("import torch.utils.checkpoint as cp")
+    assert _uses_checkpoint_api("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import x")
+    assert not _uses_checkpoint_api("from torchtitan.distributed.activation_checkpoint import apply_ac")

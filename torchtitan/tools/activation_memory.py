@@ -1,0 +1,53 @@
+"""Measure the activation bytes a forward leaves alive for backward (works under FakeTensorMode).
+
+A dispatch mode records the storage of every tensor an op creates during forward; once
+forward returns, the storages still alive (held by autograd, a checkpoint or a SAC cache)
+are what backward needs. The forward's output and pre-existing storages (parameters,
+buffers, inputs) are not counted. Pitfall: keep the mode active over forward only; a
+dispatch mode entered for backward alone breaks selective-AC recompute.
+"""
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class _StorageRecorder(TorchDispatchMode):
+    def __init__(self, excluded: set[int]):
+        super().__init__()
+        self.excluded = excluded
+        self.created: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref.cdata not in self.excluded:
+                    self.created[ref.cdata] = (ref, t.untyped_storage().nbytes())
+        return out
+
+    def alive_bytes(self, exclude: set[int]) -> int:
+        return sum(n for key, (ref, n) in self.created.items() if not ref.expired() and key not in exclude)
+
+
+def _storage_keys(tensors) -> set[int]:
+    return {StorageWeakRef(t.untyped_storage()).cdata for t in tensors if isinstance(t, torch.Tensor)}
+
+
+def bytes_held_for_backward(module: torch.nn.Module, *inputs: torch.Tensor) -> int:
+    """Bytes of the storages created by `module(*inputs)` that stay alive after it returns.
+
+    Each input is first copied inside the measurement, as the previous layer's output would
+    be, so a block input that backward keeps (as full AC does) counts as held.
+    """
+    excluded = _storage_keys(list(module.parameters()) + list(module.buffers()) + list(inputs))
+    recorder = _StorageRecorder(excluded)
+    with recorder:
+        copies = [x.clone() if x.requires_grad else x for x in inputs]
+        out = module(*copies)
+        del copies
+    held = recorder.alive_bytes(exclude=_storage_keys(tree_leaves(out)))
+    del out
+    return held
