@@ -95,8 +95,9 @@ def debug_model_table(cli) -> list[str]:
     base_time = statistics.median(runs["none"].times)
     base_bytes = bytes_held_for_backward(BlockStack(runs["none"].model), h, rope) / args.n_layers
     lines = [
-        f"Llama 3 debugmodel, batch {cli.batch} x {cli.seq_len}, fp32, CPU ({torch.get_num_threads()} threads), "
-        f"median of {cli.rounds * cli.steps_per_round} steps, torch {torch.__version__}",
+        f"Llama 3 debugmodel, batch {cli.batch} x {cli.seq_len}, fp32, "
+        f"CPU ({torch.get_num_threads()} threads), median of {cli.rounds * cli.steps_per_round} steps, "
+        f"torch {torch.__version__}",
         "",
         "| mode | step (ms) | time vs none | activation MiB / layer | memory vs none |",
         "|---|---|---|---|---|",
@@ -104,9 +105,13 @@ def debug_model_table(cli) -> list[str]:
     for name, run in runs.items():
         step = statistics.median(run.times)
         held = bytes_held_for_backward(BlockStack(run.model), h, rope) / args.n_layers
-        lines.append(
-            f"| {name} | {1000 * step:.0f} | {step / base_time:.2f} | {held / 2**20:.2f} | {held / base_bytes:.2f} |"
-        )
+        row = [
+            f"{1000 * step:.0f}",
+            f"{step / base_time:.2f}",
+            f"{held / 2**20:.2f}",
+            f"{held / base_bytes:.2f}",
+        ]
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
     return lines
 
 

@@ -25,8 +25,9 @@ SEQ = 64
 
 
 def build(args, parallel_dims, mode, option):
-    cfg = parse_args(["--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option,
-                      "--training.mixed_precision_param", "float32", "--training.seq_len", str(SEQ)], env={})  # fmt: skip
+    overrides = {"activation_checkpoint.mode": mode, "activation_checkpoint.selective_ac_option": option,
+                 "training.mixed_precision_param": "float32", "training.seq_len": str(SEQ)}  # fmt: skip
+    cfg = parse_args([arg for key, value in overrides.items() for arg in (f"--{key}", value)], env={})
     with torch.device("meta"):
         model = Transformer(args)
     if parallel_dims is not None:

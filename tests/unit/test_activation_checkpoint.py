@@ -162,12 +162,12 @@ def test_mode_from_the_command_line_is_checked_before_training():
 
 def test_default_save_list_covers_matmuls_every_attention_kernel_collectives_and_routing():
     aten = torch.ops.aten
-    expected = {
-        aten.mm.default, aten.linear.default, aten._scaled_dot_product_flash_attention.default,
-        aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default,
-        aten._scaled_dot_product_attention_math.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
-        aten.max.default, aten.topk.default, torch.ops._c10d_functional.reduce_scatter_tensor.default,
-        torch.ops._c10d_functional.all_to_all_single.default,
+    sdpa_kernels = ("flash_attention", "efficient_attention", "cudnn_attention", "attention_math",
+                    "flash_attention_for_cpu")  # fmt: skip
+    c10d = torch.ops._c10d_functional
+    expected = {getattr(aten, f"_scaled_dot_product_{k}").default for k in sdpa_kernels} | {
+        aten.mm.default, aten.linear.default, aten.max.default, aten.topk.default,
+        c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default,
     }  # fmt: skip
     assert expected <= DEFAULT_SAVE_LIST
     assert any("flex_attention" in str(op) for op in DEFAULT_SAVE_LIST)
