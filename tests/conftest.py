@@ -39,7 +39,8 @@ def run_trainer(args: list[str], nproc: int = 1, timeout: int = 600, env: dict |
             "-m",
             "torchtitan.train",
         ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", "PYTHONPATH": str(PROJECT_ROOT),
+                **(env or {})}  # fmt: skip
     return subprocess.run(
         cmd + args, cwd=PROJECT_ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
     )

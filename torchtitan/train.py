@@ -20,6 +20,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError, format_help, parse_args, to_toml
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import loss_context
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.device_info import device_name
 from torchtitan.tools.logging import init_logger
@@ -45,7 +46,10 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         p = cfg.parallelism
         self.parallel_dims = ParallelDims(
-            p.data_parallel_replicate_degree, p.data_parallel_shard_degree, world_size
+            p.data_parallel_replicate_degree,
+            p.data_parallel_shard_degree,
+            p.tensor_parallel_degree,
+            world_size,
         )
         self.parallel_dims.build_mesh(self.device.type)
         dist_utils.set_determinism(cfg.training.seed, cfg.training.deterministic)
@@ -69,6 +73,11 @@ class Trainer:
         self.metrics = MetricsProcessor(cfg, self.device, self.flops_per_token, self.rank == 0, self.rank)
         self.step = 0
         self.stop_requested = False
+        # Tensor-parallel ranks share their batch, so each device processes 1/tp of it.
+        t = cfg.training
+        self.tokens_per_device_per_step = (
+            t.local_batch_size * t.seq_len * self.accum_steps // self.parallel_dims.tp
+        )
 
     # ----- construction -------------------------------------------------------------------
 
@@ -141,7 +150,7 @@ class Trainer:
     def _autocast(self):
         """bf16 autocast for a run without FSDP; under FSDP its MixedPrecisionPolicy casts."""
         t = self.job_config.training
-        if self.parallel_dims.dp_degree > 1 or t.mixed_precision_param == t.dtype:
+        if self.parallel_dims.fsdp_enabled or t.mixed_precision_param == t.dtype:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=_DTYPES[t.mixed_precision_param])
 
@@ -162,12 +171,13 @@ class Trainer:
             start = time.perf_counter()
             inputs, labels = self._next_batch(data_iter)
             data_seconds += time.perf_counter() - start
-            with self._autocast():
-                logits = self.model(inputs)
-            loss = self.loss_fn(logits, labels) / self.accum_steps
-            del logits
-            loss.backward()
-            total_loss += loss.detach()
+            with loss_context(self.parallel_dims, self.job_config):
+                with self._autocast():
+                    logits = self.model(inputs)
+                loss = self.loss_fn(logits, labels) / self.accum_steps
+                del logits
+                loss.backward()
+            total_loss += dist_utils.plain_tensor(loss.detach())
         grad_norm = dist_utils.clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm)
         self.optimizer.step()
         self.lr_scheduler.step()
@@ -181,7 +191,7 @@ class Trainer:
         self.metrics.log(self.step, global_loss, grad_norm.item(), self.lr_scheduler.get_last_lr()[0], eta)
 
     def _validate(self) -> None:
-        with self._autocast():
+        with loss_context(self.parallel_dims, self.job_config), self._autocast():
             val_loss = self.validator.validate(self.model)
         logger.info(f"step: {self.step:>5}  validation/loss: {val_loss:.4f}")
         self.metrics.write({"step": self.step, "validation/loss": val_loss})
@@ -204,8 +214,7 @@ class Trainer:
             if self.step % cfg.training.gc_freq == 0:
                 gc.collect(1)
             loss, grad_norm, data_seconds = self.train_step(data_iter)
-            local_tokens = cfg.training.local_batch_size * cfg.training.seq_len * self.accum_steps
-            self.metrics.count(local_tokens, data_seconds)
+            self.metrics.count(self.tokens_per_device_per_step, data_seconds)
             if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
                 self._log(loss, grad_norm, started)
             if self.step == 1:

@@ -52,7 +52,7 @@ def loss_and_grads(model, tokens):
 def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    parallel_dims = ParallelDims(1, -1, world)
+    parallel_dims = ParallelDims(1, -1, 1, world)
     parallel_dims.build_mesh("cpu")
     args = llama3_flavors["debugmodel"]
     tokens = torch.randint(0, args.vocab_size, (4, SEQ + 1), generator=torch.Generator().manual_seed(1))

@@ -341,7 +341,7 @@ def test_every_registered_model_wraps_blocks_through_its_parallelize(model_name,
     cfg.activation_checkpoint = MODES[mode]
     with torch.device("meta"):
         model = spec.model_cls(spec.flavors["debugmodel"])
-    spec.parallelize_fn(model, ParallelDims(1, 1, 1), cfg, torch.device("cpu"))
+    spec.parallelize_fn(model, ParallelDims(1, 1, 1, 1), cfg, torch.device("cpu"))
     names = [name for name, _ in model.layers.named_children()]
     expected = [n for i, n in enumerate(names) if every and i % every == 0]
     assert _wrapped(model) == expected

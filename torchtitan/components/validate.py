@@ -3,7 +3,7 @@
 import torch
 import torch.nn as nn
 
-from torchtitan.distributed.utils import all_reduce_mean
+from torchtitan.distributed.utils import all_reduce_mean, plain_tensor
 
 
 class Validator:
@@ -28,7 +28,8 @@ class Validator:
         for inputs, labels in self.dataloader:
             if batches == self.max_steps:
                 break
-            total += self.loss_fn(model(inputs.to(self.device)), labels.to(self.device)).detach()
+            loss = self.loss_fn(model(inputs.to(self.device)), labels.to(self.device))
+            total += plain_tensor(loss.detach())
             batches += 1
         model.train()
         return all_reduce_mean(total.item() / max(batches, 1), self.device)

@@ -27,8 +27,6 @@ DEFAULT_CONFIG = "debug_model.toml"
 NOT_BUILT_YET = {
     "checkpoint": "distributed checkpointing",
     "profiling": "profiling",
-    "parallelism.tensor_parallel_degree": "tensor parallelism",
-    "parallelism.enable_async_tensor_parallel": "async tensor parallelism",
     "parallelism.context_parallel_degree": "context parallelism",
     "parallelism.pipeline_parallel_degree": "pipeline parallelism",
     "parallelism.expert_parallel_degree": "expert parallelism",

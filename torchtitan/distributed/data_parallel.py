@@ -1,7 +1,9 @@
-"""FSDP2 (`fully_shard`) per transformer block, then the root, shared by every model."""
+"""Data parallelism shared by every model: FSDP2/HSDP (`fully_shard` per block, then the root),
+or DDP (the composable `replicate`) when ranks replicate without sharding."""
 
 import torch
 import torch.nn as nn
+from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -54,3 +56,21 @@ def apply_fsdp(
     for block in model.layers.values():
         fully_shard(block, reshard_after_forward=reshard_blocks, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_root, **kwargs)
+
+
+def apply_ddp(model: nn.Module, parallel_dims: ParallelDims) -> None:
+    """Replicate `model` over dp_replicate; gradients are all-reduced in buckets during backward.
+
+    DDP has no mixed-precision policy: the trainer autocasts instead.
+    """
+    replicate(model, device_mesh=parallel_dims.mesh["dp_replicate"], bucket_cap_mb=100)
+
+
+def apply_data_parallel(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device
+) -> None:
+    """FSDP/HSDP when dp_shard > 1, DDP when only dp_replicate > 1, else nothing."""
+    if parallel_dims.fsdp_enabled:
+        apply_fsdp(model, parallel_dims, job_config, device)
+    elif parallel_dims.ddp_enabled:
+        apply_ddp(model, parallel_dims)

@@ -6,35 +6,44 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan.config.manager import ConfigError
 
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
 
 @dataclass
 class ParallelDims:
-    """Data-parallel degrees of a run and the mesh built from them.
+    """The parallel degrees of a run and the mesh built from them.
 
-    `dp_shard = -1` takes the ranks left over after the other degrees. Dims of degree 1 are
-    left out of the mesh; `dp` (replicate x shard, flattened) is always available once built.
+    `dp_shard = -1` takes the ranks left over after the other degrees. The mesh always has
+    the dims ("dp_replicate", "dp_shard", "tp"), some of size 1, plus the flattened "dp"
+    (replicate x shard: ranks that see different data).
+
+    Raises:
+        ConfigError: when the degrees do not multiply to the world size.
     """
 
     dp_replicate: int
     dp_shard: int
+    tp: int
     world_size: int
     _mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.dp_shard == -1:
-            if self.world_size % self.dp_replicate:
+            others = self.dp_replicate * self.tp
+            if self.world_size % others:
                 raise ConfigError(
-                    f"'parallelism.data_parallel_replicate_degree' = {self.dp_replicate} does "
-                    f"not divide the world size {self.world_size}."
+                    f"data_parallel_replicate_degree {self.dp_replicate} x tensor_parallel_degree "
+                    f"{self.tp} = {others} does not divide the world size {self.world_size}; "
+                    "choose degrees whose product divides the number of processes."
                 )
-            self.dp_shard = self.world_size // self.dp_replicate
-        product = self.dp_replicate * self.dp_shard
+            self.dp_shard = self.world_size // others
+        product = self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
             raise ConfigError(
                 f"parallel degrees multiply to {product} (data_parallel_replicate_degree "
-                f"{self.dp_replicate} x data_parallel_shard_degree {self.dp_shard}) but the "
-                f"world size is {self.world_size}; make the product equal the number of "
-                "processes, or set data_parallel_shard_degree = -1."
+                f"{self.dp_replicate} x data_parallel_shard_degree {self.dp_shard} x "
+                f"tensor_parallel_degree {self.tp}) but the world size is {self.world_size}; make "
+                "the product equal the number of processes, or set data_parallel_shard_degree = -1."
             )
 
     @property
@@ -43,23 +52,26 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
+        """FSDP (or HSDP) shards parameters over dp_shard."""
         return self.dp_shard > 1
 
     @property
-    def hsdp_enabled(self) -> bool:
-        return self.dp_replicate > 1 and self.dp_shard > 1
-
-    @property
     def ddp_enabled(self) -> bool:
+        """Pure replication: replicas but no sharding."""
         return self.dp_replicate > 1 and self.dp_shard == 1
 
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The named mesh ("dp_replicate", "dp_shard", flattened "dp"); None for one process."""
+        """Create the named mesh (None for a single process) and flatten "dp"."""
         if self.world_size == 1:
             return None
-        names = ("dp_replicate", "dp_shard")
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=names)
-        mesh[names]._flatten("dp")
+        mesh = init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS
+        )
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self._mesh = mesh
         return mesh
 

@@ -76,16 +76,25 @@ def init_param_(param: torch.Tensor, fill_) -> None:
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """Clip gradients by their global 2-norm and return the norm before clipping.
 
-    DTensor gradients (FSDP shards) reduce their partial norms across the mesh, so the norm
-    is the true global one whatever the layout. `max_norm <= 0` only measures.
+    DTensor gradients (FSDP or TP shards) reduce their partial norms across the mesh, so the
+    norm is the true global one whatever the layout. Per-tensor norms accumulate in float64:
+    a float32 reduction over millions of elements drifts by ~1e-5, enough for the same
+    gradients to show different norms on different layouts. `max_norm <= 0` only measures.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+    norm = torch.linalg.vector_norm(torch.stack(norms))
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
+    norm = norm.float()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
     return norm
+
+
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a plain tensor: a DTensor (e.g. the loss under loss parallel) is materialized."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def set_determinism(seed: int | None, deterministic: bool) -> None:

@@ -1,23 +1,87 @@
-"""Llama 3 parallelization: AC -> compile -> FSDP (tensor parallelism will precede AC)."""
+"""Llama 3 parallelization, in the order TP -> AC -> compile -> data parallel (FSDP/HSDP/DDP)."""
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from torchtitan.components.compile import apply_compile, model_compile_enabled
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.activation_checkpoint import MOE_ONLY_OPS, apply_ac, save_list
-from torchtitan.distributed.data_parallel import apply_fsdp
+from torchtitan.distributed.data_parallel import apply_data_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import (
+    check_tp_divisibility,
+    loss_parallel_enabled,
+    maybe_enable_async_tp,
+)
 
-# A dense model never routes tokens: MoE routing and the expert all-to-all are dropped.
+# A dense model never routes tokens: MoE routing and the expert all-to-all are dropped. The
+# default keeps reduce_scatter, so op-SAC saves what sequence parallelism scatters.
 LLAMA3_SAVE_LIST = save_list(drop=MOE_ONLY_OPS)
+
+
+def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
+    """Megatron-style TP with sequence parallelism over `tp_mesh`, in place.
+
+    Norms and residuals run on sequence shards (Shard(1)); attention and the feed-forward
+    gather the sequence, run column-wise then row-wise sharded linears over local heads, and
+    reduce-scatter back to sequence shards. With loss parallel the logits stay vocab-sharded.
+    """
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
 
 
 def parallelize_llama(
     model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device
 ) -> nn.Module:
-    """Apply `[activation_checkpoint]`, `[compile]` and data parallelism to `model` in place."""
+    """Apply TP, `[activation_checkpoint]`, `[compile]` and data parallelism to `model` in place."""
     compile_model = model_compile_enabled(job_config)
+    maybe_enable_async_tp(parallel_dims, job_config, device)
+    if parallel_dims.tp_enabled:
+        args = model.args
+        if args.tie_word_embeddings:
+            raise ConfigError(
+                f"flavor '{job_config.model.flavor}' ties its embeddings, which tensor parallelism "
+                "does not support yet; set parallelism.tensor_parallel_degree = 1."
+            )
+        check_tp_divisibility(parallel_dims, job_config, args.n_heads, args.kv_heads)
+        apply_tp(model, parallel_dims.mesh["tp"], loss_parallel_enabled(parallel_dims, job_config))
     apply_ac(
         model,
         job_config.activation_checkpoint,
@@ -27,6 +91,5 @@ def parallelize_llama(
     )
     if compile_model:
         apply_compile(model, job_config)
-    if parallel_dims.dp_degree > 1:
-        apply_fsdp(model, parallel_dims, job_config, device)
+    apply_data_parallel(model, parallel_dims, job_config, device)
     return model

@@ -1,0 +1,89 @@
+"""ParallelDims and layout checks: every bad mesh config names its numbers and the fix."""
+
+import pytest
+import torch
+
+from torchtitan.config import ConfigError
+from torchtitan.config.manager import parse_args
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import check_tp_divisibility, maybe_enable_async_tp
+from torchtitan.train import main
+
+
+def test_shard_degree_minus_one_takes_the_ranks_left_over():
+    dims = ParallelDims(dp_replicate=2, dp_shard=-1, tp=2, world_size=8)
+    assert dims.dp_shard == 2 and dims.dp_degree == 4
+    assert dims.fsdp_enabled and dims.tp_enabled and not dims.ddp_enabled
+
+
+def test_replicate_only_is_ddp():
+    dims = ParallelDims(dp_replicate=4, dp_shard=1, tp=1, world_size=4)
+    assert dims.ddp_enabled and not dims.fsdp_enabled
+
+
+def test_product_not_matching_world_size_names_every_degree():
+    with pytest.raises(ConfigError) as info:
+        ParallelDims(dp_replicate=1, dp_shard=3, tp=2, world_size=8)
+    message = str(info.value)
+    assert (
+        "multiply to 6" in message and "world size is 8" in message and "tensor_parallel_degree 2" in message
+    )
+
+
+def test_degrees_not_dividing_world_size_are_refused():
+    with pytest.raises(ConfigError, match="does not divide the world size 6"):
+        ParallelDims(dp_replicate=1, dp_shard=-1, tp=4, world_size=6)
+
+
+@pytest.mark.parametrize(
+    "tp, heads, kv_heads, seq_len, what",
+    [(3, 12, 4, 64, "kv heads"), (4, 6, 4, 64, "attention heads"), (2, 16, 8, 63, "training.seq_len")],
+)
+def test_tp_degree_must_divide_heads_kv_heads_and_seq_len(tp, heads, kv_heads, seq_len, what):
+    cfg = parse_args(["--training.seq_len", str(seq_len)], env={})
+    with pytest.raises(ConfigError, match=what):
+        check_tp_divisibility(ParallelDims(1, 1, tp, tp), cfg, heads, kv_heads)
+
+
+def test_async_tp_without_compile_or_cuda_is_refused():
+    argv = ["--parallelism.enable_async_tensor_parallel", "--parallelism.tensor_parallel_degree", "2"]
+    cfg = parse_args(argv, env={})
+    with pytest.raises(ConfigError, match="needs tensor_parallel_degree > 1, compile.enable"):
+        maybe_enable_async_tp(ParallelDims(1, 1, 2, 2), cfg, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "key, feature",
+    [("context_parallel_degree", "context parallelism"), ("pipeline_parallel_degree", "pipeline parallelism"),
+     ("expert_parallel_degree", "expert parallelism")],
+)  # fmt: skip
+def test_unbuilt_parallelism_is_refused_with_not_supported_yet(key, feature):
+    with pytest.raises(ConfigError, match=f"needs {feature}, which is not supported yet"):
+        parse_args([f"--parallelism.{key}", "2"], env={})
+
+
+def test_mesh_mismatch_from_the_trainer_exits_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--parallelism.data_parallel_shard_degree", "2", "--job.dump_folder", str(tmp_path)])
+    assert info.value.code == 2
+    assert "world size is 1" in capsys.readouterr().err
+
+
+def test_cpu_offload_without_an_accelerator_is_refused(tmp_path):
+    from torchtitan.distributed.data_parallel import apply_fsdp
+
+    cfg = parse_args(["--training.enable_cpu_offload"], env={})
+    with pytest.raises(ConfigError, match="enable_cpu_offload"):
+        apply_fsdp(torch.nn.Module(), ParallelDims(1, 2, 1, 2), cfg, torch.device("cpu"))
+
+
+def test_tp_with_tied_embeddings_is_refused():
+    from torchtitan.models.llama3 import llama3_flavors
+    from torchtitan.models.llama3.model import Transformer
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    cfg = parse_args(["--model.flavor", "1B", "--parallelism.tensor_parallel_degree", "2"], env={})
+    with torch.device("meta"):
+        model = Transformer(llama3_flavors["1B"])
+    with pytest.raises(ConfigError, match="ties its embeddings"):
+        parallelize_llama(model, ParallelDims(1, 1, 2, 2), cfg, torch.device("cpu"))
