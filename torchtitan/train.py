@@ -4,7 +4,6 @@ Run as `python -m torchtitan.train [--config NAME_OR_PATH] [--section.key value 
 or under torchrun. The same code runs on CUDA (nccl) and on the CPU (gloo).
 """
 
-import contextlib
 import gc
 import logging
 import signal
@@ -15,6 +14,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchtitan.components.training_step import (
+    autocast_context,
+    forward_backward,
+    gradient_accumulation_steps,
+)
 from torchtitan.components.validate import Validator
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError, format_help, parse_args, to_toml
@@ -23,11 +27,10 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.device_info import device_name
+from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.logging import init_logger
 
 logger = logging.getLogger("torchtitan")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class StopRequested(Exception):
@@ -59,7 +62,7 @@ class Trainer:
         self.model_args = self.spec.get_flavor(cfg.model.flavor).update_from_config(cfg)
         self.tokenizer = self.spec.build_tokenizer_fn(cfg)
         self._check_vocab()
-        self.accum_steps = self._gradient_accumulation_steps()
+        self.accum_steps = gradient_accumulation_steps(cfg, self.parallel_dims.dp_degree)
         dp_rank, dp_degree = self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
         self.dataloader = self.spec.build_dataloader_fn(cfg, self.tokenizer, dp_rank, dp_degree)
 
@@ -99,28 +102,9 @@ class Trainer:
                 f"embeds only {self.model_args.vocab_size}; use the flavor's own tokenizer."
             )
 
-    def _gradient_accumulation_steps(self) -> int:
-        t = self.job_config.training
-        per_micro_batch = t.local_batch_size * self.parallel_dims.dp_degree
-        global_batch = per_micro_batch if t.global_batch_size == -1 else t.global_batch_size
-        if global_batch % per_micro_batch:
-            raise ConfigError(
-                f"'training.global_batch_size' = {global_batch} is not a multiple of "
-                f"local_batch_size {t.local_batch_size} x data-parallel degree "
-                f"{self.parallel_dims.dp_degree} = {per_micro_batch}; choose a multiple."
-            )
-        return global_batch // per_micro_batch
-
     def _build_model(self) -> torch.nn.Module:
         cfg = self.job_config
-        dtype = _DTYPES[cfg.training.dtype]
-        previous_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device("meta"):
-                model = self.spec.model_cls(self.model_args)
-        finally:
-            torch.set_default_dtype(previous_dtype)
+        model = self.spec.build_meta_model(self.model_args, TORCH_DTYPES[cfg.training.dtype])
         self.num_params, self.flops_per_token = self.model_args.num_flops_per_token(
             model, cfg.training.seq_len
         )
@@ -147,13 +131,6 @@ class Trainer:
 
     # ----- training -----------------------------------------------------------------------
 
-    def _autocast(self):
-        """bf16 autocast for a run without FSDP; under FSDP its MixedPrecisionPolicy casts."""
-        t = self.job_config.training
-        if self.parallel_dims.fsdp_enabled or t.mixed_precision_param == t.dtype:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=_DTYPES[t.mixed_precision_param])
-
     def _next_batch(self, data_iter) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, labels = next(data_iter)
         return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
@@ -171,13 +148,15 @@ class Trainer:
             start = time.perf_counter()
             inputs, labels = self._next_batch(data_iter)
             data_seconds += time.perf_counter() - start
-            with loss_context(self.parallel_dims, self.job_config):
-                with self._autocast():
-                    logits = self.model(inputs)
-                loss = self.loss_fn(logits, labels) / self.accum_steps
-                del logits
-                loss.backward()
-            total_loss += dist_utils.plain_tensor(loss.detach())
+            total_loss += forward_backward(
+                self.model,
+                self.loss_fn,
+                inputs,
+                labels,
+                self.accum_steps,
+                self.parallel_dims,
+                self.job_config,
+            )
         grad_norm = dist_utils.clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm)
         self.optimizer.step()
         self.lr_scheduler.step()
@@ -191,7 +170,8 @@ class Trainer:
         self.metrics.log(self.step, global_loss, grad_norm.item(), self.lr_scheduler.get_last_lr()[0], eta)
 
     def _validate(self) -> None:
-        with loss_context(self.parallel_dims, self.job_config), self._autocast():
+        autocast = autocast_context(self.job_config, self.parallel_dims, self.device)
+        with loss_context(self.parallel_dims, self.job_config), autocast:
             val_loss = self.validator.validate(self.model)
         logger.info(f"step: {self.step:>5}  validation/loss: {val_loss:.4f}")
         self.metrics.write({"step": self.step, "validation/loss": val_loss})

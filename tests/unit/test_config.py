@@ -160,7 +160,7 @@ def test_ambiguous_bare_name_lists_the_matches(tmp_path, monkeypatch):
 def test_unbuilt_feature_is_refused_not_ignored():
     message = _error(["--checkpoint.enable"])
     assert "checkpoint.enable" in message and "not supported yet" in message
-    assert "tensor parallelism" in _error(["--parallelism.tensor_parallel_degree", "2"])
+    assert "context parallelism" in _error(["--parallelism.context_parallel_degree", "2"])
 
 
 def test_shipped_bare_config_names_are_unique():

@@ -10,8 +10,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.parallel_dims import ParallelDims
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from torchtitan.tools.dtypes import TORCH_DTYPES
 
 
 def _reshard_policy(setting: str) -> tuple[bool, bool]:
@@ -47,7 +46,8 @@ def apply_fsdp(
     kwargs = {
         "mesh": data_parallel_mesh(parallel_dims),
         "mp_policy": MixedPrecisionPolicy(
-            param_dtype=_DTYPES[t.mixed_precision_param], reduce_dtype=_DTYPES[t.mixed_precision_reduce]
+            param_dtype=TORCH_DTYPES[t.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPES[t.mixed_precision_reduce],
         ),
     }
     if t.enable_cpu_offload:

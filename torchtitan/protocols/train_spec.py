@@ -3,6 +3,7 @@
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from torchtitan.config.manager import ConfigError
@@ -41,6 +42,16 @@ class TrainSpec:
                 f"Valid flavors: {', '.join(self.flavors)}."
             )
         return self.flavors[flavor]
+
+    def build_meta_model(self, model_args: BaseModelArgs, dtype: torch.dtype) -> nn.Module:
+        """The model with parameters of `dtype` on the meta device: no memory, no init yet."""
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device("meta"):
+                return self.model_cls(model_args)
+        finally:
+            torch.set_default_dtype(previous)
 
 
 _REGISTRY: dict[str, TrainSpec] = {}

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Estimate per-rank peak training memory on this machine, without GPUs or allocation:
+#   ./run_memory_estimation.sh --config NAME_OR_PATH --ngpu N [--all-ac-modes] [--section.key value ...]
+#   NGPU  ranks to simulate when --ngpu is not given
+# Arguments are those of scripts/estimate_memory.py (see its --help); the config options are the trainer's.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")" && pwd)"
+# Import the checkout's torchtitan even when it is not pip-installed.
+export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+
+args=("$@")
+if [ -n "${NGPU:-}" ] && [[ " $* " != *" --ngpu"* ]]; then
+  args=(--ngpu "${NGPU}" "$@")
+fi
+exec python "${ROOT}/scripts/estimate_memory.py" "${args[@]}"

@@ -1,0 +1,374 @@
+"""Estimate the per-rank peak memory of a training step without allocating it.
+
+Usage:
+    python scripts/estimate_memory.py --config NAME_OR_PATH --ngpu N [--all-ac-modes] [--sec.key VALUE ...]
+    ./run_memory_estimation.sh --config llama3_8b.toml --ngpu 8 --all-ac-modes
+
+The model is built through its TrainSpec on the meta device in `training.dtype` and parallelized
+by the spec's own `parallelize_fn` for a world of `--ngpu` ranks, in this one process (a fake
+process group; rank 0 is shown, all ranks hold the same). Then, under FakeTensorMode, it gets
+storage and one training step runs as the trainer runs it (forward, the spec's loss in the loss
+context, backward, per micro-batch; grad clipping; optimizer step) under PyTorch's MemTracker
+(FSDPMemTracker when FSDP shards the model). The optimizer state is created beforehand by a
+step on zero gradients, so the measured step is a steady-state one. Nothing is allocated and no
+weights are initialized.
+
+Output: a Markdown table, in GiB, of what is alive at the moment of the peak, by kind. Under
+FSDP "parameters" are this rank's shards (in `training.dtype`) and "gathered parameters" the
+unsharded copies, in `training.mixed_precision_param`, that FSDP all-gathers for compute. With
+`--all-ac-modes`: one column per activation-checkpointing mode (none, full, selective op,
+selective 2). A config mistake prints one message and exits with code 2.
+
+Not modelled: torch.compile (the step runs eagerly), the caching allocator's rounding,
+fragmentation and reserved memory, and CUDA/NCCL context memory; keep some headroom. DDP
+(replicas without sharding) is refused: its C++ reducer cannot run on fake tensors.
+`measure(cfg, ngpu, fake=False)` runs the same path on real CPU tensors, for validation.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+# Import this checkout's torchtitan even when another copy is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+from torchtitan.components.training_step import forward_backward, gradient_accumulation_steps
+from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig, parse_args
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.tools.dtypes import TORCH_DTYPES
+
+GiB = 2**30
+
+AC_MODES = {
+    "none": ActivationCheckpoint(mode="none"),
+    "full": ActivationCheckpoint(mode="full"),
+    "selective op": ActivationCheckpoint(mode="selective", selective_ac_option="op"),
+    "selective 2": ActivationCheckpoint(mode="selective", selective_ac_option="2"),
+}
+
+# Report row -> the MemTracker / FSDPMemTracker categories it sums.
+ROWS = {
+    "parameters": ("Parameter", "Sharded Param"),
+    "gathered parameters": ("Unsharded Param",),
+    "gradients": ("Gradient", "Sharded Grad", "Unsharded Grad"),
+    "optimizer state": ("Optstate", "OptState"),
+    "activations": ("Activation",),
+    "temporaries": ("Temp",),
+    "communication buffers": ("All Gather", "Reduce Scatter"),
+    "buffers": ("Buffer",),
+    "inputs": ("Inputs", "Other"),
+}
+TOTAL = "peak total"
+ALWAYS_SHOWN = ("parameters", "gradients", "optimizer state", "activations")
+
+
+# ----- command line --------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def parse_cli(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
+    """The estimator's own options, and the JobConfig from the rest; raises ConfigError."""
+    parser = argparse.ArgumentParser(
+        description="Estimate per-rank peak training memory (GiB) without allocating it.",
+        epilog="Every other option goes to the trainer's config: --config NAME_OR_PATH, --section.key VALUE.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--ngpu", type=positive_int, required=True, help="number of ranks (GPUs) to simulate")
+    parser.add_argument(
+        "--all-ac-modes", action="store_true", help="one column per AC mode: " + ", ".join(AC_MODES)
+    )
+    args, rest = parser.parse_known_args(argv)
+    return args, parse_args(rest)
+
+
+def with_ac(cfg: JobConfig, mode: ActivationCheckpoint) -> JobConfig:
+    """A copy of `cfg` with the mode and option of `mode` (its other AC keys are kept)."""
+    ac = dataclasses.replace(
+        cfg.activation_checkpoint, mode=mode.mode, selective_ac_option=mode.selective_ac_option
+    )
+    return dataclasses.replace(cfg, activation_checkpoint=ac)
+
+
+def _eager(cfg: JobConfig) -> JobConfig:
+    """`cfg` with compile off; refuses memory_budget AC, which only compile can apply."""
+    if cfg.activation_checkpoint.mode == "memory_budget":
+        raise ConfigError(
+            "'activation_checkpoint.mode' = 'memory_budget' is decided by torch.compile's partitioner, "
+            "which the estimator does not run; estimate another mode (or use --all-ac-modes)."
+        )
+    return dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, enable=False))
+
+
+# ----- building ------------------------------------------------------------------------------
+
+
+def _refuse_ddp(parallel_dims: ParallelDims) -> None:
+    """DDP cannot run on fake tensors; say so, and how to estimate it instead."""
+    if parallel_dims.ddp_enabled:
+        r = parallel_dims.dp_replicate
+        raise ConfigError(
+            f"'parallelism.data_parallel_replicate_degree' = {r} without sharding is DDP, whose C++ "
+            "gradient reducer needs real storage, so it cannot run under FakeTensorMode. A DDP rank "
+            "holds what one replica holds plus gradient-sized communication buckets: estimate with "
+            f"--parallelism.data_parallel_replicate_degree 1 and --ngpu {parallel_dims.world_size // r}, "
+            "then add the gradients once more."
+        )
+
+
+@contextlib.contextmanager
+def fake_world(ngpu: int):
+    """A fake process group of `ngpu` ranks in this process, as rank 0; destroyed on exit."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ngpu)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def parallel_dims_for(cfg: JobConfig, ngpu: int) -> ParallelDims:
+    """ParallelDims of `[parallelism]` for `ngpu` ranks; raises ConfigError if they do not fit."""
+    p = cfg.parallelism
+    return ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        tp=p.tensor_parallel_degree,
+        world_size=ngpu,
+    )
+
+
+def build_model(cfg: JobConfig, parallel_dims: ParallelDims, device: torch.device) -> torch.nn.Module:
+    """The spec's model built in `training.dtype` on the meta device and parallelized, as the
+    trainer builds it. It has no storage yet: `to_empty` under FakeTensorMode gives it fake storage.
+
+    (Built outside FakeTensorMode: fake parameters are weakly referenced by the fake-tensor
+    cache, and `to_empty` cannot swap those.)
+    """
+    spec = get_train_spec(cfg.model.name)
+    model_args = spec.get_flavor(cfg.model.flavor).update_from_config(cfg)
+    model = spec.build_meta_model(model_args, TORCH_DTYPES[cfg.training.dtype])
+    return spec.parallelize_fn(model, parallel_dims, cfg, device)
+
+
+def _batch(cfg: JobConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    vocab_size = get_train_spec(cfg.model.name).get_flavor(cfg.model.flavor).vocab_size
+    shape = (cfg.training.local_batch_size, cfg.training.seq_len)
+    return (
+        torch.randint(0, vocab_size, shape, device=device),
+        torch.randint(0, vocab_size, shape, device=device),
+    )
+
+
+def _prime_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer state, as a first step would, with a step on zero gradients."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+# ----- tracking ------------------------------------------------------------------------------
+
+
+class _Pausable:
+    """Tracker mixin: while `paused`, ops run untracked."""
+
+    paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.paused:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _MemTracker(_Pausable, MemTracker):
+    pass
+
+
+class _FSDPMemTracker(_Pausable, FSDPMemTracker):
+    pass
+
+
+class _PauseTracker:
+    """Reusable context pausing a tracker; stands in for DTensor's sharding-propagation lock.
+
+    DTensor derives an op's output shape by running the op on global-shape fake tensors in the
+    active fake mode. MemTracker skips those only when that mode differs from its own; under our
+    FakeTensorMode it is the same one, so without this they would count as allocations (grad
+    clipping alone would "hold" an unsharded fp32 copy of every gradient).
+    """
+
+    def __init__(self, tracker: _Pausable):
+        self.tracker = tracker
+
+    def __enter__(self):
+        self.tracker.paused += 1
+
+    def __exit__(self, *exc):
+        self.tracker.paused -= 1
+
+
+@contextlib.contextmanager
+def tracking(tracker: MemTracker):
+    """Enter `tracker`, with DTensor's shape propagation left untracked."""
+    saved = ShardingPropagator._fake_mode_lock
+    ShardingPropagator._fake_mode_lock = _PauseTracker(tracker)
+    try:
+        with tracker:
+            yield tracker
+    finally:
+        ShardingPropagator._fake_mode_lock = saved
+
+
+def make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) -> MemTracker:
+    """FSDPMemTracker for an FSDP model (shards, gathered copies, comm buffers), else MemTracker."""
+    if isinstance(model, FSDPModule):
+        tracker = _FSDPMemTracker(model, optimizer)
+        tracker.track_inputs(batch)
+    else:
+        tracker = _MemTracker()
+        tracker.track_external(model, optimizer, *batch)
+    return tracker
+
+
+# ----- one step ------------------------------------------------------------------------------
+
+
+def train_step(cfg, parallel_dims, model, optimizer, loss_fn, batch, tracker: MemTracker) -> None:
+    """One trainer step: micro-batches (forward, loss, backward in the loss context), clip, step.
+
+    Only the first two micro-batches run: from the second on, each holds the same (the
+    gradients accumulated so far plus its own activations).
+    """
+    accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
+    optimizer.zero_grad(set_to_none=True)
+    inputs, labels = batch
+    for micro_batch in range(min(accum_steps, 2)):
+        if micro_batch:
+            tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root otherwise
+        forward_backward(model, loss_fn, inputs, labels, accum_steps, parallel_dims, cfg)
+    dist_utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+    optimizer.step()
+
+
+def _tracked_step(cfg: JobConfig, model, parallel_dims: ParallelDims, device: torch.device) -> dict:
+    """Give `model` storage, build its optimizer, run one tracked step; the peak snapshot."""
+    spec = get_train_spec(cfg.model.name)
+    model.to_empty(device=device).train()
+    optimizer = spec.build_optimizer_fn(model, cfg, device)
+    _prime_optimizer(model, optimizer)
+    batch = _batch(cfg, device)
+    tracker = make_tracker(model, optimizer, batch)
+    with tracking(tracker):
+        train_step(cfg, parallel_dims, model, optimizer, spec.build_loss_fn(cfg), batch, tracker)
+    return tracker.get_tracker_snapshot("peak").get(device, {})
+
+
+def breakdown(snapshot: dict) -> dict[str, int]:
+    """Bytes per report row, plus TOTAL, from one device's MemTracker snapshot."""
+    by_name = {getattr(kind, "value", kind): n for kind, n in snapshot.items()}
+    rows = {row: sum(by_name.get(name, 0) for name in names) for row, names in ROWS.items()}
+    rows[TOTAL] = by_name.get("Total", 0)
+    return rows
+
+
+def measure(cfg: JobConfig, ngpu: int, fake: bool = True) -> dict[str, int]:
+    """Peak bytes on rank 0 of `ngpu` during one steady-state training step, by report row.
+
+    `fake=False` runs the same path on real CPU tensors, allocating one rank's memory. Needs
+    a process without a process group. Raises ConfigError for a layout the config cannot have.
+    """
+    cfg = _eager(cfg)
+    device = torch.device("cpu")
+    gc.collect()
+    with fake_world(ngpu):
+        parallel_dims = parallel_dims_for(cfg, ngpu)
+        gradient_accumulation_steps(cfg, parallel_dims.dp_degree)  # refuse a bad batch before building
+        if fake:
+            _refuse_ddp(parallel_dims)
+        parallel_dims.build_mesh(device.type)
+        model = build_model(cfg, parallel_dims, device)
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+            return breakdown(_tracked_step(cfg, model, parallel_dims, device))
+
+
+def estimate(cfg: JobConfig, ngpu: int, modes: Iterable[str] | None = None) -> dict[str, dict[str, int]]:
+    """Fake-mode `measure` per AC mode named in `modes` (default: the config's own mode)."""
+    if modes is None:
+        return {mode_label(cfg.activation_checkpoint): measure(cfg, ngpu)}
+    return {name: measure(with_ac(cfg, AC_MODES[name]), ngpu) for name in modes}
+
+
+# ----- output --------------------------------------------------------------------------------
+
+
+def mode_label(ac: ActivationCheckpoint) -> str:
+    """'none', 'full', 'selective op', 'selective 2', ..."""
+    return f"{ac.mode} {ac.selective_ac_option}" if ac.mode == "selective" else ac.mode
+
+
+def format_table(results: dict[str, dict[str, int]]) -> str:
+    """Markdown table in GiB: a row per kind of memory (minor kinds left out when zero), a column per mode."""
+    lines = ["| GiB per rank | " + " | ".join(results) + " |", "|---" * (len(results) + 1) + "|"]
+    for row in [*ROWS, TOTAL]:
+        values = [results[mode][row] / GiB for mode in results]
+        if row == TOTAL:
+            lines.append(f"| **{row}** | " + " | ".join(f"**{v:.3f}**" for v in values) + " |")
+        elif any(values) or row in ALWAYS_SHOWN:
+            lines.append(f"| {row} | " + " | ".join(f"{v:.3f}" for v in values) + " |")
+    return "\n".join(lines)
+
+
+def describe(cfg: JobConfig, ngpu: int) -> str:
+    """One line naming the model, layout, batch and dtypes that were estimated."""
+    t, dims = cfg.training, parallel_dims_for(cfg, ngpu)
+    return (
+        f"{cfg.model.name} {cfg.model.flavor} on {ngpu} rank(s) (dp_replicate {dims.dp_replicate}, "
+        f"dp_shard {dims.dp_shard}, tp {dims.tp}), local batch {t.local_batch_size} x {t.seq_len} tokens, "
+        f"{t.dtype} weights, {t.mixed_precision_param} compute"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the estimate as Markdown; on a config mistake print it and exit 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args, cfg = parse_cli(argv)
+        results = estimate(cfg, args.ngpu, list(AC_MODES) if args.all_ac_modes else None)
+        title = describe(cfg, args.ngpu)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if cfg.compile.enable:
+        print("note: torch.compile is not simulated; this is the eager step's memory.", file=sys.stderr)
+    print(f"Estimated peak memory per rank: {title}\n\n{format_table(results)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""scripts/estimate_memory.py: fake-mode estimates against real runs of the same step, what the
+table shows, and the inputs it refuses."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+from torchtitan.config import parse_args
+from torchtitan.models.llama3 import llama3_flavors
+from torchtitan.models.llama3.model import Transformer
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "estimate_memory.py"
+DEBUG = ["--config", "debug_model.toml", "--training.local_batch_size", "4", "--training.seq_len", "256"]
+# Two FSDP ranks, bf16 compute, full AC and a tiny batch: the peak falls in grad clipping and the
+# optimizer step, where DTensor ops run on every gradient.
+FSDP_SMALL = ["--config", "debug_model.toml", "--training.local_batch_size", "1", "--training.seq_len", "32"]
+FSDP_SMALL += ["--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full"]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("estimate_memory", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+em = _load_script()
+
+
+def _config(argv: list[str], mode: str | None = None):
+    cfg = parse_args(argv, env={})
+    return cfg if mode is None else em.with_ac(cfg, em.AC_MODES[mode])
+
+
+def _table_row(table: str, name: str) -> dict[str, float]:
+    lines = table.splitlines()
+    header = next(line for line in lines if line.startswith("| GiB per rank |"))
+    row = next(line for line in lines if line.startswith(f"| {name} |"))
+    modes = [c.strip() for c in header.strip("|").split("|")][1:]
+    return dict(zip(modes, (float(c.strip(" *")) for c in row.strip("|").split("|")[1:])))
+
+
+@pytest.mark.parametrize("mode", ["none", "selective op"])
+def test_estimate_is_within_10_percent_of_a_real_run(mode):
+    cfg = _config(DEBUG, mode)
+    estimated = em.measure(cfg, 1, fake=True)[em.TOTAL]
+    measured = em.measure(cfg, 1, fake=False)[em.TOTAL]
+    assert measured > 50 * 2**20  # the debug model's step really held something
+    assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured)
+
+
+def test_fsdp_estimate_ignores_dtensor_shape_propagation():
+    # DTensor caches output shapes per op; clear them so that this run derives them again.
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    cfg = _config(FSDP_SMALL)
+    estimated = em.measure(cfg, 2, fake=True)[em.TOTAL]
+    measured = em.measure(cfg, 2, fake=False)[em.TOTAL]
+    assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured)
+
+
+def test_fsdp_reports_fp32_shards_and_bf16_gathered_copies():
+    with torch.device("meta"):
+        model = Transformer(llama3_flavors["debugmodel"])
+    total = sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.layers["0"].parameters())
+    root = total - len(model.layers) * block
+    rows = em.measure(_config(DEBUG + ["--training.mixed_precision_param", "bfloat16"]), 2)
+    assert rows["parameters"] == 4 * total // 2  # each of 2 ranks holds half, in float32
+    gathered = rows["gathered parameters"]  # root (kept after forward) + any gathered blocks, 2 bytes each
+    assert gathered >= 2 * root and (gathered - 2 * root) % (2 * block) == 0, gathered
+
+
+def test_gradient_accumulation_holds_the_accumulated_gradients_during_the_next_micro_batch():
+    single = em.measure(_config(DEBUG, "none"), 1)
+    accumulated = em.measure(_config(DEBUG + ["--training.global_batch_size", "8"], "none"), 1)
+    assert single["gradients"] == 0  # the peak comes before the first gradient
+    assert accumulated["gradients"] == single["parameters"]  # float32 gradients of every parameter
+    assert accumulated[em.TOTAL] == single[em.TOTAL] + accumulated["gradients"]
+
+
+def test_all_ac_modes_table_orders_activations_full_then_op_then_none(capsys):
+    em.main(DEBUG + ["--ngpu", "1", "--all-ac-modes"])
+    activations = _table_row(capsys.readouterr().out, "activations")
+    assert list(activations) == list(em.AC_MODES)
+    assert activations["full"] < activations["selective op"] < activations["none"]
+
+
+def test_bad_config_from_the_shell_exits_2_without_traceback():
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--ngpu", "1", "--training.stpes", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CONFIG_FILE": ""},
+    )
+    assert proc.returncode == 2
+    assert "Did you mean 'steps'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--ngpu", "3", "--parallelism.data_parallel_shard_degree", "2"], "but the world size is 3"),
+        (["--ngpu", "1", "--activation_checkpoint.mode", "memory_budget"], "does not run"),
+        (["--ngpu", "2", "--parallelism.data_parallel_replicate_degree", "2"], "cannot run under Fake"),
+    ],
+    ids=["degrees-do-not-fit-ngpu", "memory-budget-needs-compile", "ddp-needs-real-storage"],
+)
+def test_config_refused_after_parsing_exits_2_with_its_message(argv, expected, capsys):
+    with pytest.raises(SystemExit) as info:
+        em.main(["--config", "debug_model.toml", *argv])
+    assert info.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["--ngpu", "0"], ["--ngpu", "two"]], ids=["missing", "zero", "text"])
+def test_ngpu_missing_or_below_1_is_a_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        em.main(["--config", "debug_model.toml", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and "--ngpu" in err
+
+
+def test_wrapper_script_forwards_its_arguments():
+    proc = subprocess.run(
+        [str(ROOT / "run_memory_estimation.sh"), *FSDP_SMALL, "--ngpu", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "debugmodel on 2 rank(s) (dp_replicate 1, dp_shard 2, tp 1)" in proc.stdout
+    assert _table_row(proc.stdout, "**peak total**")["full"] > 0

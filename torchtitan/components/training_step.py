@@ -1,0 +1,61 @@
+"""The pieces of one training step that the trainer and the memory estimator share."""
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import ConfigError
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import loss_context
+from torchtitan.distributed.utils import plain_tensor
+from torchtitan.tools.dtypes import TORCH_DTYPES
+
+
+def gradient_accumulation_steps(job_config: JobConfig, dp_degree: int) -> int:
+    """Micro-batches per optimizer step: global batch / (local batch x dp degree).
+
+    Raises:
+        ConfigError: when the global batch is not a multiple of local batch x dp degree.
+    """
+    t = job_config.training
+    per_micro_batch = t.local_batch_size * dp_degree
+    global_batch = per_micro_batch if t.global_batch_size == -1 else t.global_batch_size
+    if global_batch % per_micro_batch:
+        raise ConfigError(
+            f"'training.global_batch_size' = {global_batch} is not a multiple of "
+            f"local_batch_size {t.local_batch_size} x data-parallel degree {dp_degree} = "
+            f"{per_micro_batch}; choose a multiple."
+        )
+    return global_batch // per_micro_batch
+
+
+def autocast_context(job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device):
+    """bf16 autocast for a run without FSDP; under FSDP its MixedPrecisionPolicy casts."""
+    t = job_config.training
+    if parallel_dims.fsdp_enabled or t.mixed_precision_param == t.dtype:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=TORCH_DTYPES[t.mixed_precision_param])
+
+
+def forward_backward(
+    model: nn.Module,
+    loss_fn,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    accum_steps: int,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+) -> torch.Tensor:
+    """Forward, loss (scaled by 1/accum_steps) and backward of one micro-batch.
+
+    Returns the detached scaled loss as a plain tensor on the device (no host sync).
+    """
+    with loss_context(parallel_dims, job_config):
+        with autocast_context(job_config, parallel_dims, inputs.device):
+            logits = model(inputs)
+        loss = loss_fn(logits, labels) / accum_steps
+        del logits
+        loss.backward()
+    return plain_tensor(loss.detach())
