@@ -82,3 +82,20 @@ def test_ac_adds_no_fsdp_communication():
     # once; one reduce-scatter per FSDP unit.
     expected = {"all_gather": 2 * 6 + 1, "reduce_scatter": 6 + 1}
     assert report == {"none": expected, "full": expected, "selective op": expected}
+
+
+def test_op_sac_does_not_recommunicate_tensor_parallel_collectives():
+    worker = PROJECT_ROOT / "tests" / "integration" / "tp_comm_worker.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", str(worker)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
+    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    none, full, op_sac = report["none"], report["full"], report["selective op"]
+    assert none["forward"] == full["forward"] == op_sac["forward"] > 0
+    # Full AC recomputes each block's forward, collectives included; op-SAC saves them.
+    assert (
+        full["backward"] == none["backward"] + none["forward"] - 2
+    )  # the root's embedding/output are not recomputed
+    assert op_sac["backward"] == none["backward"]

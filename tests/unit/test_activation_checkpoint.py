@@ -167,7 +167,8 @@ def test_default_save_list_covers_matmuls_every_attention_kernel_collectives_and
     c10d = torch.ops._c10d_functional
     expected = {getattr(aten, f"_scaled_dot_product_{k}").default for k in sdpa_kernels} | {
         aten.mm.default, aten.linear.default, aten.max.default, aten.topk.default,
-        c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default,
+        c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
+        c10d.all_to_all_single.default,
     }  # fmt: skip
     assert expected <= DEFAULT_SAVE_LIST
     assert any("flex_attention" in str(op) for op in DEFAULT_SAVE_LIST)

@@ -36,8 +36,9 @@ _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 
 # What op-SAC saves unless a model says otherwise. Matmuls and attention are the expensive
-# ops to recompute; collectives would communicate again; amax feeds low-precision scales;
-# topk decides MoE routing, which must not change between forward and recompute.
+# ops to recompute; collectives (sequence-parallel all-gather and reduce-scatter, expert
+# all-to-all) would communicate again; amax feeds low-precision scales; topk decides MoE
+# routing, which must not change between forward and recompute.
 DEFAULT_SAVE_LIST: frozenset = frozenset(
     {
         _aten.mm.default,
@@ -49,6 +50,7 @@ DEFAULT_SAVE_LIST: frozenset = frozenset(
         _aten._scaled_dot_product_flash_attention_for_cpu.default,
         _flex_attention_op,
         _aten.max.default,
+        _c10d.all_gather_into_tensor.default,
         _c10d.reduce_scatter_tensor.default,
         _c10d.all_to_all_single.default,
         _aten.topk.default,
