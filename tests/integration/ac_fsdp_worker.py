@@ -13,29 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torchtitan.config.manager import parse_args
+from tests.integration.workers import AC_MODES, SEQ_LEN, build_debug_model
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.llama3 import llama3_flavors
-from torchtitan.models.llama3.model import Transformer
-from torchtitan.models.llama3.parallelize import parallelize_llama
-
-MODES = {"none": ("none", "2"), "full": ("full", "2"), "selective 1": ("selective", "1"),
-         "selective 2": ("selective", "2"), "selective op": ("selective", "op")}  # fmt: skip
-SEQ = 64
-
-
-def build(args, parallel_dims, mode, option):
-    overrides = {"activation_checkpoint.mode": mode, "activation_checkpoint.selective_ac_option": option,
-                 "training.mixed_precision_param": "float32", "training.seq_len": str(SEQ)}  # fmt: skip
-    cfg = parse_args([arg for key, value in overrides.items() for arg in (f"--{key}", value)], env={})
-    with torch.device("meta"):
-        model = Transformer(args)
-    if parallel_dims is not None:
-        parallelize_llama(model, parallel_dims, cfg, torch.device("cpu"))
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
-    return model
 
 
 def loss_and_grads(model, tokens):
@@ -54,13 +33,12 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     parallel_dims = ParallelDims(1, -1, 1, world)
     parallel_dims.build_mesh("cpu")
-    args = llama3_flavors["debugmodel"]
-    tokens = torch.randint(0, args.vocab_size, (4, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    ref_loss, ref_grads = loss_and_grads(build(args, None, "none", "2"), tokens)
+    tokens = torch.randint(0, 2048, (4, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grads = loss_and_grads(build_debug_model(None, "none"), tokens)
     local = tokens.chunk(world)[rank]
     report, fsdp_none = {}, None
-    for name, (mode, option) in MODES.items():
-        loss, grads = loss_and_grads(build(args, parallel_dims, mode, option), local)
+    for name in AC_MODES:
+        loss, grads = loss_and_grads(build_debug_model(parallel_dims, name), local)
         dist.all_reduce(loss)
         fsdp_none = fsdp_none or (loss, grads)
         report[name] = {

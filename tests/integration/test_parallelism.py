@@ -4,14 +4,10 @@ The CI matrix is small and representative; the full AC x 2-D matrix is marked `f
 and runs with `python -m pytest -m full_matrix`.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import PROJECT_ROOT, read_metrics, run_trainer
+from tests.conftest import read_metrics, run_trainer
+from tests.integration.workers import run_worker
 
 pytestmark = pytest.mark.integration
 
@@ -71,13 +67,7 @@ def test_fsdp2_tp2_with_each_ac_mode_matches_single_process(mode, single_process
 
 
 def test_ac_adds_no_fsdp_communication():
-    worker = PROJECT_ROOT / "tests" / "integration" / "fsdp_comm_worker.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", str(worker)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
-    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_worker("fsdp_comm_worker")
     # Six blocks gathered for forward and again for backward (recompute included), the root
     # once; one reduce-scatter per FSDP unit.
     expected = {"all_gather": 2 * 6 + 1, "reduce_scatter": 6 + 1}
@@ -85,13 +75,7 @@ def test_ac_adds_no_fsdp_communication():
 
 
 def test_op_sac_does_not_recommunicate_tensor_parallel_collectives():
-    worker = PROJECT_ROOT / "tests" / "integration" / "tp_comm_worker.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", str(worker)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
-    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_worker("tp_comm_worker")
     none, full, op_sac = report["none"], report["full"], report["selective op"]
     assert none["forward"] == full["forward"] == op_sac["forward"] > 0
     # Full AC recomputes each block's forward, collectives included; op-SAC saves them.

@@ -8,14 +8,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.integration.workers import build_debug_model
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
-from torchtitan.models.llama3 import llama3_flavors
-from torchtitan.models.llama3.model import Transformer
-from torchtitan.models.llama3.parallelize import parallelize_llama
 
-MODES = {"none": ("none", "2"), "full": ("full", "2"), "selective op": ("selective", "op")}
+MODES = ("none", "full", "selective op")
+TP2 = ("--parallelism.tensor_parallel_degree", "2")
 _c10d = torch.ops._c10d_functional
 COLLECTIVES = {
     _c10d.all_gather_into_tensor.default,
@@ -36,16 +35,9 @@ class CountCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(parallel_dims, mode, option) -> dict:
-    overrides = ["--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option,
-                 "--training.seq_len", "64", "--training.mixed_precision_param", "float32",
-                 "--parallelism.tensor_parallel_degree", "2"]  # fmt: skip
-    cfg = parse_args(overrides, env={})
-    with torch.device("meta"):
-        model = Transformer(llama3_flavors["debugmodel"])
-    parallelize_llama(model, parallel_dims, cfg, torch.device("cpu"))
-    model.to_empty(device="cpu")
-    model.init_weights()
+def count(parallel_dims, mode: str) -> dict:
+    model = build_debug_model(parallel_dims, mode, TP2)
+    cfg = parse_args(list(TP2), env={})
     tokens = torch.randint(0, 2048, (2, 65), generator=torch.Generator().manual_seed(0))
     with CountCollectives() as counter, loss_context(parallel_dims, cfg):
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
@@ -58,7 +50,7 @@ def main():
     dist.init_process_group("gloo")
     parallel_dims = ParallelDims(1, 1, 2, dist.get_world_size())
     parallel_dims.build_mesh("cpu")
-    report = {name: count(parallel_dims, *mode) for name, mode in MODES.items()}
+    report = {mode: count(parallel_dims, mode) for mode in MODES}
     if dist.get_rank() == 0:
         print(json.dumps(report))
     dist.destroy_process_group()

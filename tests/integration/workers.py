@@ -1,0 +1,54 @@
+"""What the torchrun worker scripts share: building the debug model through Llama 3's
+parallelize.py for a given AC mode, and launching a worker from a test."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from torchtitan.config.manager import parse_args
+from torchtitan.models.llama3 import llama3_flavors
+from torchtitan.models.llama3.model import Transformer
+from torchtitan.models.llama3.parallelize import parallelize_llama
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+SEQ_LEN = 64
+AC_MODES = {
+    "none": ("none", "2"),
+    "full": ("full", "2"),
+    "selective 1": ("selective", "1"),
+    "selective 2": ("selective", "2"),
+    "selective op": ("selective", "op"),
+}
+
+
+def build_debug_model(parallel_dims, ac_mode: str, extra_args: tuple = ()) -> torch.nn.Module:
+    """The seeded Llama 3 debug model with `ac_mode`, parallelized for `parallel_dims` (None:
+    plain single-process model, no AC)."""
+    mode, option = AC_MODES[ac_mode]
+    argv = ["--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option,
+            "--training.mixed_precision_param", "float32", "--training.seq_len", str(SEQ_LEN)]  # fmt: skip
+    argv += list(extra_args)
+    cfg = parse_args(argv, env={})
+    with torch.device("meta"):
+        model = Transformer(llama3_flavors["debugmodel"])
+    if parallel_dims is not None:
+        parallelize_llama(model, parallel_dims, cfg, torch.device("cpu"))
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    return model
+
+
+def run_worker(name: str, nproc: int = 2) -> dict:
+    """Run tests/integration/<name>.py under torchrun and return the JSON its rank 0 printed last."""
+    script = PROJECT_ROOT / "tests" / "integration" / f"{name}.py"
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    cmd = launcher + ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
+    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
