@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchtitan.components.dataloader import build_validation_dataloader
+from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.training_step import (
     autocast_context,
     forward_backward,
@@ -71,8 +73,6 @@ class Trainer:
         self.lr_scheduler = self.spec.build_lr_scheduler_fn(self.optimizer, cfg)
         self.loss_fn = self.spec.build_loss_fn(cfg)
         self.validator = self._build_validator(dp_rank, dp_degree)
-        from torchtitan.components.metrics import MetricsProcessor
-
         self.metrics = MetricsProcessor(cfg, self.device, self.flops_per_token, self.rank == 0, self.rank)
         self.step = 0
         self.stop_requested = False
@@ -124,8 +124,6 @@ class Trainer:
     def _build_validator(self, dp_rank: int, dp_degree: int) -> Validator | None:
         if not self.job_config.validation.enable:
             return None
-        from torchtitan.components.dataloader import build_validation_dataloader
-
         loader = build_validation_dataloader(self.job_config, self.tokenizer, dp_rank, dp_degree)
         return Validator(loader, self.loss_fn, self.device, self.job_config.validation.steps)
 
@@ -212,13 +210,12 @@ class Trainer:
         gc.enable()
 
 
-def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def main(argv: list[str] | None = None) -> None:
-    """Parse the config, train, and always clean up (writers, process group)."""
+    """Parse the config and train; always clean up (writers, process group).
+
+    Exit codes: 0 done, 2 config mistake (one paragraph on stderr, no traceback), 143 stopped
+    by SIGTERM, 130 interrupted.
+    """
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(format_help())
@@ -227,29 +224,25 @@ def main(argv: list[str] | None = None) -> None:
     trainer = None
     exit_code = 0
     try:
-        job_config = parse_args(argv)
-        trainer = Trainer(job_config)
+        trainer = Trainer(parse_args(argv))
         signal.signal(signal.SIGTERM, trainer.request_stop)
         trainer.train()
     except ConfigError as e:
-        _cleanup(trainer)
-        _fail(str(e))
+        print(f"error: {e}", file=sys.stderr)
+        exit_code = 2
     except StopRequested:
         logger.warning(f"Stopped by SIGTERM after step {trainer.step}")
         exit_code = 128 + signal.SIGTERM
     except KeyboardInterrupt:
         logger.warning("Interrupted; shutting down")
         exit_code = 130
-    _cleanup(trainer)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     if exit_code:
         sys.exit(exit_code)
-
-
-def _cleanup(trainer: Trainer | None) -> None:
-    if trainer is not None:
-        trainer.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

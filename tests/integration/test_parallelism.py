@@ -37,6 +37,8 @@ def _assert_matches(records, reference, rtol=1e-4):
 
 LAYOUTS = {
     "tp2": (2, 1, ["--parallelism.tensor_parallel_degree", "2"]),
+    "tp2_without_loss_parallel": (2, 1, ["--parallelism.tensor_parallel_degree", "2",
+                                         "--parallelism.disable_loss_parallel"]),
     "fsdp2_tp2": (4, 2, ["--parallelism.tensor_parallel_degree", "2"]),
     "hsdp2x2": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2"]),
     "ddp2": (2, 2, ["--parallelism.data_parallel_replicate_degree", "2",
