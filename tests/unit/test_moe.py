@@ -1,0 +1,293 @@
+"""MoE layer: routing, expert paths, naive-reference numerics, load balancing, AC and meta init."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torchtitan.config import ActivationCheckpoint
+from torchtitan.distributed import activation_checkpoint as ac_module
+from torchtitan.distributed.activation_checkpoint import DEFAULT_SAVE_LIST, apply_ac
+from torchtitan.models.moe import (
+    GroupedExperts,
+    MoE,
+    MoEArgs,
+    TokenChoiceTopKRouter,
+    grouped_mm_supported,
+    pop_aux_loss,
+    update_expert_bias,
+)
+
+DIM, HIDDEN = 16, 32
+OP_SAC = ActivationCheckpoint(mode="selective", selective_ac_option="op")
+FULL = ActivationCheckpoint(mode="full")
+SCORE_FUNCS = [("softmax", lambda z: F.softmax(z, -1)), ("sigmoid", torch.sigmoid)]
+
+
+def _moe(seed: int = 0, **overrides) -> MoE:
+    """A small MoE with O(1) weights, so that 1e-5 comparisons are not trivially met."""
+    args = MoEArgs(**{"num_experts": 8, "top_k": 2, **overrides})
+    torch.manual_seed(seed)
+    moe = MoE(DIM, HIDDEN, args)
+    moe.init_weights(0.02)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.4)
+    return moe
+
+
+def _tokens(*shape, seed: int = 1) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _router_with_identity_gate(num_experts: int, **overrides) -> TokenChoiceTopKRouter:
+    """A router whose gate logits equal its input (dim = num_experts)."""
+    router = TokenChoiceTopKRouter(num_experts, MoEArgs(num_experts=num_experts, **overrides))
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.eye(num_experts))
+    return router
+
+
+def test_router_selects_by_biased_scores_but_weights_use_unbiased_scores():
+    router = _router_with_identity_gate(4, top_k=1)
+    logits = torch.tensor([[2.0, 1.0, 0.0, 0.0]])
+    top_scores, selected, _ = router(logits, expert_bias=torch.tensor([0.0, 0.0, 5.0, 0.0]))
+    assert selected.tolist() == [[2]]
+    torch.testing.assert_close(top_scores, F.softmax(logits, dim=-1)[:, 2:3])
+
+
+def test_route_norm_makes_each_tokens_weights_sum_to_one():
+    router = _router_with_identity_gate(8, top_k=3, score_func="sigmoid", route_norm=True)
+    top_scores, _, _ = router(_tokens(10, 8))
+    torch.testing.assert_close(top_scores.sum(dim=-1), torch.ones(10))
+
+
+@pytest.mark.parametrize("score_func, score", SCORE_FUNCS)
+def test_score_func_gives_softmax_or_sigmoid_of_the_gate_logits(score_func, score):
+    router = _router_with_identity_gate(8, top_k=3, score_func=score_func, route_scale=2.5)
+    logits = _tokens(10, 8)
+    top_scores, selected, _ = router(logits)
+    torch.testing.assert_close(selected, torch.topk(logits, 3).indices)
+    torch.testing.assert_close(top_scores, 2.5 * score(logits).gather(-1, selected))
+
+
+def test_group_limited_routing_picks_experts_only_from_the_best_groups():
+    router = _router_with_identity_gate(16, top_k=4, num_expert_groups=4, num_limited_groups=2)
+    logits = _tokens(200, 16)
+    _, selected, _ = router(logits)
+    top2_sum = torch.topk(F.softmax(logits, -1).view(200, 4, 4), 2, dim=-1).values.sum(dim=-1)
+    best_groups = torch.topk(top2_sum, 2, dim=-1).indices
+    for token_groups, allowed in zip((selected // 4).tolist(), best_groups.tolist()):
+        assert set(token_groups) <= set(allowed)
+    assert any(len(set(g)) == 2 for g in (selected // 4).tolist())
+
+
+def test_token_counts_equal_bincount_of_selections_and_sum_to_tokens_times_k():
+    moe = _moe(top_k=3)
+    top_scores, selected, counts = moe.router(_tokens(40, DIM))
+    assert torch.equal(counts, torch.bincount(selected.flatten(), minlength=8))
+    assert counts.sum().item() == 40 * 3
+    moe(_tokens(2, 20, DIM, seed=2))
+    assert moe.tokens_per_expert.sum().item() == 40 * 3
+
+
+def _loss_and_grads(module: nn.Module, x: torch.Tensor):
+    x = x.clone().requires_grad_()
+    out = module(x)
+    aux = pop_aux_loss(module)
+    (out.square().mean() + (0 if aux is None else aux)).backward()
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in module.named_parameters()}
+    return out.detach(), x.grad, grads
+
+
+@pytest.mark.skipif(not grouped_mm_supported(torch.device("cpu"), torch.float32), reason="no grouped mm")
+def test_grouped_mm_path_matches_the_loop_path_in_output_and_grads():
+    grouped = _moe(num_shared_experts=1, load_balance_coeff=1e-3)
+    with torch.no_grad():
+        grouped.expert_bias[0] = -100.0  # expert 0 gets no tokens: an empty group
+    looped = copy.deepcopy(grouped)
+    looped.experts.use_grouped_mm = False
+    x = _tokens(2, 12, DIM)
+    assert grouped.experts.uses_grouped_mm(x) and not looped.experts.uses_grouped_mm(x)
+    out_g, dx_g, grads_g = _loss_and_grads(grouped, x)
+    out_l, dx_l, grads_l = _loss_and_grads(looped, x)
+    assert grouped.tokens_per_expert[0] == 0
+    torch.testing.assert_close(out_g, out_l, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx_g, dx_l, rtol=1e-5, atol=1e-5)
+    for name, grad in grads_g.items():
+        torch.testing.assert_close(grad, grads_l[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_experts_fall_back_to_the_loop_when_rows_are_not_16_byte_aligned():
+    experts = GroupedExperts(6, 10, num_experts=3, use_grouped_mm=True)
+    experts.init_weights(0.02)
+    x = _tokens(9, 6)
+    assert not experts.uses_grouped_mm(x)
+    looped = copy.deepcopy(experts)
+    looped.use_grouped_mm = False
+    counts = torch.tensor([4, 0, 5])
+    torch.testing.assert_close(experts(x, counts), looped(x, counts), rtol=0, atol=0)
+
+
+def _naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: sum over its chosen experts of weight * expert(token), plus shared."""
+    a, w1, w2, w3 = moe.args, moe.experts.w1, moe.experts.w2, moe.experts.w3
+    out = torch.zeros_like(x.view(-1, DIM))
+    for t, token in enumerate(x.view(-1, DIM)):
+        logits = moe.router.gate.weight @ token
+        scores = torch.sigmoid(logits) if a.score_func == "sigmoid" else torch.softmax(logits, dim=0)
+        choice = (scores + moe.expert_bias).view(a.num_expert_groups, -1)
+        group_rank = choice.sort(dim=1, descending=True).values[:, :2].sum(dim=1).argsort(descending=True)
+        choice[group_rank[a.num_limited_groups :]] = float("-inf")
+        chosen = choice.flatten().argsort(descending=True)[: a.top_k]
+        weights = scores[chosen] / scores[chosen].sum() * a.route_scale
+        for e, weight in zip(chosen.tolist(), weights):
+            out[t] += weight * (w2[e] @ (F.silu(w1[e] @ token) * (w3[e] @ token)))
+        out[t] += moe.shared_experts(token)
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("use_grouped_mm", [True, False])
+def test_moe_output_matches_a_naive_per_token_reference(use_grouped_mm):
+    moe = _moe(
+        num_experts=8,
+        top_k=3,
+        num_shared_experts=2,
+        score_func="sigmoid",
+        route_norm=True,
+        route_scale=2.5,
+        num_expert_groups=4,
+        num_limited_groups=2,
+        load_balance_coeff=1e-3,
+        use_grouped_mm=use_grouped_mm,
+    )
+    with torch.no_grad():
+        moe.expert_bias.copy_(_tokens(8, seed=3) * 0.3)
+    x = _tokens(2, 7, DIM)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), _naive_moe(moe, x), rtol=1e-5, atol=1e-5)
+
+
+def test_sequence_aux_loss_matches_the_per_sequence_formula_and_reaches_the_gate():
+    moe = _moe(score_func="sigmoid", seq_aux_loss_coeff=0.01)
+    x = _tokens(3, 10, DIM)
+    moe(x)
+    expected = 0.0
+    for seq in x:
+        scores = torch.sigmoid(seq @ moe.router.gate.weight.T)
+        chosen = torch.topk(scores, 2).indices
+        load = torch.bincount(chosen.flatten(), minlength=8) * 8 / (2 * 10)
+        expected += (load * (scores / scores.sum(-1, keepdim=True)).mean(0)).sum() / 3
+    aux = pop_aux_loss(moe)
+    torch.testing.assert_close(aux, 0.01 * expected)
+    assert moe.aux_loss is None
+    aux.backward()
+    assert moe.router.gate.weight.grad.abs().sum() > 0
+
+
+def test_aux_loss_is_none_when_its_coefficient_is_zero():
+    moe = _moe()
+    moe(_tokens(1, 4, DIM))
+    assert moe.aux_loss is None and pop_aux_loss(moe) is None
+
+
+def test_bias_update_favors_underloaded_experts_and_resets_counts():
+    moe = _moe(num_experts=4, top_k=1, load_balance_coeff=0.1)
+    moe.tokens_per_expert.copy_(torch.tensor([10.0, 0.0, 6.0, 4.0]))
+    imbalance = update_expert_bias(nn.Sequential(moe))
+    # sign(5 - n) = [-1, 1, -1, 1] sums to 0, so centering changes nothing here.
+    torch.testing.assert_close(moe.expert_bias, torch.tensor([-0.1, 0.1, -0.1, 0.1]))
+    assert torch.equal(moe.tokens_per_expert, torch.zeros(4))
+    assert imbalance == {"0": pytest.approx(2.0)}
+
+
+def test_bias_update_is_centered_and_skips_layers_without_a_coefficient():
+    balanced, unbalanced = _moe(num_experts=4, top_k=1, load_balance_coeff=0.1), _moe(num_experts=4, top_k=1)
+    balanced.tokens_per_expert.copy_(torch.tensor([9.0, 1.0, 1.0, 1.0]))
+    unbalanced.tokens_per_expert.copy_(torch.tensor([9.0, 1.0, 1.0, 1.0]))
+    update_expert_bias(nn.ModuleList([balanced, unbalanced]))
+    torch.testing.assert_close(balanced.expert_bias, torch.tensor([-0.15, 0.05, 0.05, 0.05]))
+    assert torch.equal(unbalanced.expert_bias, torch.zeros(4))
+    assert torch.equal(unbalanced.tokens_per_expert, torch.zeros(4))
+
+
+class _Block(nn.Module):
+    def __init__(self, moe: MoE):
+        super().__init__()
+        self.norm = nn.RMSNorm(DIM)
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.norm(x))
+
+
+class _Holder(nn.Module):
+    def __init__(self, moe: MoE):
+        super().__init__()
+        self.layers = nn.ModuleDict({"0": _Block(moe)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers.values():
+            x = block(x)
+        return x
+
+
+def test_gate_is_a_linear_named_moe_router_gate_that_op_sac_force_recomputes():
+    holder = _Holder(_moe())
+    assert isinstance(dict(holder.named_modules())["layers.0.moe.router.gate"], nn.Linear)
+    assert ac_module._forced_recompute_mm_shapes(holder, ["moe.router.gate"]) == {(DIM, 8)}
+
+
+@pytest.mark.parametrize("use_grouped_mm", [True, False])
+@pytest.mark.parametrize("ac", [OP_SAC, FULL], ids=["op-sac", "full"])
+def test_checkpointed_moe_gives_the_same_grads_as_no_checkpoint(ac, use_grouped_mm):
+    moe = _moe(num_shared_experts=1, seq_aux_loss_coeff=0.01, load_balance_coeff=1e-3)
+    moe.experts.use_grouped_mm = use_grouped_mm
+    plain, checkpointed = _Holder(moe), _Holder(copy.deepcopy(moe))
+    apply_ac(checkpointed, ac, op_sac_save_list=DEFAULT_SAVE_LIST)
+    assert "Checkpoint" in type(checkpointed.layers["0"]).__name__
+    x = _tokens(2, 12, DIM)
+    out_p, dx_p, grads_p = _loss_and_grads(plain, x)
+    out_c, dx_c, grads_c = _loss_and_grads(checkpointed, x)
+    assert torch.equal(out_p, out_c) and torch.equal(dx_p, dx_c)
+    for name, grad in grads_p.items():
+        assert torch.equal(grad, grads_c[name]), name
+
+
+def test_recompute_neither_recounts_tokens_nor_resets_the_aux_loss():
+    holder = _Holder(_moe(seq_aux_loss_coeff=0.01))
+    apply_ac(holder, FULL)
+    moe = holder.layers["0"]._checkpoint_wrapped_module.moe
+    out = holder(_tokens(2, 12, DIM))
+    aux = moe.aux_loss
+    (out.sum() + aux).backward()
+    assert moe.tokens_per_expert.sum().item() == 2 * 12 * 2
+    assert moe.aux_loss is aux
+
+
+def test_meta_construction_then_to_empty_and_init_weights_gives_finite_outputs():
+    with torch.device("meta"):
+        moe = MoE(DIM, HIDDEN, MoEArgs(num_experts=8, top_k=2, num_shared_experts=1, load_balance_coeff=1e-3))
+    moe.to_empty(device="cpu")
+    torch.manual_seed(0)
+    moe.init_weights(0.02)
+    assert torch.equal(moe.expert_bias, torch.zeros(8)) and torch.equal(moe.tokens_per_expert, torch.zeros(8))
+    out = moe(_tokens(2, 5, DIM))
+    assert out.shape == (2, 5, DIM) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"top_k": 9},
+        {"score_func": "relu"},
+        {"num_expert_groups": 3, "num_limited_groups": 1},
+        {"num_expert_groups": 4},
+        {"num_expert_groups": 4, "num_limited_groups": 1, "top_k": 3},
+    ],
+)
+def test_inconsistent_args_are_refused(overrides):
+    with pytest.raises(ValueError):
+        MoEArgs(**{"num_experts": 8, **overrides})

@@ -1,0 +1,462 @@
+"""The one Mixture-of-Experts layer: token-choice top-k router, grouped SwiGLU experts, optional
+shared experts, auxiliary-loss-free load balancing and the sequence-level auxiliary loss.
+
+A model puts `MoE(dim, hidden_dim, args)` in its block under the attribute `moe`, so that the
+gate's FQN ends in `moe.router.gate` (activation checkpointing recomputes that matmul by name).
+
+Training-loop duties, both optional:
+    - after each optimizer step, `update_expert_bias(model, dp_group)` when any layer sets
+      `load_balance_coeff`; it returns a per-layer load-imbalance metric for logging.
+    - when `seq_aux_loss_coeff > 0`, add `pop_aux_loss(model)` to the loss before backward.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from torchtitan.distributed.utils import init_param_
+
+
+@dataclass
+class MoEArgs:
+    """Hyperparameters of one MoE layer.
+
+    Attributes:
+        num_experts: routed experts per layer.
+        num_shared_experts: experts every token passes through (0 = none); they form one SwiGLU
+            of width `hidden_dim * num_shared_experts`.
+        top_k: experts each token is routed to.
+        score_func: "softmax" over all experts (Qwen3) or per-expert "sigmoid" (DeepSeek-V3).
+        route_norm: renormalize each token's top-k scores to sum to 1 (before `route_scale`).
+        route_scale: multiplies the combine weights.
+        num_expert_groups, num_limited_groups: node-limited routing (DeepSeek-V3): experts form
+            `num_expert_groups` equal groups; a token may use only the `num_limited_groups`
+            groups with the largest sum of their top-2 scores. None on both disables it.
+        load_balance_coeff: update rate of auxiliary-loss-free balancing (the expert bias);
+            None disables it.
+        seq_aux_loss_coeff: weight of the sequence-level balance loss; 0 disables it.
+        use_grouped_mm: run the experts with `torch._grouped_mm` where it is supported.
+    """
+
+    num_experts: int = 8
+    num_shared_experts: int = 0
+    top_k: int = 2
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    route_norm: bool = False
+    route_scale: float = 1.0
+    num_expert_groups: int | None = None
+    num_limited_groups: int | None = None
+    load_balance_coeff: float | None = None
+    seq_aux_loss_coeff: float = 0.0
+    use_grouped_mm: bool = True
+
+    def __post_init__(self):
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func '{self.score_func}' is unknown; use 'softmax' or 'sigmoid'")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k = {self.top_k} must be in [1, num_experts = {self.num_experts}]")
+        if (self.num_expert_groups is None) != (self.num_limited_groups is None):
+            raise ValueError("set both num_expert_groups and num_limited_groups, or neither")
+        if self.num_expert_groups is not None:
+            self._check_groups()
+
+    def _check_groups(self) -> None:
+        groups, limited = self.num_expert_groups, self.num_limited_groups
+        if groups < 1 or self.num_experts % groups:
+            raise ValueError(f"num_experts = {self.num_experts} is not divisible into {groups} groups")
+        if not 1 <= limited <= groups:
+            raise ValueError(f"num_limited_groups = {limited} must be in [1, num_expert_groups = {groups}]")
+        if self.top_k > limited * (self.num_experts // groups):
+            raise ValueError(f"top_k = {self.top_k} exceeds the experts of {limited} groups")
+
+
+def _trunc_normal(std: float):
+    return lambda t: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # Tensor/expert parallelism hand the experts DTensor weights; the math runs on local shards.
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _in_backward() -> bool:
+    # Activation checkpointing reruns forward inside backward; side effects must happen once.
+    return torch._C._current_graph_task_id() != -1
+
+
+class TokenChoiceTopKRouter(nn.Module):
+    """Scores every expert for each token and picks each token's `top_k` experts.
+
+    Args:
+        dim: token width.
+        args: the layer's `MoEArgs`.
+    """
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.args = args
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None, return_scores: bool = False):
+        """Route tokens `x` [T, dim]: scores are the softmax or sigmoid, in fp32, of the gate's
+        logits (which come out in the gate weight's dtype).
+
+        Args:
+            x: tokens, [T, dim].
+            expert_bias: [num_experts] added to the scores only to choose experts (load
+                balancing); the combine weights never include it.
+            return_scores: also return the fp32 scores of all experts, [T, num_experts].
+
+        Returns:
+            (top_scores [T, k] fp32 combine weights, selected_experts [T, k] int64,
+            num_tokens_per_expert [num_experts] int64) and, with `return_scores`, the scores.
+
+        Pitfall: selection goes through `torch.topk`, which op-SAC saves, so an activation
+        checkpoint recompute sees the same routing even where scores tie.
+        """
+        scores = self._score(self.gate(x).float())
+        choice = scores if expert_bias is None else scores + expert_bias
+        if self.args.num_expert_groups is not None:
+            choice = self._mask_unpicked_groups(choice)
+        selected = torch.topk(choice, self.args.top_k, dim=-1).indices
+        top_scores = scores.gather(-1, selected)
+        if self.args.route_norm:
+            top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
+        top_scores = top_scores * self.args.route_scale
+        counts = _count_per_expert(selected, self.args.num_experts)
+        return (top_scores, selected, counts, scores) if return_scores else (top_scores, selected, counts)
+
+    def _score(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.args.score_func == "softmax":
+            return F.softmax(logits, dim=-1)
+        return torch.sigmoid(logits)
+
+    def _mask_unpicked_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` [T, E] with -inf outside each token's `num_limited_groups` best groups, a
+        group ranking by the sum of its two best scores (its one score for 1-expert groups)."""
+        groups = choice.view(choice.shape[0], self.args.num_expert_groups, -1)
+        group_score = torch.topk(groups, min(2, groups.shape[-1]), dim=-1).values.sum(dim=-1)
+        kept = torch.topk(group_score, self.args.num_limited_groups, dim=-1).indices
+        dropped = torch.ones_like(group_score, dtype=torch.bool).scatter(1, kept, False)
+        return groups.masked_fill(dropped.unsqueeze(-1), float("-inf")).flatten(1)
+
+    def init_weights(self, init_std: float) -> None:
+        init_param_(self.gate.weight, _trunc_normal(init_std))
+
+
+def _count_per_expert(selected: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert (a bincount), int64 [num_experts].
+
+    A scatter-add rather than `torch.bincount`: its output size is static, so it runs under
+    FakeTensorMode (memory estimation) and compile, and it is deterministic on accelerators.
+    """
+    flat = selected.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+
+
+_GROUPED_MM_SUPPORT: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs for `dtype` on `device`; probed once per pair.
+
+    A capability check instead of a device-name list: kernels come and go per build and
+    device generation. Pitfall: it only says the op exists; row strides must still be
+    16-byte aligned (see `GroupedExperts.uses_grouped_mm`).
+    """
+    key = (torch.device(device), dtype)
+    if key not in _GROUPED_MM_SUPPORT:
+        _GROUPED_MM_SUPPORT[key] = _probe_grouped_mm(*key)
+    return _GROUPED_MM_SUPPORT[key]
+
+
+@torch.compiler.disable
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    # Forward only, without grad: the probe may first run inside a checkpointed region,
+    # where saving tensors would break the recompute's saved-tensor count.
+    with torch.no_grad():
+        try:
+            a = torch.ones(16, 16, device=device, dtype=dtype)
+            b = torch.ones(2, 16, 16, device=device, dtype=dtype)
+            offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
+            torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            return False
+    return True
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU experts with stacked weights, run on tokens grouped by expert.
+
+    w1, w3: [num_experts, hidden_dim, dim]; w2: [num_experts, dim, hidden_dim] (each expert's
+    slice is laid out like an nn.Linear weight). Two implementations with the same math:
+    one `torch._grouped_mm` call per projection, or a loop of per-expert matmuls; the first is
+    used when `use_grouped_mm` is set and `uses_grouped_mm(x)` allows it.
+    """
+
+    # Rows per expert are padded to this multiple for grouped mm: the weight-gradient matmul
+    # splits the token dimension at group offsets, which need 16-byte alignment (8 bf16 rows).
+    # Low-precision (fp8, mxfp8) grouped matmuls need 16 or 32: override on the class.
+    align_rows: int = 8
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
+        super().__init__()
+        self.num_experts = num_experts
+        self.use_grouped_mm = use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def uses_grouped_mm(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x, ...)` takes the grouped-mm path: it is enabled, the op runs for
+        x's device and dtype, and the (local) dim and hidden_dim rows are 16-byte aligned."""
+        if not self.use_grouped_mm:
+            return False
+        row_bytes = [n * x.element_size() for n in _local(self.w1).shape[1:]]
+        return all(b % 16 == 0 for b in row_bytes) and grouped_mm_supported(x.device, x.dtype)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Apply expert e to its rows of `x`.
+
+        Args:
+            x: [N, dim], rows grouped by expert: expert 0's first, then expert 1's, and so on.
+            num_tokens_per_expert: [num_experts] integer row counts, summing to N.
+
+        Returns:
+            [N, dim], row i computed by the expert that owns row i.
+
+        Pitfall: the loop path reads the counts on the host (one device sync per call).
+        """
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if self.uses_grouped_mm(x):
+            return self._grouped(x, num_tokens_per_expert, w1, w2, w3)
+        return self._looped(x, num_tokens_per_expert, w1, w2, w3)
+
+    def _looped(self, x, counts, w1, w2, w3) -> torch.Tensor:
+        outs = []
+        for e, rows in enumerate(torch.split(x, counts.tolist())):
+            h = F.silu(rows @ w1[e].transpose(0, 1)) * (rows @ w3[e].transpose(0, 1))
+            outs.append(h @ w2[e].transpose(0, 1))
+        return torch.cat(outs)
+
+    def _grouped(self, x, counts, w1, w2, w3) -> torch.Tensor:
+        dest, padded_counts = _aligned_rows(counts, x.shape[0], self.align_rows)
+        # Static worst-case size (no device sync). Grouped mm leaves output rows past the last
+        # offset unwritten; they are never read.
+        padded = x.new_zeros(x.shape[0] + counts.numel() * self.align_rows, x.shape[1])
+        padded[dest] = x
+        offs = torch.cumsum(padded_counts, dim=0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(padded, w1.transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(padded, w3.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)[dest]
+
+    def init_weights(self, init_std: float) -> None:
+        init_param_(self.w1, _trunc_normal(0.02))
+        init_param_(self.w2, _trunc_normal(init_std))
+        init_param_(self.w3, _trunc_normal(init_std))
+
+
+def _aligned_rows(counts: torch.Tensor, num_rows: int, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each of `num_rows` expert-grouped rows goes once every group is padded to `align`.
+
+    Returns:
+        (dest [num_rows]: each row's index in the padded batch, padded_counts [E]).
+
+    Empty experts also get `align` zero rows, so that every group's weight gradient is a real
+    (zero) matmul. All shapes are static: no device sync.
+    """
+    padded_counts = ((counts + align - 1) // align * align).clamp_min(align)
+    start = torch.cumsum(counts, dim=0) - counts
+    padded_start = torch.cumsum(padded_counts, dim=0) - padded_counts
+    rows = torch.arange(num_rows, device=counts.device)
+    expert = torch.searchsorted(torch.cumsum(counts, dim=0), rows, right=True)
+    return padded_start[expert] + rows - start[expert], padded_counts
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP `w2(silu(w1(x)) * w3(x))` of nn.Linear layers: the shared experts (named like
+    Llama's feed-forward, so a TP plan shards w1/w3 colwise and w2 rowwise the same way)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float) -> None:
+        init_param_(self.w1.weight, _trunc_normal(0.02))
+        for linear in (self.w2, self.w3):
+            init_param_(linear.weight, _trunc_normal(init_std))
+
+
+class MoE(nn.Module):
+    """Token-choice top-k Mixture of Experts with optional shared experts.
+
+    Args:
+        dim: token width.
+        hidden_dim: width of each routed expert; the shared experts are `num_shared_experts`
+            times as wide.
+        args: `MoEArgs`.
+
+    Buffers (fp32; keep them so: `model.to(bfloat16)` would make counts inexact and bias
+    updates vanish):
+        expert_bias [num_experts], persistent: added to scores to choose experts.
+        tokens_per_expert [num_experts], not persistent: tokens routed since the last
+            `update_expert_bias`.
+
+    `aux_loss` is the sequence-level balance loss of the latest forward (already multiplied
+    by `seq_aux_loss_coeff`), or None when the coefficient is 0; see `pop_aux_loss`.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.num_experts = args.num_experts
+        self.load_balance_coeff = args.load_balance_coeff
+        self.router = TokenChoiceTopKRouter(dim, args)
+        self.experts = GroupedExperts(dim, hidden_dim, args.num_experts, args.use_grouped_mm)
+        self.shared_experts = (
+            FeedForward(dim, hidden_dim * args.num_shared_experts) if args.num_shared_experts else None
+        )
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32), persistent=False
+        )
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Mix experts over `x` [batch, seq, dim]; returns [batch, seq, dim] in x's dtype.
+
+        Side effects, skipped in an activation-checkpoint recompute so that they happen once
+        per step: adds the routed counts to `tokens_per_expert`; sets `aux_loss`.
+        """
+        batch, seq_len, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        bias = self.expert_bias if self.load_balance_coeff is not None else None
+        want_aux = self.args.seq_aux_loss_coeff > 0
+        top_scores, selected, counts, *scores = self.router(tokens, bias, return_scores=want_aux)
+        # Computed in recompute too: skipping it would change the number of saved tensors.
+        aux = self._sequence_aux_loss(scores[0], selected, batch) if want_aux else None
+        if not _in_backward():
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts)
+            self.aux_loss = aux
+        routed = self._run_experts(tokens, selected, counts)
+        # Weighting in fp32 keeps bf16 rounding out of the sum over the k experts.
+        out = (routed.view(-1, self.args.top_k, dim).float() * top_scores.unsqueeze(-1)).sum(dim=1)
+        out = out.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.view(batch, seq_len, dim)
+
+    def _run_experts(self, tokens: torch.Tensor, selected: torch.Tensor, counts: torch.Tensor):
+        """Expert outputs [T * k, dim], row t * k + j for token t's j-th selected expert."""
+        # Stable, so each expert sees its tokens in token order whatever the sort kernel.
+        order = torch.argsort(selected.flatten(), stable=True)
+        routed_sorted = self.experts(tokens[order // self.args.top_k], counts)
+        routed = torch.empty_like(routed_sorted)
+        routed[order] = routed_sorted
+        return routed
+
+    def _sequence_aux_loss(self, scores: torch.Tensor, selected: torch.Tensor, batch: int) -> torch.Tensor:
+        """DeepSeek-V3's complementary sequence-wise balance loss, times its coefficient.
+
+        Per sequence: coeff * sum_i f_i * P_i, with f_i = E / (k * S) * (tokens routed to i)
+        and P_i the mean over tokens of the scores normalized to sum 1 per token; averaged
+        over the batch. Only P carries gradient (into the gate).
+        """
+        num_experts, top_k = self.num_experts, self.args.top_k
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+        seq_len = probs.shape[0] // batch
+        mean_probs = probs.view(batch, seq_len, num_experts).mean(dim=1)
+        seq_of_slot = torch.arange(batch, device=selected.device).repeat_interleave(seq_len * top_k)
+        hits = _count_per_expert(seq_of_slot * num_experts + selected.flatten(), batch * num_experts)
+        load = hits.view(batch, num_experts).float() * (num_experts / (top_k * seq_len))
+        return self.args.seq_aux_loss_coeff * (load * mean_probs).sum(dim=-1).mean()
+
+    def init_weights(self, init_std: float) -> None:
+        """Fill parameters and zero the buffers in place (after `to_empty`), same for any layout.
+
+        Args:
+            init_std: std of the gate and of the output-side expert projections (w2, w3).
+        """
+        self.router.init_weights(init_std)
+        self.experts.init_weights(init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
+        init_param_(self.expert_bias, nn.init.zeros_)
+        init_param_(self.tokens_per_expert, nn.init.zeros_)
+        self.aux_loss = None
+
+
+def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    layers = []
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            # Wrapper prefixes would make the names differ with the AC and compile settings.
+            for wrapper in ("._checkpoint_wrapped_module", "._orig_mod"):
+                name = name.replace(wrapper, "")
+            layers.append((name, module))
+    return layers
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, dp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Auxiliary-loss-free load balancing: nudge every MoE layer's expert bias toward its
+    underloaded experts, then start counting afresh. Call after each optimizer step.
+
+    For a layer with `load_balance_coeff` c and counts n: `expert_bias += d - mean(d)` with
+    `d = c * sign(mean(n) - n)`. Layers without a coefficient only have their counts reset.
+
+    Args:
+        model: any module tree holding `MoE` layers.
+        dp_group: the group whose ranks see different tokens (data parallel, and context
+            parallel if any); counts are summed over it, in one collective for all layers.
+
+    Returns:
+        {layer FQN: max / mean tokens per expert}, 1.0 for a perfectly balanced layer.
+
+    Pitfall: every rank of `dp_group` must call this at the same step, or the collective hangs.
+    """
+    layers = _moe_layers(model)
+    if not layers:
+        return {}
+    counts = torch.cat([m.tokens_per_expert for _, m in layers])
+    if dp_group is not None:
+        dist.all_reduce(counts, group=dp_group)
+    imbalance = []
+    for (_, moe), n in zip(layers, counts.split([m.num_experts for _, m in layers])):
+        mean = n.mean()
+        if moe.load_balance_coeff is not None:
+            delta = moe.load_balance_coeff * torch.sign(mean - n)
+            moe.expert_bias.add_(delta - delta.mean())
+        moe.tokens_per_expert.zero_()
+        imbalance.append(n.max() / mean.clamp_min(1e-9))
+    return dict(zip([name for name, _ in layers], torch.stack(imbalance).tolist()))
+
+
+def pop_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum of the MoE layers' `aux_loss` from the latest forward, clearing them; None if none.
+
+    Add it to the training loss before backward, scaled like that loss under gradient
+    accumulation. Clearing lets the loss graph go with the step. Pitfall: with pipeline
+    parallelism each stage holds only its own layers' losses.
+    """
+    losses = []
+    for _, moe in _moe_layers(model):
+        if moe.aux_loss is not None:
+            losses.append(moe.aux_loss)
+            moe.aux_loss = None
+    return torch.stack(losses).sum() if losses else None
