@@ -413,7 +413,9 @@ def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, dp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+def update_expert_bias(
+    model: nn.Module, dp_group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
     """Auxiliary-loss-free load balancing: nudge every MoE layer's expert bias toward its
     underloaded experts, then start counting afresh. Call after each optimizer step.
 
@@ -426,7 +428,8 @@ def update_expert_bias(model: nn.Module, dp_group: dist.ProcessGroup | None = No
             parallel if any); counts are summed over it, in one collective for all layers.
 
     Returns:
-        {layer FQN: max / mean tokens per expert}, 1.0 for a perfectly balanced layer.
+        {layer FQN: max / mean tokens per expert}, 1.0 for a perfectly balanced layer, as
+        0-dim device tensors so that the step does not wait for the host; read them at log time.
 
     Pitfall: every rank of `dp_group` must call this at the same step, or the collective hangs.
     """
@@ -444,7 +447,7 @@ def update_expert_bias(model: nn.Module, dp_group: dist.ProcessGroup | None = No
             moe.expert_bias.add_(delta - delta.mean())
         moe.tokens_per_expert.zero_()
         imbalance.append(n.max() / mean.clamp_min(1e-9))
-    return dict(zip([name for name, _ in layers], torch.stack(imbalance).tolist()))
+    return dict(zip([name for name, _ in layers], torch.stack(imbalance).unbind()))
 
 
 def pop_aux_loss(model: nn.Module) -> torch.Tensor | None:

@@ -6,6 +6,7 @@ import torch.nn as nn
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.models.rope import RoPEScaling
+from torchtitan.protocols.model_args import decoder_flops_per_token
 
 
 @dataclass
@@ -46,12 +47,7 @@ class TransformerModelArgs:
         return replace(self, max_seq_len=job_config.training.seq_len)
 
     def num_flops_per_token(self, model: nn.Module, seq_len: int) -> tuple[int, float]:
-        """(non-embedding parameters, training FLOPs per token).
-
-        6 FLOPs per parameter per token (forward + backward) plus the attention score and
-        value matmuls, 12 * layers * heads * head_dim * seq_len (causality not discounted).
-        """
-        total = sum(p.numel() for p in model.parameters())
-        non_embedding = total - model.tok_embeddings.weight.numel()
-        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
-        return non_embedding, 6 * non_embedding + attention
+        """(non-embedding parameters, training FLOPs per token); see `decoder_flops_per_token`."""
+        return decoder_flops_per_token(
+            model, self.n_layers, self.n_heads, self.head_dim, seq_len, self.tie_word_embeddings
+        )

@@ -32,9 +32,14 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = self.normalize_qk(q, k)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
         out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook before RoPE on (batch, seq, heads, head_dim) queries and keys; none in Llama 3."""
+        return q, k
 
     def init_weights(self, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -84,13 +89,16 @@ class Transformer(nn.Module):
     which is where activation checkpointing and FSDP find them.
 
     With `tie_word_embeddings` there is no `output` module: logits reuse the embedding matrix.
+    A model family that differs only in its blocks subclasses this and sets `block_cls`.
     """
+
+    block_cls = TransformerBlock
 
     def __init__(self, args: TransformerModelArgs):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block_cls(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope_cache", self._rope_cache(), persistent=False)

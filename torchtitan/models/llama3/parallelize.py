@@ -1,4 +1,4 @@
-"""Llama 3 parallelization, in the order TP -> AC -> compile -> data parallel (FSDP/HSDP/DDP)."""
+"""Llama 3 parallelization: its TP plan and AC save list; the order is `parallelize_decoder`'s."""
 
 import torch
 import torch.nn as nn
@@ -11,17 +11,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.components.compile import apply_compile, model_compile_enabled
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError
-from torchtitan.distributed.activation_checkpoint import MOE_ONLY_OPS, apply_ac, save_list
-from torchtitan.distributed.data_parallel import apply_data_parallel
+from torchtitan.distributed.activation_checkpoint import MOE_ONLY_OPS, save_list
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.tensor_parallel import (
-    check_tp_divisibility,
-    loss_parallel_enabled,
-    maybe_enable_async_tp,
-)
+from torchtitan.distributed.parallelize import parallelize_decoder
 
 # A dense model never routes tokens: MoE routing and the expert all-to-all are dropped. The
 # default keeps reduce_scatter, so op-SAC saves what sequence parallelism scatters.
@@ -71,25 +64,6 @@ def parallelize_llama(
     model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device
 ) -> nn.Module:
     """Apply TP, `[activation_checkpoint]`, `[compile]` and data parallelism to `model` in place."""
-    compile_model = model_compile_enabled(job_config)
-    maybe_enable_async_tp(parallel_dims, job_config, device)
-    if parallel_dims.tp_enabled:
-        args = model.args
-        if args.tie_word_embeddings:
-            raise ConfigError(
-                f"flavor '{job_config.model.flavor}' ties its embeddings, which tensor parallelism "
-                "does not support yet; set parallelism.tensor_parallel_degree = 1."
-            )
-        check_tp_divisibility(parallel_dims, job_config, args.n_heads, args.kv_heads)
-        apply_tp(model, parallel_dims.mesh["tp"], loss_parallel_enabled(parallel_dims, job_config))
-    apply_ac(
-        model,
-        job_config.activation_checkpoint,
-        model_compile_enabled=compile_model,
-        op_sac_save_list=LLAMA3_SAVE_LIST,
-        base_folder=job_config.job.dump_folder,
+    return parallelize_decoder(
+        model, parallel_dims, job_config, device, apply_tp=apply_tp, op_sac_save_list=LLAMA3_SAVE_LIST
     )
-    if compile_model:
-        apply_compile(model, job_config)
-    apply_data_parallel(model, parallel_dims, job_config, device)
-    return model

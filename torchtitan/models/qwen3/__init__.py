@@ -1,0 +1,47 @@
+"""Qwen3 dense flavors and their TrainSpec registration."""
+
+from torchtitan.components.dataloader import build_text_dataloader
+from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.lr_scheduler import build_lr_scheduler
+from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.tokenizer import build_hf_tokenizer
+from torchtitan.models.qwen3.args import Qwen3ModelArgs
+from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
+
+# Published sizes, from each model's Hugging Face config.json (Qwen/Qwen3-<size>): all use
+# head_dim 128, 8 kv heads, vocab 151936, rope_theta 1e6, RMSNorm eps 1e-6 and qk-norm; the
+# three smallest tie their embeddings. The debug model keeps head_dim (32) apart from
+# dim / n_heads (16), as the real sizes do, and matches the bundled 2048-token tokenizer.
+qwen3_flavors = {
+    "debugmodel": Qwen3ModelArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, head_dim=32, hidden_dim=768, vocab_size=2048
+    ),
+    "0.6B": Qwen3ModelArgs(
+        dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=3072, tie_word_embeddings=True
+    ),
+    "1.7B": Qwen3ModelArgs(
+        dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144, tie_word_embeddings=True
+    ),
+    "4B": Qwen3ModelArgs(
+        dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=9728, tie_word_embeddings=True
+    ),
+    "8B": Qwen3ModelArgs(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=12288),
+    "14B": Qwen3ModelArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, hidden_dim=17408),
+    "32B": Qwen3ModelArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, hidden_dim=25600),
+}
+
+register_train_spec(
+    TrainSpec(
+        name="qwen3",
+        model_cls=Qwen3Model,
+        flavors=qwen3_flavors,
+        parallelize_fn=parallelize_qwen3,
+        build_optimizer_fn=build_optimizer,
+        build_lr_scheduler_fn=build_lr_scheduler,
+        build_dataloader_fn=build_text_dataloader,
+        build_tokenizer_fn=build_hf_tokenizer,
+        build_loss_fn=build_cross_entropy_loss,
+    )
+)

@@ -1,0 +1,48 @@
+"""Qwen3 parallelization: its TP plan (Llama 3's plus the qk-norms) and AC save list; the order
+is `parallelize_decoder`'s."""
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.activation_checkpoint import MOE_ONLY_OPS, save_list
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.parallelize import parallelize_decoder
+from torchtitan.models.llama3.parallelize import apply_tp as apply_llama3_tp
+
+# Dense Qwen3 never routes tokens, so like Llama 3 it drops the MoE routing and expert
+# all-to-all ops; the qk-norms are cheap elementwise work and are recomputed. The default keeps
+# the sequence-parallel all-gather and reduce-scatter, so op-SAC under TP does not communicate
+# again in backward.
+QWEN3_SAVE_LIST = save_list(drop=MOE_ONLY_OPS)
+
+# q_norm/k_norm run after the column-wise wq/wk, on the rank's local heads laid out as
+# (batch, seq, local heads, head_dim). Declaring that input as sharded on the heads dim keeps
+# the weights replicated, makes their gradient the sum over all heads (all-reduced over TP),
+# and hands a local tensor back to RoPE and attention, as without TP.
+QK_NORM_TP_PLAN = {
+    "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+    "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+}
+
+
+def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
+    """Megatron-style TP with sequence parallelism over `tp_mesh`, in place.
+
+    The embedding, norms, projections and feed-forward follow Llama 3's plan (same module
+    names); the qk-norms are added on top of it.
+    """
+    apply_llama3_tp(model, tp_mesh, loss_parallel)
+    if model.args.qk_norm:
+        for block in model.layers.values():
+            parallelize_module(block, tp_mesh, QK_NORM_TP_PLAN)
+
+
+def parallelize_qwen3(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device
+) -> nn.Module:
+    """Apply TP, `[activation_checkpoint]`, `[compile]` and data parallelism to `model` in place."""
+    return parallelize_decoder(
+        model, parallel_dims, job_config, device, apply_tp=apply_tp, op_sac_save_list=QWEN3_SAVE_LIST
+    )
