@@ -75,6 +75,7 @@ class Trainer:
         self.validator = self._build_validator(dp_rank, dp_degree)
         self.metrics = MetricsProcessor(cfg, self.device, self.flops_per_token, self.rank == 0, self.rank)
         self.step = 0
+        self.step_metrics: dict[str, torch.Tensor] = {}
         self.stop_requested = False
         # Tensor-parallel ranks share their batch, so each device processes 1/tp of it.
         t = cfg.training
@@ -154,10 +155,13 @@ class Trainer:
                 self.accum_steps,
                 self.parallel_dims,
                 self.job_config,
+                self.spec.extra_loss_fn,
             )
         grad_norm = dist_utils.clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm)
         self.optimizer.step()
         self.lr_scheduler.step()
+        if self.spec.post_optimizer_step_fn is not None:
+            self.step_metrics = self.spec.post_optimizer_step_fn(self.model, self.parallel_dims.dp_group())
         return total_loss, grad_norm, data_seconds
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, started: float) -> None:
@@ -165,7 +169,9 @@ class Trainer:
         dist_utils.finite_or_raise(global_loss, self.step)
         steps_left = self.job_config.training.steps - self.step
         eta = (time.perf_counter() - started) / self.step * steps_left
-        self.metrics.log(self.step, global_loss, grad_norm.item(), self.lr_scheduler.get_last_lr()[0], eta)
+        extra = {name: value.item() for name, value in self.step_metrics.items()}
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.metrics.log(self.step, global_loss, grad_norm.item(), lr, eta, extra=extra)
 
     def _validate(self) -> None:
         autocast = autocast_context(self.job_config, self.parallel_dims, self.device)

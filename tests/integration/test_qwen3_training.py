@@ -117,3 +117,13 @@ def _worker() -> None:
 
 if __name__ == "__main__":
     _worker()
+
+
+def test_moe_debug_model_fsdp_on_two_processes_matches_one_process(tmp_path):
+    moe = ["--model.flavor", "debugmodel_moe", "--training.steps", "3"]
+    single = _run(tmp_path, "moe_single", 1, 1, moe)
+    fsdp = _run(tmp_path, "moe_fsdp", 2, 2, moe)
+    assert [r["step"] for r in fsdp] == [1, 2, 3]
+    for got, want in zip(fsdp, single):
+        for key in ("loss", "grad_norm", "moe_imbalance"):
+            assert abs(got[key] - want[key]) <= 1e-4 * abs(want[key]), (key, got, want)

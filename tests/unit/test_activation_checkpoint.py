@@ -334,14 +334,26 @@ def test_flex_with_compile_and_dense_blocks_wraps_whole_blocks():
 # ----- every model, and the one-module rule ------------------------------------------------
 
 
+DEBUG_FLAVORS = [
+    (name, flavor)
+    for name, spec in sorted(_REGISTRY.items())
+    for flavor in spec.flavors
+    if flavor.startswith("debug")
+]
+
+
+def test_every_registered_model_has_a_debug_flavor():
+    assert {name for name, _ in DEBUG_FLAVORS} == set(_REGISTRY) >= {"llama3", "qwen3"}
+
+
 @pytest.mark.parametrize("mode, every", [("none", 0), ("full", 1), ("selective 2", 2), ("selective op", 1)])
-@pytest.mark.parametrize("model_name", sorted(_REGISTRY) or ["llama3"])
-def test_every_registered_model_wraps_blocks_through_its_parallelize(model_name, mode, every):
+@pytest.mark.parametrize("model_name, flavor", DEBUG_FLAVORS)
+def test_every_registered_model_wraps_blocks_through_its_parallelize(model_name, flavor, mode, every):
     spec = get_train_spec(model_name)
-    cfg = parse_args(["--model.name", model_name], env={})
+    cfg = parse_args(["--model.name", model_name, "--model.flavor", flavor], env={})
     cfg.activation_checkpoint = MODES[mode]
     with torch.device("meta"):
-        model = spec.model_cls(spec.flavors["debugmodel"])
+        model = spec.model_cls(spec.flavors[flavor])
     spec.parallelize_fn(model, ParallelDims(1, 1, 1, 1), cfg, torch.device("cpu"))
     names = [name for name, _ in model.layers.named_children()]
     expected = [n for i, n in enumerate(names) if every and i % every == 0]

@@ -184,3 +184,58 @@ def test_tensor_parallel_with_tied_embeddings_is_refused():
         parallelize_qwen3(
             _meta_model(qwen3_flavors["0.6B"]), ParallelDims(1, 1, 2, 2), cfg, torch.device("cpu")
         )
+
+
+# ----- MoE flavors -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flavor, published", [("30B-A3B", 30.5e9), ("235B-A22B", 235e9)])
+def test_moe_parameter_count_matches_published_total(flavor, published):
+    count = sum(p.numel() for p in _meta_model(qwen3_flavors[flavor]).parameters())
+    assert abs(count - published) / published < 0.005, count
+
+
+def test_moe_flavor_blocks_hold_a_routed_moe_instead_of_a_feed_forward():
+    block = _meta_model(qwen3_flavors["30B-A3B"]).layers["0"]
+    assert "feed_forward" not in block._modules
+    assert block.moe.router.gate.out_features == 128 and block.moe.router.args.top_k == 8
+
+
+def _moe_debug_model(ac_mode: str, option: str = "op"):
+    from torchtitan.config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.qwen3.parallelize import QWEN3_MOE_SAVE_LIST
+
+    model = _meta_model(qwen3_flavors["debugmodel_moe"])
+    apply_ac(
+        model,
+        ActivationCheckpoint(mode=ac_mode, selective_ac_option=option),
+        op_sac_save_list=QWEN3_MOE_SAVE_LIST,
+    )
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    return model
+
+
+@pytest.mark.parametrize("ac_mode, option", [("full", "op"), ("selective", "op"), ("selective", "2")])
+def test_moe_debug_model_ac_keeps_loss_gradients_and_routing_counts(ac_mode, option):
+    tokens = torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(1))
+
+    def step(model):
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+        counts = [b.moe.tokens_per_expert.clone() for b in model.layers.values() if hasattr(b, "moe")]
+        counts = counts or [
+            b._checkpoint_wrapped_module.moe.tokens_per_expert.clone() for b in model.layers.values()
+        ]
+        return loss.detach(), grads, counts
+
+    ref_loss, ref_grads, ref_counts = step(_moe_debug_model("none"))
+    loss, grads, counts = step(_moe_debug_model(ac_mode, option))
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[name], grad) for name, grad in ref_grads.items())
+    # Recompute neither re-counts tokens nor routes differently.
+    assert all(torch.equal(a, b) for a, b in zip(counts, ref_counts))

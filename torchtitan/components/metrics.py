@@ -124,7 +124,7 @@ class MetricsProcessor:
             **peak_memory_gib(self.device),
             **(extra or {}),
         }
-        logger.info(self.format_line(record, eta_seconds))
+        logger.info(self.format_line(record, eta_seconds, extra or {}))
         self.write(record)
         self.reset_window()
         return record
@@ -139,10 +139,11 @@ class MetricsProcessor:
             sink.log(record, record["step"])
 
     @staticmethod
-    def format_line(r: dict, eta_seconds: float | None) -> str:
+    def format_line(r: dict, eta_seconds: float | None, extra: dict | None = None) -> str:
         memory = next((f"{v:.2f}GiB" for k, v in r.items() if k.startswith("memory/max")), "n/a")
         mfu = f"{r['mfu_pct']:.2f}%" if r["mfu_pct"] is not None else "n/a"
         eta = f"  eta: {_format_eta(eta_seconds)}" if eta_seconds is not None else ""
+        eta = "".join(f"  {k}: {v:.3f}" for k, v in (extra or {}).items()) + eta
         return (
             f"step: {r['step']:>5}  loss: {r['loss']:8.4f}  grad_norm: {r['grad_norm']:7.4f}  "
             f"lr: {r['lr']:.3e}  memory: {memory}  tps: {r['tps']:,.0f}  "

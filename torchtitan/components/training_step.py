@@ -47,15 +47,19 @@ def forward_backward(
     accum_steps: int,
     parallel_dims: ParallelDims,
     job_config: JobConfig,
+    extra_loss_fn=None,
 ) -> torch.Tensor:
     """Forward, loss (scaled by 1/accum_steps) and backward of one micro-batch.
 
-    Returns the detached scaled loss as a plain tensor on the device (no host sync).
+    `extra_loss_fn(model)`, when given, returns a loss the model adds (e.g. MoE auxiliary
+    losses) or None; it joins backward but not the returned loss. Returns the detached scaled
+    loss as a plain tensor on the device (no host sync).
     """
     with loss_context(parallel_dims, job_config):
         with autocast_context(job_config, parallel_dims, inputs.device):
             logits = model(inputs)
         loss = loss_fn(logits, labels) / accum_steps
         del logits
-        loss.backward()
+        extra = extra_loss_fn(model) if extra_loss_fn is not None else None
+        (loss if extra is None else loss + extra / accum_steps).backward()
     return plain_tensor(loss.detach())

@@ -81,6 +81,10 @@ class ParallelDims:
             raise RuntimeError("ParallelDims.build_mesh() has not been called")
         return self._mesh
 
+    def dp_group(self):
+        """The process group of ranks that see different data; None for one process."""
+        return None if self._mesh is None else self._mesh["dp"].get_group()
+
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (0 without a mesh)."""
         return 0 if self._mesh is None else self._mesh["dp"].get_local_rank()

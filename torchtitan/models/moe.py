@@ -450,6 +450,17 @@ def update_expert_bias(
     return dict(zip([name for name, _ in layers], torch.stack(imbalance).unbind()))
 
 
+def load_balance_step(model: nn.Module, dp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """`update_expert_bias`, summarized for the step log as the worst layer's max/mean load.
+
+    The signature of a TrainSpec's `post_optimizer_step_fn`; returns {} for a dense model.
+    """
+    imbalance = update_expert_bias(model, dp_group)
+    if not imbalance:
+        return {}
+    return {"moe_imbalance": torch.stack(list(imbalance.values())).max()}
+
+
 def pop_aux_loss(model: nn.Module) -> torch.Tensor | None:
     """Sum of the MoE layers' `aux_loss` from the latest forward, clearing them; None if none.
 

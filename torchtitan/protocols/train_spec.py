@@ -22,6 +22,11 @@ class TrainSpec:
             data parallelism in the order the model needs.
         build_optimizer_fn, build_lr_scheduler_fn, build_dataloader_fn, build_tokenizer_fn,
         build_loss_fn: the components; shared defaults live in `torchtitan.components`.
+        extra_loss_fn: optional `(model) -> Tensor | None`, a loss the model adds to the
+            training loss for backward (e.g. MoE auxiliary losses); not part of the logged loss.
+        post_optimizer_step_fn: optional `(model, dp_group) -> {name: 0-dim tensor}`, run after
+            every optimizer step on every rank (e.g. MoE load balancing); what it returns is
+            logged at log steps.
     """
 
     name: str
@@ -33,6 +38,8 @@ class TrainSpec:
     build_dataloader_fn: Callable
     build_tokenizer_fn: Callable
     build_loss_fn: Callable
+    extra_loss_fn: Callable | None = None
+    post_optimizer_step_fn: Callable | None = None
 
     def get_flavor(self, flavor: str) -> BaseModelArgs:
         """The args of `flavor`; raises ConfigError listing the valid flavors."""

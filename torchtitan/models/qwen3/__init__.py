@@ -1,10 +1,11 @@
-"""Qwen3 dense flavors and their TrainSpec registration."""
+"""Qwen3 dense and MoE flavors and their TrainSpec registration."""
 
 from torchtitan.components.dataloader import build_text_dataloader
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.optimizer import build_optimizer
 from torchtitan.components.tokenizer import build_hf_tokenizer
+from torchtitan.models.moe import MoEArgs, load_balance_step, pop_aux_loss
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
@@ -30,7 +31,21 @@ qwen3_flavors = {
     "8B": Qwen3ModelArgs(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=12288),
     "14B": Qwen3ModelArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, hidden_dim=17408),
     "32B": Qwen3ModelArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, hidden_dim=25600),
-}
+    # MoE: 128 routed experts, top-8 with renormalized softmax weights, no shared expert
+    # (Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json); auxiliary-loss-free balancing.
+    "debugmodel_moe": Qwen3ModelArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, head_dim=32, vocab_size=2048, moe_hidden_dim=256,
+        moe_args=MoEArgs(num_experts=8, top_k=2, route_norm=True, load_balance_coeff=1e-3),
+    ),
+    "30B-A3B": Qwen3ModelArgs(
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, moe_hidden_dim=768,
+        moe_args=MoEArgs(num_experts=128, top_k=8, route_norm=True, load_balance_coeff=1e-3),
+    ),
+    "235B-A22B": Qwen3ModelArgs(
+        dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, moe_hidden_dim=1536,
+        moe_args=MoEArgs(num_experts=128, top_k=8, route_norm=True, load_balance_coeff=1e-3),
+    ),
+}  # fmt: skip
 
 register_train_spec(
     TrainSpec(
@@ -43,5 +58,7 @@ register_train_spec(
         build_dataloader_fn=build_text_dataloader,
         build_tokenizer_fn=build_hf_tokenizer,
         build_loss_fn=build_cross_entropy_loss,
+        extra_loss_fn=pop_aux_loss,
+        post_optimizer_step_fn=load_balance_step,
     )
 )

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch.nn as nn
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.models.moe import MoEArgs
 from torchtitan.protocols.model_args import decoder_flops_per_token
 
 
@@ -30,6 +31,9 @@ class Qwen3ModelArgs:
     max_seq_len: int = 40960
     depth_init: bool = True
     attn_backend: str = "sdpa"
+    # MoE flavors: every block's feed-forward is a routed MoE of experts of width moe_hidden_dim.
+    moe_args: MoEArgs | None = None
+    moe_hidden_dim: int = 768
 
     @property
     def kv_heads(self) -> int:

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from torchtitan.distributed.utils import init_param_
 from torchtitan.models.llama3.model import Attention, FeedForward, Transformer
+from torchtitan.models.moe import MoE
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 from torchtitan.models.rope import precompute_rope_cache
 
@@ -46,8 +47,8 @@ class Qwen3Attention(Attention):
 class Qwen3Block(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then h + mlp(norm(h)).
 
-    Dense flavors hold a `feed_forward`; MoE flavors will register a `moe` in its place (the
-    AC module and FSDP look for either name), and `mlp` resolves to whichever is present.
+    Dense flavors hold a `feed_forward`, MoE flavors a `moe` in its place (the AC module looks
+    for either name); `mlp` resolves to whichever is present.
     """
 
     def __init__(self, layer_id: int, args: Qwen3ModelArgs):
@@ -55,7 +56,10 @@ class Qwen3Block(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Qwen3Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        if args.moe_args is None:
+            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        else:
+            self.moe = MoE(args.dim, args.moe_hidden_dim, args.moe_args)
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_std = 0.02 / math.sqrt(2 * depth)
 

@@ -6,6 +6,7 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.activation_checkpoint import MOE_ONLY_OPS, save_list
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize_decoder
@@ -16,6 +17,10 @@ from torchtitan.models.llama3.parallelize import apply_tp as apply_llama3_tp
 # the sequence-parallel all-gather and reduce-scatter, so op-SAC under TP does not communicate
 # again in backward.
 QWEN3_SAVE_LIST = save_list(drop=MOE_ONLY_OPS)
+# MoE flavors keep the default's routing topk and expert all-to-all: recompute must route
+# exactly as the forward did. The router gate's matmul is recomputed rather than counted,
+# through the default per_op_sac_force_recompute_mm_shapes_by_fqns = ["moe.router.gate"].
+QWEN3_MOE_SAVE_LIST = save_list()
 
 # q_norm/k_norm run after the column-wise wq/wk, on the rank's local heads laid out as
 # (batch, seq, local heads, head_dim). Declaring that input as sharded on the heads dim keeps
@@ -33,6 +38,11 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
     The embedding, norms, projections and feed-forward follow Llama 3's plan (same module
     names); the qk-norms are added on top of it.
     """
+    if model.args.moe_args is not None:
+        raise ConfigError(
+            "tensor parallelism for Qwen3 MoE flavors is not supported yet; set "
+            "parallelism.tensor_parallel_degree = 1."
+        )
     apply_llama3_tp(model, tp_mesh, loss_parallel)
     if model.args.qk_norm:
         for block in model.layers.values():
@@ -44,5 +54,10 @@ def parallelize_qwen3(
 ) -> nn.Module:
     """Apply TP, `[activation_checkpoint]`, `[compile]` and data parallelism to `model` in place."""
     return parallelize_decoder(
-        model, parallel_dims, job_config, device, apply_tp=apply_tp, op_sac_save_list=QWEN3_SAVE_LIST
+        model,
+        parallel_dims,
+        job_config,
+        device,
+        apply_tp=apply_tp,
+        op_sac_save_list=QWEN3_SAVE_LIST if model.args.moe_args is None else QWEN3_MOE_SAVE_LIST,
     )
