@@ -48,6 +48,7 @@ from torchtitan.components.training_step import forward_backward, gradient_accum
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig, parse_args
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.moe import MoE
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.dtypes import TORCH_DTYPES
 
@@ -136,6 +137,17 @@ def _refuse_ddp(parallel_dims: ParallelDims) -> None:
             "holds what one replica holds plus gradient-sized communication buckets: estimate with "
             f"--parallelism.data_parallel_replicate_degree 1 and --ngpu {parallel_dims.world_size // r}, "
             "then add the gradients once more."
+        )
+
+
+def _refuse_fp32_moe(cfg: JobConfig, model: torch.nn.Module) -> None:
+    """MoE experts need bf16 compute under FakeTensorMode: the grouped matmul's shape function
+    accepts bf16 only, and the per-expert loop that serves other dtypes reads the token counts."""
+    has_moe = any(isinstance(m, MoE) for m in model.modules())
+    if has_moe and cfg.training.mixed_precision_param != "bfloat16":
+        raise ConfigError(
+            f"'training.mixed_precision_param' = '{cfg.training.mixed_precision_param}': the estimator "
+            "can only run MoE experts in bfloat16; pass --training.mixed_precision_param bfloat16."
         )
 
 
@@ -314,6 +326,8 @@ def measure(cfg: JobConfig, ngpu: int, fake: bool = True) -> dict[str, int]:
             _refuse_ddp(parallel_dims)
         parallel_dims.build_mesh(device.type)
         model = build_model(cfg, parallel_dims, device)
+        if fake:
+            _refuse_fp32_moe(cfg, model)
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             return breakdown(_tracked_step(cfg, model, parallel_dims, device))
 

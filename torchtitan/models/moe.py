@@ -182,8 +182,11 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     # Forward only, without grad: the probe may first run inside a checkpointed region,
-    # where saving tensors would break the recompute's saved-tensor count.
-    with torch.no_grad():
+    # where saving tensors would break the recompute's saved-tensor count. Real tensors even
+    # under FakeTensorMode (the memory estimator): the answer is cached for real runs too.
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with torch.no_grad(), unset_fake_temporarily():
         try:
             a = torch.ones(16, 16, device=device, dtype=dtype)
             b = torch.ones(2, 16, 16, device=device, dtype=dtype)
