@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.utils import init_param_
+from torchtitan.models.layers import FeedForward, trunc_normal
 
 
 @dataclass
@@ -73,10 +74,6 @@ class MoEArgs:
             raise ValueError(f"num_limited_groups = {limited} must be in [1, num_expert_groups = {groups}]")
         if self.top_k > limited * (self.num_experts // groups):
             raise ValueError(f"top_k = {self.top_k} exceeds the experts of {limited} groups")
-
-
-def _trunc_normal(std: float):
-    return lambda t: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -146,7 +143,7 @@ class TokenChoiceTopKRouter(nn.Module):
         return groups.masked_fill(dropped.unsqueeze(-1), float("-inf")).flatten(1)
 
     def init_weights(self, init_std: float) -> None:
-        init_param_(self.gate.weight, _trunc_normal(init_std))
+        init_param_(self.gate.weight, trunc_normal(init_std))
 
 
 def _count_per_expert(selected: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -263,9 +260,9 @@ class GroupedExperts(nn.Module):
         return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)[dest]
 
     def init_weights(self, init_std: float) -> None:
-        init_param_(self.w1, _trunc_normal(0.02))
-        init_param_(self.w2, _trunc_normal(init_std))
-        init_param_(self.w3, _trunc_normal(init_std))
+        init_param_(self.w1, trunc_normal(0.02))
+        init_param_(self.w2, trunc_normal(init_std))
+        init_param_(self.w3, trunc_normal(init_std))
 
 
 def _aligned_rows(counts: torch.Tensor, num_rows: int, align: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,25 +280,6 @@ def _aligned_rows(counts: torch.Tensor, num_rows: int, align: int) -> tuple[torc
     rows = torch.arange(num_rows, device=counts.device)
     expert = torch.searchsorted(torch.cumsum(counts, dim=0), rows, right=True)
     return padded_start[expert] + rows - start[expert], padded_counts
-
-
-class FeedForward(nn.Module):
-    """SwiGLU MLP `w2(silu(w1(x)) * w3(x))` of nn.Linear layers: the shared experts (named like
-    Llama's feed-forward, so a TP plan shards w1/w3 colwise and w2 rowwise the same way)."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def init_weights(self, init_std: float) -> None:
-        init_param_(self.w1.weight, _trunc_normal(0.02))
-        for linear in (self.w2, self.w3):
-            init_param_(linear.weight, _trunc_normal(init_std))
 
 
 class MoE(nn.Module):

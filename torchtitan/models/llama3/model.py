@@ -8,12 +8,9 @@ import torch.nn.functional as F
 
 from torchtitan.distributed.utils import init_param_
 from torchtitan.models.attention import build_attention
+from torchtitan.models.layers import FeedForward, trunc_normal
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.rope import apply_rope, precompute_rope_cache
-
-
-def _trunc_normal(std: float):
-    return lambda t: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 class Attention(nn.Module):
@@ -43,24 +40,8 @@ class Attention(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            init_param_(linear.weight, _trunc_normal(0.02))
-        init_param_(self.wo.weight, _trunc_normal(out_std))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def init_weights(self, out_std: float) -> None:
-        init_param_(self.w1.weight, _trunc_normal(0.02))
-        for linear in (self.w2, self.w3):
-            init_param_(linear.weight, _trunc_normal(out_std))
+            init_param_(linear.weight, trunc_normal(0.02))
+        init_param_(self.wo.weight, trunc_normal(out_std))
 
 
 class TransformerBlock(nn.Module):
@@ -114,14 +95,14 @@ class Transformer(nn.Module):
         self.rope_cache = rope_cache.to(buffer_device or self.rope_cache.device)
         if self.output is None:
             # Tied logits reuse the embedding, so it takes the output projection's scale.
-            init_param_(self.tok_embeddings.weight, _trunc_normal(self.args.dim**-0.5))
+            init_param_(self.tok_embeddings.weight, trunc_normal(self.args.dim**-0.5))
         else:
             init_param_(self.tok_embeddings.weight, nn.init.normal_)
         for block in self.layers.values():
             block.init_weights()
         init_param_(self.norm.weight, nn.init.ones_)
         if self.output is not None:
-            init_param_(self.output.weight, _trunc_normal(self.args.dim**-0.5))
+            init_param_(self.output.weight, trunc_normal(self.args.dim**-0.5))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 from torchtitan.distributed.utils import init_param_
-from torchtitan.models.llama3.model import Attention, FeedForward, Transformer
+from torchtitan.models.layers import FeedForward
+from torchtitan.models.llama3.model import Attention, Transformer
 from torchtitan.models.moe import MoE
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 from torchtitan.models.rope import precompute_rope_cache

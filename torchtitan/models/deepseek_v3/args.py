@@ -1,0 +1,89 @@
+"""DeepSeek-V3 hyperparameters and the FLOPs/parameter accounting the trainer logs.
+
+Attention is multi-head latent attention (MLA): queries optionally through a low-rank
+bottleneck (`q_lora_rank`, 0 = one plain projection), keys and values through a shared latent
+of width `kv_lora_rank` plus one decoupled RoPE key head of width `qk_rope_head_dim`. Each
+query/key head is `qk_nope_head_dim + qk_rope_head_dim` wide, each value head `v_head_dim`.
+
+The first `n_dense_layers` blocks use a SwiGLU feed-forward of width `inter_dim`; the rest a
+routed MoE of experts of width `moe_inter_dim` (plus shared experts, see `MoEArgs`).
+
+Not implemented: YaRN RoPE scaling (the published long-context extension, applied after
+pre-training at 4k, so pre-training does not need it; `rope_scaling` must stay None) and the
+multi-token-prediction (MTP) module.
+"""
+
+from dataclasses import dataclass, field, replace
+
+import torch.nn as nn
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.models.moe import MoEArgs
+from torchtitan.protocols.model_args import decoder_flops_per_token
+
+
+@dataclass
+class DeepSeekV3ModelArgs:
+    vocab_size: int = 129280
+    dim: int = 7168
+    inter_dim: int = 18432
+    moe_inter_dim: int = 2048
+    n_layers: int = 61
+    n_dense_layers: int = 3
+    n_heads: int = 128
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_theta: float = 10000.0
+    # YaRN is not implemented (see the module docstring); anything but None is refused.
+    rope_scaling: None = None
+    norm_eps: float = 1e-6
+    moe_args: MoEArgs = field(
+        default_factory=lambda: MoEArgs(
+            num_experts=256, num_shared_experts=1, top_k=8, score_func="sigmoid", route_norm=True,
+            route_scale=2.5, num_expert_groups=8, num_limited_groups=4, load_balance_coeff=1e-3,
+        )
+    )  # fmt: skip
+    max_seq_len: int = 4096
+    depth_init: bool = True
+    tie_word_embeddings: bool = False
+    attn_backend: str = "sdpa"
+
+    def __post_init__(self):
+        if self.rope_scaling is not None:
+            raise ValueError("DeepSeek-V3 YaRN rope scaling is not implemented; set rope_scaling = None")
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            raise ValueError(f"n_dense_layers = {self.n_dense_layers} must be in [0, n_layers = {self.n_layers}]")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim = {self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one query/key head: the position-free part plus the rotary part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def head_dim(self) -> int:
+        """The attention FLOPs' head width (the q.k scores run over the qk head width)."""
+        return self.qk_head_dim
+
+    @property
+    def kv_heads(self) -> int:
+        # MLA expands the latent to a key and value per query head: no grouping.
+        return self.n_heads
+
+    def update_from_config(self, job_config: JobConfig) -> "DeepSeekV3ModelArgs":
+        """A copy whose RoPE table covers `training.seq_len`."""
+        return replace(self, max_seq_len=job_config.training.seq_len)
+
+    def num_flops_per_token(self, model: nn.Module, seq_len: int) -> tuple[int, float]:
+        """(non-embedding parameters, training FLOPs per token); see `decoder_flops_per_token`.
+
+        Pitfall: for MoE flavors this counts every expert, not the ones a token activates, so
+        it overstates the FLOPs per token (as the shared helper does for Qwen3 MoE).
+        """
+        return decoder_flops_per_token(
+            model, self.n_layers, self.n_heads, self.head_dim, seq_len, self.tie_word_embeddings
+        )

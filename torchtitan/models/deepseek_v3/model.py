@@ -1,0 +1,133 @@
+"""DeepSeek-V3: multi-head latent attention (MLA), a few dense SwiGLU blocks, then routed-MoE
+blocks with shared experts, built on the meta device.
+
+Reused, not copied: Llama 3's SwiGLU `FeedForward` (dense blocks) and decoder (`Transformer`:
+embedding -> blocks -> norm -> logits, and its `init_weights`), the shared `MoE` layer, RoPE
+(`apply_rope`, interleaved pairs) and attention (`build_attention`).
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+
+from torchtitan.distributed.utils import init_param_
+from torchtitan.models.attention import build_attention
+from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
+from torchtitan.models.llama3.model import FeedForward, Transformer
+from torchtitan.models.moe import MoE
+from torchtitan.models.rope import apply_rope, precompute_rope_cache
+
+
+def _trunc_normal(std: float):
+    return lambda t: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA over (batch, seq, dim) inputs.
+
+    Queries: `wq` (dim -> heads * qk_head_dim) when `q_lora_rank` is 0, else the bottleneck
+    `wq_b(q_norm(wq_a(x)))`. Keys and values: `wkv_a` projects to a latent of `kv_lora_rank`
+    plus one shared rotary key head of `qk_rope_head_dim`; the latent goes through `kv_norm`
+    and `wkv_b` to per-head position-free keys (`qk_nope_head_dim`) and values (`v_head_dim`).
+    RoPE touches only the rotary parts; the one rotary key head is broadcast to every head.
+
+    SDPA's default softmax scale, 1 / sqrt(q's last dim), is exactly 1 / sqrt(nope + rope)
+    here, so the shared attention module needs no scale argument. (YaRN would multiply it by
+    mscale^2 and need one; YaRN is not implemented.) Value heads may be narrower or wider than
+    q/k heads: SDPA allows a different last dim for v.
+    """
+
+    def __init__(self, args: DeepSeekV3ModelArgs):
+        super().__init__()
+        self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.qk_head_dim = args.qk_head_dim
+        self.kv_lora_rank = args.kv_lora_rank
+        q_out = args.n_heads * args.qk_head_dim
+        if args.q_lora_rank == 0:
+            self.wq = nn.Linear(args.dim, q_out, bias=False)
+            self.wq_a = self.q_norm = self.wq_b = None
+        else:
+            self.wq = None
+            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)
+            self.wq_b = nn.Linear(args.q_lora_rank, q_out, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.norm_eps)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+        self.sdpa = build_attention(args.attn_backend)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
+        # -1 heads: what a future TP plan would leave each rank (its local heads).
+        q_nope, q_pe = q.view(batch, seq_len, -1, self.qk_head_dim).split([self.nope_dim, self.rope_dim], -1)
+        q = torch.cat([q_nope, apply_rope(q_pe, rope_cache)], dim=-1)
+
+        latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_pe = apply_rope(k_pe.unsqueeze(2), rope_cache)  # one rotary key head: (batch, seq, 1, rope)
+        kv = self.wkv_b(self.kv_norm(latent)).view(batch, seq_len, -1, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+    def init_weights(self, out_std: float) -> None:
+        for linear in (self.wq, self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):
+            if linear is not None:
+                init_param_(linear.weight, _trunc_normal(0.02))
+        for norm in (self.q_norm, self.kv_norm):
+            if norm is not None:
+                init_param_(norm.weight, nn.init.ones_)
+        init_param_(self.wo.weight, _trunc_normal(out_std))
+
+
+class DeepSeekV3Block(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then h + mlp(norm(h)).
+
+    Blocks with `layer_id < n_dense_layers` hold a SwiGLU `feed_forward` of width `inter_dim`;
+    the others a routed `moe` (experts of width `moe_inter_dim`, plus shared experts) in its
+    place, the names activation checkpointing looks for. `mlp` is whichever is present.
+    """
+
+    def __init__(self, layer_id: int, args: DeepSeekV3ModelArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = MultiHeadLatentAttention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        if layer_id < args.n_dense_layers:
+            self.feed_forward = FeedForward(args.dim, args.inter_dim)
+        else:
+            self.moe = MoE(args.dim, args.moe_inter_dim, args.moe_args)
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.out_std = 0.02 / math.sqrt(2 * depth)
+
+    @property
+    def mlp(self) -> nn.Module:
+        return self.moe if "moe" in self._modules else self.feed_forward
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache)
+        return h + self.mlp(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        for norm in (self.attention_norm, self.ffn_norm):
+            init_param_(norm.weight, nn.init.ones_)
+        self.attention.init_weights(self.out_std)
+        self.mlp.init_weights(self.out_std)
+
+
+class DeepSeekV3Model(Transformer):
+    """Decoder-only DeepSeek-V3 (without the multi-token-prediction module). Blocks live in
+    `self.layers` (a ModuleDict keyed "0", "1", ...), where activation checkpointing and FSDP
+    find them. `init_weights` and `forward` are Llama 3's; the RoPE table covers only the
+    rotary head width `qk_rope_head_dim`.
+    """
+
+    block_cls = DeepSeekV3Block
+
+    def _rope_cache(self) -> torch.Tensor:
+        a = self.args
+        return precompute_rope_cache(a.qk_rope_head_dim, a.max_seq_len, a.rope_theta)
