@@ -173,7 +173,7 @@ def test_shipped_bare_config_names_are_unique():
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["--model.name", "gpt9"], "Registered models: llama3"),
+        (["--model.name", "gpt9"], "Registered models: deepseek_v3, llama3, qwen3"),
         (["--model.flavor", "9B"], "Valid flavors: debugmodel, 1B, 3B, 8B, 70B, 405B"),
         (["--training.global_batch_size", "12"], "not a multiple"),
     ],

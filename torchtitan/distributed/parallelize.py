@@ -28,7 +28,7 @@ def parallelize_decoder(
     job_config: JobConfig,
     device: torch.device,
     *,
-    apply_tp: Callable,
+    apply_tp: Callable | None,
     op_sac_save_list: frozenset,
     use_flex_attn: bool = False,
 ) -> nn.Module:
@@ -36,7 +36,8 @@ def parallelize_decoder(
 
     Args:
         model: a decoder with `args` (n_heads, kv_heads, tie_word_embeddings) and `layers`.
-        apply_tp: `(model, tp_mesh, loss_parallel) -> None`, the model's TP plan.
+        apply_tp: `(model, tp_mesh, loss_parallel) -> None`, the model's TP plan; None when
+            the model has none yet, which refuses tensor_parallel_degree > 1.
         op_sac_save_list: the model's op-SAC save list (see `activation_checkpoint.save_list`).
         use_flex_attn: whether attention runs flex_attention (changes op-SAC wrapping).
 
@@ -46,6 +47,11 @@ def parallelize_decoder(
     compile_model = model_compile_enabled(job_config)
     maybe_enable_async_tp(parallel_dims, job_config, device)
     if parallel_dims.tp_enabled:
+        if apply_tp is None:
+            raise ConfigError(
+                f"tensor parallelism for model '{job_config.model.name}' is not supported yet; set "
+                "parallelism.tensor_parallel_degree = 1."
+            )
         args = model.args
         if args.tie_word_embeddings:
             raise ConfigError(

@@ -55,7 +55,7 @@ class DeepSeekV3ModelArgs:
         if self.rope_scaling is not None:
             raise ValueError("DeepSeek-V3 YaRN rope scaling is not implemented; set rope_scaling = None")
         if not 0 <= self.n_dense_layers <= self.n_layers:
-            raise ValueError(f"n_dense_layers = {self.n_dense_layers} must be in [0, n_layers = {self.n_layers}]")
+            raise ValueError(f"n_dense_layers = {self.n_dense_layers} must be in [0, {self.n_layers}]")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim = {self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
 

@@ -1,7 +1,7 @@
 """DeepSeek-V3: multi-head latent attention (MLA), a few dense SwiGLU blocks, then routed-MoE
 blocks with shared experts, built on the meta device.
 
-Reused, not copied: Llama 3's SwiGLU `FeedForward` (dense blocks) and decoder (`Transformer`:
+Reused, not copied: the shared SwiGLU `FeedForward` (dense blocks), Llama 3's decoder (`Transformer`:
 embedding -> blocks -> norm -> logits, and its `init_weights`), the shared `MoE` layer, RoPE
 (`apply_rope`, interleaved pairs) and attention (`build_attention`).
 """
@@ -14,13 +14,10 @@ import torch.nn as nn
 from torchtitan.distributed.utils import init_param_
 from torchtitan.models.attention import build_attention
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-from torchtitan.models.llama3.model import FeedForward, Transformer
+from torchtitan.models.layers import FeedForward, trunc_normal
+from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.moe import MoE
 from torchtitan.models.rope import apply_rope, precompute_rope_cache
-
-
-def _trunc_normal(std: float):
-    return lambda t: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -40,7 +37,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     def __init__(self, args: DeepSeekV3ModelArgs):
         super().__init__()
-        self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.nope_dim, self.rope_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
+        self.v_dim = args.v_head_dim
         self.qk_head_dim = args.qk_head_dim
         self.kv_lora_rank = args.kv_lora_rank
         q_out = args.n_heads * args.qk_head_dim
@@ -54,7 +52,8 @@ class MultiHeadLatentAttention(nn.Module):
             self.wq_b = nn.Linear(args.q_lora_rank, q_out, bias=False)
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
         self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.norm_eps)
-        self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        kv_out = args.n_heads * (args.qk_nope_head_dim + args.v_head_dim)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, kv_out, bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
         self.sdpa = build_attention(args.attn_backend)
 
@@ -77,11 +76,11 @@ class MultiHeadLatentAttention(nn.Module):
     def init_weights(self, out_std: float) -> None:
         for linear in (self.wq, self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):
             if linear is not None:
-                init_param_(linear.weight, _trunc_normal(0.02))
+                init_param_(linear.weight, trunc_normal(0.02))
         for norm in (self.q_norm, self.kv_norm):
             if norm is not None:
                 init_param_(norm.weight, nn.init.ones_)
-        init_param_(self.wo.weight, _trunc_normal(out_std))
+        init_param_(self.wo.weight, trunc_normal(out_std))
 
 
 class DeepSeekV3Block(nn.Module):

@@ -1,0 +1,238 @@
+"""DeepSeek-V3: published sizes, MLA with and without the query bottleneck, dense-then-MoE
+blocks, causality, activation checkpointing, FLOPs and refused settings."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchtitan.config import ActivationCheckpoint, ConfigError
+from torchtitan.config.manager import parse_args
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.deepseek_v3 import deepseek_v3_flavors
+from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
+from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+from torchtitan.models.deepseek_v3.parallelize import DEEPSEEK_V3_SAVE_LIST, parallelize_deepseek_v3
+from torchtitan.models.moe import MoE, MoEArgs
+from torchtitan.protocols.train_spec import get_train_spec
+
+# Sources of the shapes below (Hugging Face config.json):
+#   671B: deepseek-ai/DeepSeek-V3. Published total: 671B for the main model; the repository's
+#     685B adds the 14B multi-token-prediction module, which is not built here (model card).
+#   16B: deepseek-ai/DeepSeek-V2-Lite (the shapes torchtitan's DeepSeek-V3 16B flavor uses).
+#     Published total: 15.7B ("DeepSeek-V2-Lite ... with 15.7B parameters", DeepSeek-V2 README).
+# Columns: vocab, dim, dense inter, moe inter, layers, dense layers, heads, q_lora_rank (0 = none),
+# kv_lora_rank, nope, rope, v, routed experts, shared experts, top_k, has e_score_correction_bias.
+HF_CONFIGS = {
+    "16B": (102400, 2048, 10944, 1408, 27, 1, 16, 0, 512, 128, 64, 128, 64, 2, 6, False),
+    "671B": (129280, 7168, 18432, 2048, 61, 3, 128, 1536, 512, 128, 64, 128, 256, 1, 8, True),
+}
+PUBLISHED_TOTALS = {"16B": 15.7e9, "671B": 671e9}
+
+
+def _count_from_hf_config(config: tuple) -> tuple[int, int]:
+    """(HF parameter count, how much of it is the routing-correction bias, a buffer here)."""
+    vocab, dim, inter, moe_inter, layers, dense, heads, q_lora, kv_lora, nope, rope, v = config[:12]
+    experts, shared, _, correction_bias = config[12:]
+    qk = nope + rope
+    q = dim * heads * qk if q_lora == 0 else dim * q_lora + q_lora + q_lora * heads * qk
+    kv = dim * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v)
+    attention = q + kv + heads * v * dim + 2 * dim  # + the two block norms
+    bias = experts if correction_bias else 0
+    moe = experts * dim + 3 * experts * dim * moe_inter + 3 * dim * moe_inter * shared + bias
+    total = 2 * vocab * dim + dim + layers * attention + dense * 3 * dim * inter + (layers - dense) * moe
+    return total, (layers - dense) * bias
+
+
+def _meta_model(args: DeepSeekV3ModelArgs) -> DeepSeekV3Model:
+    with torch.device("meta"):
+        return DeepSeekV3Model(args)
+
+
+def _num_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("flavor", list(HF_CONFIGS))
+def test_parameter_count_matches_published_total(flavor):
+    count = _num_params(_meta_model(deepseek_v3_flavors[flavor]))
+    hf_count, bias_buffers = _count_from_hf_config(HF_CONFIGS[flavor])
+    # Exactly the HF config's count, except the routing bias, which is a buffer (expert_bias).
+    assert count == hf_count - bias_buffers
+    published = PUBLISHED_TOTALS[flavor]
+    assert abs(count - published) / published < 0.005, count
+
+
+@pytest.mark.parametrize("flavor", list(HF_CONFIGS))
+def test_flavor_hyperparameters_match_the_hf_config(flavor):
+    a = deepseek_v3_flavors[flavor]
+    got = (
+        a.vocab_size, a.dim, a.inter_dim, a.moe_inter_dim, a.n_layers, a.n_dense_layers, a.n_heads,
+        a.q_lora_rank, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim,
+        a.moe_args.num_experts, a.moe_args.num_shared_experts, a.moe_args.top_k,
+    )  # fmt: skip
+    assert got == HF_CONFIGS[flavor][:15]
+    assert (a.rope_theta, a.norm_eps, a.tie_word_embeddings) == (10000.0, 1e-6, False)
+
+
+def test_671b_routes_like_deepseek_v3():
+    m = deepseek_v3_flavors["671B"].moe_args
+    assert (m.score_func, m.route_norm, m.route_scale) == ("sigmoid", True, 2.5)
+    assert (m.num_expert_groups, m.num_limited_groups) == (8, 4)
+
+
+def test_first_layers_are_dense_then_moe():
+    model = _meta_model(deepseek_v3_flavors["671B"])
+    kinds = ["moe" if "moe" in b._modules else "dense" for b in model.layers.values()]
+    assert kinds == ["dense"] * 3 + ["moe"] * 58
+    dense, moe = model.layers["0"], model.layers["3"]
+    assert "moe" not in dense._modules and dense.feed_forward.w1.weight.shape == (18432, 7168)
+    assert "feed_forward" not in moe._modules and isinstance(moe.moe, MoE)
+    assert moe.moe.experts.w1.shape == (256, 2048, 7168)
+    assert moe.moe.shared_experts.w1.weight.shape == (2048, 7168)
+
+
+def test_mla_projection_shapes_with_and_without_query_bottleneck():
+    big = _meta_model(deepseek_v3_flavors["671B"]).layers["0"].attention
+    assert big.wq is None
+    assert big.wq_a.weight.shape == (1536, 7168) and big.q_norm.weight.shape == (1536,)
+    assert big.wq_b.weight.shape == (128 * 192, 1536)
+    assert big.wkv_a.weight.shape == (512 + 64, 7168) and big.kv_norm.weight.shape == (512,)
+    assert big.wkv_b.weight.shape == (128 * (128 + 128), 512)
+    assert big.wo.weight.shape == (7168, 128 * 128)
+    lite = _meta_model(deepseek_v3_flavors["16B"]).layers["0"].attention
+    assert lite.wq_a is None and lite.q_norm is None and lite.wq_b is None
+    assert lite.wq.weight.shape == (16 * 192, 2048)
+
+
+def _tiny_args(**overrides) -> DeepSeekV3ModelArgs:
+    # v_head_dim (12) differs from the q/k head width (8 + 8): SDPA takes that.
+    moe = MoEArgs(
+        num_experts=4, num_shared_experts=1, top_k=2, score_func="sigmoid", route_norm=True,
+        num_expert_groups=2, num_limited_groups=1, load_balance_coeff=1e-3,
+    )  # fmt: skip
+    base = dict(
+        vocab_size=64, dim=32, inter_dim=64, moe_inter_dim=16, n_layers=3, n_dense_layers=1, n_heads=4,
+        q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+        moe_args=moe, max_seq_len=16,
+    )  # fmt: skip
+    return DeepSeekV3ModelArgs(**{**base, **overrides})
+
+
+def _init(model: DeepSeekV3Model, seed: int = 0) -> DeepSeekV3Model:
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 24])
+def test_model_runs_and_is_causal(q_lora_rank):
+    model = _init(_meta_model(_tiny_args(q_lora_rank=q_lora_rank)))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 64
+    out, out_changed = model(tokens), model(changed)
+    assert out.shape == (2, 16, 64) and torch.isfinite(out).all()
+    assert torch.allclose(out[:, :10], out_changed[:, :10], atol=1e-6)
+    assert not torch.allclose(out[:, 10:], out_changed[:, 10:], atol=1e-6)
+
+
+def test_query_bottleneck_changes_the_parameters_as_expected():
+    plain = _num_params(_meta_model(_tiny_args()))
+    lora = _num_params(_meta_model(_tiny_args(q_lora_rank=24)))
+    q_out = 4 * 16
+    per_layer = (32 * 24 + 24 + 24 * q_out) - 32 * q_out
+    assert lora - plain == 3 * per_layer
+
+
+def test_mla_scores_use_the_qk_head_width_and_one_shared_rotary_key_head():
+    model = _init(_meta_model(_tiny_args()))
+    seen = {}
+    hook = lambda m, args, out: seen.update(qkv=args, out=out)  # noqa: E731
+    model.layers["0"].attention.sdpa.register_forward_hook(hook)
+    model(torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0)))
+    q, k, v = seen["qkv"]  # (batch, heads, seq, 8 + 8), same for k; v (batch, heads, seq, 12)
+    assert q.shape == k.shape == (1, 4, 16, 16) and v.shape == (1, 4, 16, 12)
+    # The rotary key part is one head broadcast to all; the position-free parts differ per head.
+    assert all(torch.equal(k[:, h, :, 8:], k[:, 0, :, 8:]) for h in range(4))
+    assert not torch.equal(k[:, 1, :, :8], k[:, 0, :, :8])
+    # Causal softmax attention with scale 1 / sqrt(nope + rope).
+    scores = q @ k.transpose(-2, -1) / (8 + 8) ** 0.5
+    scores = scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    assert torch.allclose(seen["out"], scores.softmax(-1) @ v, atol=1e-5)
+
+
+def test_init_is_a_function_of_the_seed_and_wo_shrinks_with_depth():
+    a, b = _init(_meta_model(_tiny_args())), _init(_meta_model(_tiny_args()))
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+    assert a.layers["2"].attention.wo.weight.std() < a.layers["0"].attention.wo.weight.std()
+    assert torch.equal(a.layers["0"].attention.kv_norm.weight, torch.ones(16))
+
+
+def test_flops_per_token_use_the_qk_head_width():
+    model = _meta_model(_tiny_args())
+    params, flops = model.args.num_flops_per_token(model, seq_len=16)
+    assert params == _num_params(model) - 64 * 32
+    assert flops == 6 * params + 12 * 3 * 4 * (8 + 8) * 16
+
+
+def test_yarn_rope_scaling_is_refused():
+    with pytest.raises(ValueError, match="YaRN"):
+        _tiny_args(rope_scaling=object())
+
+
+def test_train_spec_and_debug_config():
+    spec = get_train_spec("deepseek_v3")
+    assert spec.model_cls is DeepSeekV3Model and spec.flavors is deepseek_v3_flavors
+    cfg = parse_args(["--config", "deepseek_v3_debug_model.toml", "--training.seq_len", "64"], env={})
+    assert (cfg.model.name, cfg.model.flavor) == ("deepseek_v3", "debugmodel")
+    assert deepseek_v3_flavors["debugmodel"].update_from_config(cfg).max_seq_len == 64
+
+
+def test_tensor_parallel_is_refused():
+    cfg = parse_args(["--config", "deepseek_v3_debug_model.toml"], env={})
+    model = _meta_model(deepseek_v3_flavors["debugmodel"])
+    with pytest.raises(ConfigError, match="not supported yet"):
+        parallelize_deepseek_v3(model, ParallelDims(1, 1, 2, 2), cfg, torch.device("cpu"))
+
+
+def _debug_model(ac_mode: str, option: str = "op") -> DeepSeekV3Model:
+    model = _meta_model(deepseek_v3_flavors["debugmodel"])
+    apply_ac(
+        model,
+        ActivationCheckpoint(mode=ac_mode, selective_ac_option=option),
+        op_sac_save_list=DEEPSEEK_V3_SAVE_LIST,
+    )
+    return _init(model)
+
+
+@pytest.fixture(scope="module")
+def ac_tokens():
+    return torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(1))
+
+
+def _step(model, tokens):
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+    counts = [m.tokens_per_expert.clone() for m in model.modules() if isinstance(m, MoE)]
+    return loss.detach(), grads, counts
+
+
+@pytest.fixture(scope="module")
+def no_ac_step(ac_tokens):
+    return _step(_debug_model("none"), ac_tokens)
+
+
+@pytest.mark.parametrize("ac_mode, option", [("full", "op"), ("selective", "op"), ("selective", "2")])
+def test_debug_model_ac_keeps_loss_gradients_and_routing_counts(ac_mode, option, ac_tokens, no_ac_step):
+    ref_loss, ref_grads, ref_counts = no_ac_step
+    loss, grads, counts = _step(_debug_model(ac_mode, option), ac_tokens)
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    assert all(torch.equal(grads[name], grad) for name, grad in ref_grads.items()), ac_mode
+    assert len(counts) == 5 and all(torch.equal(a, b) for a, b in zip(counts, ref_counts))
