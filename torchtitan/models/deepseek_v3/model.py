@@ -6,15 +6,13 @@ embedding -> blocks -> norm -> logits, and its `init_weights`), the shared `MoE`
 (`apply_rope`, interleaved pairs) and attention (`build_attention`).
 """
 
-import math
-
 import torch
 import torch.nn as nn
 
 from torchtitan.distributed.utils import init_param_
 from torchtitan.models.attention import build_attention
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-from torchtitan.models.layers import FeedForward, trunc_normal
+from torchtitan.models.layers import DecoderBlock, FeedForward, depth_scaled_std, trunc_normal
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.moe import MoE
 from torchtitan.models.rope import apply_rope, precompute_rope_cache
@@ -83,39 +81,18 @@ class MultiHeadLatentAttention(nn.Module):
         init_param_(self.wo.weight, trunc_normal(out_std))
 
 
-class DeepSeekV3Block(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then h + mlp(norm(h)).
-
-    Blocks with `layer_id < n_dense_layers` hold a SwiGLU `feed_forward` of width `inter_dim`;
-    the others a routed `moe` (experts of width `moe_inter_dim`, plus shared experts) in its
-    place, the names activation checkpointing looks for. `mlp` is whichever is present.
-    """
+class DeepSeekV3Block(DecoderBlock):
+    """Pre-norm block with MLA. Blocks with `layer_id < n_dense_layers` hold a SwiGLU
+    `feed_forward` of width `inter_dim`; the others a routed `moe` (experts of width
+    `moe_inter_dim`, plus shared experts) in its place."""
 
     def __init__(self, layer_id: int, args: DeepSeekV3ModelArgs):
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = MultiHeadLatentAttention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        out_std = depth_scaled_std(layer_id, args.n_layers, args.depth_init)
         if layer_id < args.n_dense_layers:
-            self.feed_forward = FeedForward(args.dim, args.inter_dim)
+            mlp, name = FeedForward(args.dim, args.inter_dim), "feed_forward"
         else:
-            self.moe = MoE(args.dim, args.moe_inter_dim, args.moe_args)
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.out_std = 0.02 / math.sqrt(2 * depth)
-
-    @property
-    def mlp(self) -> nn.Module:
-        return self.moe if "moe" in self._modules else self.feed_forward
-
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
-        return h + self.mlp(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        for norm in (self.attention_norm, self.ffn_norm):
-            init_param_(norm.weight, nn.init.ones_)
-        self.attention.init_weights(self.out_std)
-        self.mlp.init_weights(self.out_std)
+            mlp, name = MoE(args.dim, args.moe_inter_dim, args.moe_args), "moe"
+        super().__init__(args.dim, args.norm_eps, MultiHeadLatentAttention(args), mlp, name, out_std)
 
 
 class DeepSeekV3Model(Transformer):

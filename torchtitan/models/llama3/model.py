@@ -1,14 +1,12 @@
 """Llama 3: GQA attention with RoPE, RMSNorm, SwiGLU feed-forward, built on the meta device."""
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from torchtitan.distributed.utils import init_param_
 from torchtitan.models.attention import build_attention
-from torchtitan.models.layers import FeedForward, trunc_normal
+from torchtitan.models.layers import DecoderBlock, FeedForward, depth_scaled_std, trunc_normal
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.rope import apply_rope, precompute_rope_cache
 
@@ -44,25 +42,11 @@ class Attention(nn.Module):
         init_param_(self.wo.weight, trunc_normal(out_std))
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(DecoderBlock):
     def __init__(self, layer_id: int, args: TransformerModelArgs):
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.out_std = 0.02 / math.sqrt(2 * depth)
-
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        for norm in (self.attention_norm, self.ffn_norm):
-            init_param_(norm.weight, nn.init.ones_)
-        self.attention.init_weights(self.out_std)
-        self.feed_forward.init_weights(self.out_std)
+        out_std = depth_scaled_std(layer_id, args.n_layers, args.depth_init)
+        mlp = FeedForward(args.dim, args.ffn_hidden_dim)
+        super().__init__(args.dim, args.norm_eps, Attention(args), mlp, "feed_forward", out_std)
 
 
 class Transformer(nn.Module):

@@ -7,13 +7,11 @@ What Qwen3 shares with Llama 3 is imported, not copied: the GQA projections and 
 modules (`build_attention`, `apply_rope`).
 """
 
-import math
-
 import torch
 import torch.nn as nn
 
 from torchtitan.distributed.utils import init_param_
-from torchtitan.models.layers import FeedForward
+from torchtitan.models.layers import DecoderBlock, FeedForward, depth_scaled_std
 from torchtitan.models.llama3.model import Attention, Transformer
 from torchtitan.models.moe import MoE
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
@@ -45,38 +43,17 @@ class Qwen3Attention(Attention):
                 init_param_(norm.weight, nn.init.ones_)
 
 
-class Qwen3Block(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then h + mlp(norm(h)).
-
-    Dense flavors hold a `feed_forward`, MoE flavors a `moe` in its place (the AC module looks
-    for either name); `mlp` resolves to whichever is present.
-    """
+class Qwen3Block(DecoderBlock):
+    """Llama 3's pre-norm block with Qwen3 attention; dense flavors hold a `feed_forward`, MoE
+    flavors a routed `moe` in its place."""
 
     def __init__(self, layer_id: int, args: Qwen3ModelArgs):
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Qwen3Attention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        out_std = depth_scaled_std(layer_id, args.n_layers, args.depth_init)
         if args.moe_args is None:
-            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+            mlp, name = FeedForward(args.dim, args.hidden_dim), "feed_forward"
         else:
-            self.moe = MoE(args.dim, args.moe_hidden_dim, args.moe_args)
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.out_std = 0.02 / math.sqrt(2 * depth)
-
-    @property
-    def mlp(self) -> nn.Module:
-        return self.moe if "moe" in self._modules else self.feed_forward
-
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
-        return h + self.mlp(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        for norm in (self.attention_norm, self.ffn_norm):
-            init_param_(norm.weight, nn.init.ones_)
-        self.attention.init_weights(self.out_std)
-        self.mlp.init_weights(self.out_std)
+            mlp, name = MoE(args.dim, args.moe_hidden_dim, args.moe_args), "moe"
+        super().__init__(args.dim, args.norm_eps, Qwen3Attention(args), mlp, name, out_std)
 
 
 class Qwen3Model(Transformer):
