@@ -140,6 +140,17 @@ def _refuse_ddp(parallel_dims: ParallelDims) -> None:
         )
 
 
+def _refuse_expert_parallel(cfg: JobConfig) -> None:
+    """Expert parallelism reads token counts on the host to size its all-to-alls: data the
+    fake run does not have."""
+    if cfg.parallelism.expert_parallel_degree > 1:
+        raise ConfigError(
+            f"'parallelism.expert_parallel_degree' = {cfg.parallelism.expert_parallel_degree}: the "
+            "estimator cannot run expert parallelism yet (its all-to-all sizes depend on routing); "
+            "estimate with --parallelism.expert_parallel_degree 1."
+        )
+
+
 def _refuse_fp32_moe(cfg: JobConfig, model: torch.nn.Module) -> None:
     """MoE experts need bf16 compute under FakeTensorMode: the grouped matmul's shape function
     accepts bf16 only, and the per-expert loop that serves other dtypes reads the token counts."""
@@ -324,6 +335,7 @@ def measure(cfg: JobConfig, ngpu: int, fake: bool = True) -> dict[str, int]:
         gradient_accumulation_steps(cfg, parallel_dims.dp_degree)  # refuse a bad batch before building
         if fake:
             _refuse_ddp(parallel_dims)
+            _refuse_expert_parallel(cfg)
         parallel_dims.build_mesh(device.type)
         model = build_model(cfg, parallel_dims, device)
         if fake:

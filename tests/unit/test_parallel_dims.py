@@ -54,8 +54,8 @@ def test_async_tp_without_compile_or_cuda_is_refused():
 
 @pytest.mark.parametrize(
     "key, feature",
-    [("context_parallel_degree", "context parallelism"), ("pipeline_parallel_degree", "pipeline parallelism"),
-     ("expert_parallel_degree", "expert parallelism")],
+    [("context_parallel_degree", "context parallelism"),
+     ("pipeline_parallel_degree", "pipeline parallelism")],
 )  # fmt: skip
 def test_unbuilt_parallelism_is_refused_with_not_supported_yet(key, feature):
     with pytest.raises(ConfigError, match=f"needs {feature}, which is not supported yet"):

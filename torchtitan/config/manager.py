@@ -29,7 +29,6 @@ NOT_BUILT_YET = {
     "profiling": "profiling",
     "parallelism.context_parallel_degree": "context parallelism",
     "parallelism.pipeline_parallel_degree": "pipeline parallelism",
-    "parallelism.expert_parallel_degree": "expert parallelism",
     "parallelism.expert_tensor_parallel_degree": "expert tensor parallelism",
 }
 
@@ -306,6 +305,7 @@ def _check_consistency(config: JobConfig) -> None:
             "'training.dtype' = 'bfloat16' with 'training.mixed_precision_param' = 'float32' "
             "would upcast bf16 weights; set mixed_precision_param to 'bfloat16'."
         )
+    _check_expert_parallel(p)
     if config.compile.enable:
         unknown = sorted(set(config.compile.components) - {"model", "loss"})
         if unknown:
@@ -313,6 +313,23 @@ def _check_consistency(config: JobConfig) -> None:
                 f"'compile.components' = {config.compile.components} contains {unknown}; "
                 "valid components are 'model' and 'loss'."
             )
+
+
+def _check_expert_parallel(p) -> None:
+    """What can be told from the config alone; the resolved degrees are checked at parallelize."""
+    ep = p.expert_parallel_degree
+    if ep == 1:
+        return
+    shard = p.data_parallel_shard_degree
+    if (shard not in (-1, ep)) or p.tensor_parallel_degree != 1 or p.data_parallel_replicate_degree != 1:
+        raise ConfigError(
+            f"'parallelism.expert_parallel_degree' = {ep} with data_parallel_shard_degree {shard}, "
+            f"data_parallel_replicate_degree {p.data_parallel_replicate_degree} and "
+            f"tensor_parallel_degree {p.tensor_parallel_degree} is not supported yet. Supported "
+            "combinations: expert_parallel_degree = 1, or expert_parallel_degree = "
+            "data_parallel_shard_degree (EP over the FSDP shard group) with "
+            "data_parallel_replicate_degree = 1 and tensor_parallel_degree = 1."
+        )
 
 
 def validate(config: JobConfig) -> JobConfig:

@@ -30,9 +30,16 @@ def data_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
 
 
 def apply_fsdp(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    device: torch.device,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
     """Shard `model` in place: each block of `model.layers` is one FSDP unit, the rest the root.
+
+    `ignored_params` (the expert-parallel experts) stay plain local Parameters, neither sharded
+    nor gathered nor reduced by FSDP, nor cast by its mixed-precision policy.
 
     Mixed precision follows `training.mixed_precision_param/_reduce`; CPU offload follows
     `training.enable_cpu_offload` and needs an accelerator.
@@ -52,6 +59,9 @@ def apply_fsdp(
     }
     if t.enable_cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    if ignored_params:
+        # Every unit needs them: the root would otherwise take the blocks' ignored ones.
+        kwargs["ignored_params"] = set(ignored_params)
     reshard_blocks, reshard_root = _reshard_policy(job_config.parallelism.fsdp_reshard_after_forward)
     for block in model.layers.values():
         fully_shard(block, reshard_after_forward=reshard_blocks, **kwargs)
@@ -67,10 +77,17 @@ def apply_ddp(model: nn.Module, parallel_dims: ParallelDims) -> None:
 
 
 def apply_data_parallel(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    device: torch.device,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
-    """FSDP/HSDP when dp_shard > 1, DDP when only dp_replicate > 1, else nothing."""
+    """FSDP/HSDP when dp_shard > 1, DDP when only dp_replicate > 1, else nothing.
+
+    `ignored_params` (FSDP only): parameters FSDP leaves alone, see `apply_fsdp`.
+    """
     if parallel_dims.fsdp_enabled:
-        apply_fsdp(model, parallel_dims, job_config, device)
+        apply_fsdp(model, parallel_dims, job_config, device, ignored_params)
     elif parallel_dims.ddp_enabled:
         apply_ddp(model, parallel_dims)

@@ -1,4 +1,4 @@
-"""The order every decoder model is parallelized in: TP -> AC -> compile -> data parallel.
+"""The order every decoder model is parallelized in: TP -> EP -> AC -> compile -> data parallel.
 
 A model's `parallelize.py` supplies what is its own (its TP plan and its AC save list) and
 calls `parallelize_decoder`, so the order and the checks live in one place.
@@ -14,6 +14,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.data_parallel import apply_data_parallel
+from torchtitan.distributed.expert_parallel import apply_expert_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import (
     check_tp_divisibility,
@@ -32,7 +33,7 @@ def parallelize_decoder(
     op_sac_save_list: frozenset,
     use_flex_attn: bool = False,
 ) -> nn.Module:
-    """Apply TP, `[activation_checkpoint]`, `[compile]` and data parallelism in place.
+    """Apply TP, EP, `[activation_checkpoint]`, `[compile]` and data parallelism in place.
 
     Args:
         model: a decoder with `args` (n_heads, kv_heads, tie_word_embeddings) and `layers`.
@@ -41,7 +42,7 @@ def parallelize_decoder(
         op_sac_save_list: the model's op-SAC save list (see `activation_checkpoint.save_list`).
         use_flex_attn: whether attention runs flex_attention (changes op-SAC wrapping).
 
-    Pitfall: the order matters. AC wraps after TP so that the per-op policy sees TP's
+    Pitfall: the order matters. AC wraps after TP and EP so that the per-op policy sees their
     collectives, compile sees the wrapped blocks, and FSDP's hooks stay outside AC.
     """
     compile_model = model_compile_enabled(job_config)
@@ -60,6 +61,10 @@ def parallelize_decoder(
             )
         check_tp_divisibility(parallel_dims, job_config, args.n_heads, args.kv_heads)
         apply_tp(model, parallel_dims.mesh["tp"], loss_parallel_enabled(parallel_dims, job_config))
+    ep_params = None
+    if job_config.parallelism.expert_parallel_degree > 1:
+        check_ep_supported(model, parallel_dims, job_config)
+        ep_params = set(apply_expert_parallel(model, parallel_dims.mesh["dp_shard"].get_group()))
     apply_ac(
         model,
         job_config.activation_checkpoint,
@@ -70,5 +75,35 @@ def parallelize_decoder(
     )
     if compile_model:
         apply_compile(model, job_config)
-    apply_data_parallel(model, parallel_dims, job_config, device)
+    apply_data_parallel(model, parallel_dims, job_config, device, ep_params)
     return model
+
+
+def check_ep_supported(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> None:
+    """Refuse the expert-parallel layouts not built yet: EP must be exactly the FSDP shard group.
+
+    Raises:
+        ConfigError: naming the supported combination.
+    """
+    ep = job_config.parallelism.expert_parallel_degree
+    supported = (
+        "supported yet: expert_parallel_degree = data_parallel_shard_degree (the FSDP shard group), "
+        "with data_parallel_replicate_degree = 1 and tensor_parallel_degree = 1"
+    )
+    if ep != parallel_dims.dp_shard or parallel_dims.dp_replicate > 1 or parallel_dims.tp > 1:
+        raise ConfigError(
+            f"expert_parallel_degree {ep} with data_parallel_replicate_degree {parallel_dims.dp_replicate}"
+            f" x data_parallel_shard_degree {parallel_dims.dp_shard} x tensor_parallel_degree "
+            f"{parallel_dims.tp} is not supported. Only this combination is {supported}."
+        )
+    moe_args = getattr(model.args, "moe_args", None)
+    if moe_args is None:
+        raise ConfigError(
+            f"expert_parallel_degree = {ep} needs a Mixture-of-Experts flavor, but "
+            f"'{job_config.model.flavor}' has no experts; set parallelism.expert_parallel_degree = 1."
+        )
+    if moe_args.num_experts % ep:
+        raise ConfigError(
+            f"num_experts = {moe_args.num_experts} of flavor '{job_config.model.flavor}' is not "
+            f"divisible by expert_parallel_degree = {ep}; choose a degree that divides it."
+        )

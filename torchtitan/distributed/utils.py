@@ -61,8 +61,15 @@ def init_param_(param: torch.Tensor, fill_) -> None:
 
     `fill_(tensor)` draws from the global RNG. For a DTensor the full parameter is drawn on
     every rank and each keeps its own shard, so a seeded 1-process run and an N-process run
-    start from the same weights. Pitfall: this briefly holds one full parameter per rank.
+    start from the same weights. Likewise for an expert-parallel slice (`_ep_local`, see
+    `expert_parallel.shard_experts_`): the full tensor is drawn and its `_ep_slice` kept.
+    Pitfall: this briefly holds one full parameter per rank.
     """
+    if getattr(param, "_ep_local", False):
+        full = torch.empty(param._ep_full_shape, dtype=param.dtype, device=param.device)
+        fill_(full)
+        param.copy_(full[param._ep_slice])
+        return
     if not isinstance(param, DTensor):
         fill_(param)
         return
@@ -80,16 +87,46 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     norm is the true global one whatever the layout. Per-tensor norms accumulate in float64:
     a float32 reduction over millions of elements drifts by ~1e-5, enough for the same
     gradients to show different norms on different layouts. `max_norm <= 0` only measures.
+
+    Expert-parallel gradients (parameters marked `_ep_local`) are plain tensors, each rank
+    holding different experts: their squared norms are summed over the parameter's
+    `_ep_group` and added to the rest.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
-    norm = torch.linalg.vector_norm(torch.stack(norms))
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params if not getattr(p, "_ep_local", False)]
+    ep_params = [p for p in params if getattr(p, "_ep_local", False)]
+    norm = _norm64(grads)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
+    if ep_params:
+        norm = (norm.square() + _ep_square_sum(ep_params, norm.device)).sqrt()
     norm = norm.float()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+        for group in (grads, [p.grad for p in ep_params]):
+            if group:
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
+
+
+def _norm64(grads: list[torch.Tensor]) -> torch.Tensor:
+    """2-norm of `grads` together, accumulated in float64 (0 for none)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _ep_square_sum(ep_params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squared gradient norms of `_ep_local` parameters over each one's `_ep_group`."""
+    by_group: dict = {}
+    for p in ep_params:
+        by_group.setdefault(p._ep_group, []).append(p.grad)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for group, grads in by_group.items():
+        square = _norm64(grads).to(device).square()
+        dist.all_reduce(square, group=group)
+        total = total + square
+    return total
 
 
 def plain_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -236,7 +236,9 @@ class GroupedExperts(nn.Module):
 
         Pitfall: the loop path reads the counts on the host (one device sync per call).
         """
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        # The cast is a no-op unless FSDP's mixed precision left these weights alone (expert
+        # parallelism keeps them out of FSDP).
+        w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         if self.uses_grouped_mm(x):
             return self._grouped(x, num_tokens_per_expert, w1, w2, w3)
         return self._looped(x, num_tokens_per_expert, w1, w2, w3)

@@ -1,0 +1,153 @@
+"""Expert parallelism (EP) over the FSDP shard group: each rank owns `num_experts / ep` experts.
+
+`apply_expert_parallel(model, ep_group)` shards every `moe.experts` (a `GroupedExperts`) along
+its expert dim and installs forward pre/post hooks on it, so `MoE` keeps calling
+`self.experts(x_sorted, num_tokens_per_expert)` unchanged:
+
+    dispatch: all-to-all the tokens (sorted by global expert) to the ranks owning their experts,
+        then regroup the received rows by local expert;
+    compute:  the local GroupedExperts slice;
+    combine:  undo the regrouping and all-to-all the outputs back to the ranks they came from.
+
+The expert weights stay plain local Parameters marked `_ep_local = True` (FSDP is told to
+ignore them; `clip_grad_norm_` sums their squares over `_ep_group`; `init_param_` draws the full
+tensor and keeps `_ep_slice`). Each expert lives on one rank, so its gradient needs no reduction,
+only the 1/ep that FSDP's averaging applies to every other gradient.
+
+Pitfall: one path only, autograd-aware (`all_to_all_single_autograd`). The split sizes are
+exchanged with a functional all_to_all_single and read on the host once per call through a
+device-to-host copy; op-SAC saves both, so a recompute neither communicates nor syncs for them.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+def _tokens_per_rank_to_host(counts: torch.Tensor, counts_recv: torch.Tensor, ep: int) -> tuple[list, list]:
+    """(input_splits, output_splits): rows this rank sends to / receives from each EP rank."""
+    both = torch.stack([counts, counts_recv]).view(2, ep, -1).sum(dim=-1).to("cpu")
+    send, recv = both.tolist()
+    return send, recv
+
+
+class _ExpertParallelHooks:
+    """Pre/post forward hooks of one GroupedExperts. The two run back to back for each call, so
+    one slot carries the pre hook's context to the post hook; a recompute that stops early
+    (AC early_stop) between them leaves a stale slot that the next call overwrites."""
+
+    def __init__(self, ep_group: dist.ProcessGroup):
+        self.group = ep_group
+        self.ep = dist.get_world_size(ep_group)
+        self._ctx: tuple | None = None
+
+    def dispatch(self, module: nn.Module, args: tuple):
+        x, counts = args
+        ep = self.ep
+        counts_recv = funcol.all_to_all_single(counts, None, None, self.group)
+        counts_recv = funcol.wait_tensor(counts_recv)
+        send, recv = _tokens_per_rank_to_host(counts, counts_recv, ep)
+        x_recv = funcol.all_to_all_single_autograd(x, recv, send, self.group)
+        # Received rows come grouped by (source rank, local expert); the experts want them
+        # grouped by (local expert, source rank).
+        per_source = counts_recv.view(ep, -1)
+        local_experts = per_source.shape[1]
+        segment = torch.arange(ep * local_experts, device=counts.device)
+        segment = segment.repeat_interleave(counts_recv, output_size=sum(recv))
+        key = (segment % local_experts) * ep + segment // local_experts
+        order = torch.argsort(key, stable=True)
+        self._ctx = (order, send, recv)
+        return _ScaleGrad.apply(x_recv[order], float(ep)), per_source.sum(dim=0)
+
+    def combine(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        (order, send, recv), self._ctx = self._ctx, None
+        # The 1/ep scale on the way back makes the experts' weight gradients the data-parallel
+        # mean (as FSDP's reduce-scatter gives the others); _ScaleGrad(ep) on the input side
+        # restores the token gradients.
+        out = _ScaleGrad.apply(out, 1.0 / self.ep)
+        y_recv = torch.empty_like(out)
+        y_recv = y_recv.index_put((order,), out)
+        return funcol.all_to_all_single_autograd(y_recv, send, recv, self.group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def shard_experts_(experts: nn.Module, ep_group: dist.ProcessGroup) -> None:
+    """Keep this rank's `num_experts / ep` experts of w1/w2/w3 as plain local Parameters.
+
+    Works on meta (before `to_empty`) and on materialized weights. Each kept Parameter is
+    marked: `_ep_local = True`, `_ep_group`, `_ep_full_shape` and `_ep_slice` (rows of dim 0).
+    """
+    ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    if experts.num_experts % ep:
+        raise ValueError(f"num_experts = {experts.num_experts} is not divisible by ep = {ep}")
+    local = experts.num_experts // ep
+    rows = slice(rank * local, (rank + 1) * local)
+    marks = {}
+    for name in EXPERT_WEIGHTS:
+        full = getattr(experts, name)
+        with torch.no_grad():
+            kept = full[rows].clone() if full.device.type != "meta" else full[rows].detach()
+        setattr(experts, name, nn.Parameter(kept.contiguous(), requires_grad=full.requires_grad))
+        marks[name] = {"_ep_local": True, "_ep_group": ep_group, "_ep_full_shape": tuple(full.shape)}
+        marks[name]["_ep_slice"] = rows
+    experts.num_experts = local
+    experts._ep_marks = marks
+    _mark_params(experts)
+    # `to_empty`/`to` replace Parameters by new ones (without the marks): mark those again.
+    original_apply = experts._apply
+
+    def _apply_and_mark(*args, **kwargs):
+        result = original_apply(*args, **kwargs)
+        _mark_params(experts)
+        return result
+
+    experts._apply = _apply_and_mark
+
+
+def _mark_params(experts: nn.Module) -> None:
+    for name, marks in experts._ep_marks.items():
+        for key, value in marks.items():
+            setattr(getattr(experts, name), key, value)
+
+
+def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup) -> list[nn.Parameter]:
+    """Shard and hook every `MoE.experts` of `model.layers` over `ep_group`, in place.
+
+    Call before activation checkpointing and compile wrap the blocks.
+
+    Returns:
+        The expert Parameters now local to this rank, for FSDP's `ignored_params`.
+    """
+    from torchtitan.models.moe import MoE
+
+    params = []
+    for block in model.layers.values():
+        for module in block.modules():
+            if not isinstance(module, MoE):
+                continue
+            experts = module.experts
+            shard_experts_(experts, ep_group)
+            hooks = experts._ep_hooks = _ExpertParallelHooks(ep_group)
+            experts.register_forward_pre_hook(hooks.dispatch)
+            experts.register_forward_hook(hooks.combine)
+            params += [getattr(experts, name) for name in EXPERT_WEIGHTS]
+    return params
+
+
+def is_ep_local(param: torch.Tensor) -> bool:
+    return getattr(param, "_ep_local", False)
