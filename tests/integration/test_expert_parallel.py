@@ -5,6 +5,7 @@ Run as a script under torchrun (2 processes), this file is also the worker of th
 collective-count checks (`run_worker` launches it).
 """
 
+import gc
 import json
 
 import pytest
@@ -94,17 +95,62 @@ def test_resolved_degrees_and_flavor_are_checked_at_parallelize(dims, flavor, ma
         check_ep_supported(model, ParallelDims(*dims), cfg)
 
 
-def test_ep_layout_and_collectives_leave_nothing_behind():
-    report = run_worker("test_expert_parallel")
-    # Each rank keeps half the experts as plain tensors; everything else is FSDP's.
+REPLAY = ["--activation_checkpoint.full_ac_all_to_all", "replay"]
+WORKER_AC = {
+    "none": AC["none"],
+    "full, reissue": AC["full"],
+    "full, reissue, early stop": AC["full early stop"],
+    "full, replay": AC["full"] + REPLAY,
+    "full, replay, early stop": AC["full early stop"] + REPLAY,
+    "selective op": AC["selective op"],
+}
+# Backward all-to-alls per MoE layer: autograd's two (the transposes of dispatch and combine),
+# plus, when full AC re-issues them, the recomputed dispatch and combine. The split-size
+# exchange is saved in every AC mode.
+BACKWARD_A2A_PER_LAYER = {
+    "none": 2, "full, reissue": 4, "full, reissue, early stop": 4,
+    "full, replay": 2, "full, replay, early stop": 2, "selective op": 2,
+}  # fmt: skip
+LEAK_STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def ep_worker_report():
+    return run_worker("test_expert_parallel")
+
+
+def test_ep_layout_keeps_half_the_experts_as_plain_tensors(ep_worker_report):
+    report = ep_worker_report
     assert report["expert_shapes"] == [[4, 256, 256]] * 3, report
     assert report["experts_plain"] and report["others_dtensor"], report
-    # Per MoE layer and step: 3 all-to-alls forward (counts, dispatch, combine), 2 backward.
-    # op-SAC saves them all, so its recompute communicates no more than no AC.
-    layers = report["moe_layers"]
-    assert report["a2a_per_step"]["none"] == [5 * layers] * 2, report
-    assert report["a2a_per_step"]["selective op"] == [5 * layers] * 2, report
-    assert report["pending_contexts"] == 0, report
+
+
+@pytest.mark.parametrize("ac", list(WORKER_AC))
+def test_backward_issues_only_the_all_to_alls_the_ac_mode_needs(ep_worker_report, ac):
+    layers = ep_worker_report["moe_layers"]
+    counts = ep_worker_report["modes"][ac]
+    assert counts["forward_a2a"] == 3 * layers, counts  # split sizes, dispatch, combine
+    assert set(counts["backward_a2a"]) == {BACKWARD_A2A_PER_LAYER[ac] * layers}, counts
+
+
+@pytest.mark.parametrize("ac", list(WORKER_AC))
+def test_memory_held_after_each_step_is_flat_over_20_steps(ep_worker_report, ac):
+    held = ep_worker_report["modes"][ac]["held_after_step"]
+    assert len(held) == LEAK_STEPS
+    # From step 2 on nothing may accumulate. A buffer of an in-flight gloo collective is now and
+    # then still alive at the check, so one step may show one extra tensor; a leak would grow
+    # by several tensors every step and never come back down.
+    steady = held[1]
+    assert min(held[-5:]) == steady, held
+    assert all(count - steady[0] <= 1 for count, _ in held[1:]), held
+    assert ep_worker_report["modes"][ac]["pending_contexts"] == 0
+
+
+@pytest.mark.parametrize("ac", list(WORKER_AC))
+def test_recompute_under_ep_replays_the_forward_routing(ep_worker_report, ac):
+    """The expert bias is changed between forward and backward on every rank; the gradients
+    must stay those of the forward's routing (equal to a run without the change)."""
+    assert ep_worker_report["modes"][ac]["replayed_grads_equal"], ac
 
 
 class _CountAllToAll(TorchDispatchMode):
@@ -118,8 +164,8 @@ class _CountAllToAll(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _build(parallel_dims, ac: str):
-    cfg = parse_args(CONFIG + EP2 + AC[ac] + ["--training.seq_len", "64"], env={})
+def _build(parallel_dims, ac_argv: list[str]):
+    cfg = parse_args(CONFIG + EP2 + ac_argv + ["--training.seq_len", "64"], env={})
     with torch.device("meta"):
         model = Qwen3Model(qwen3_flavors["debugmodel_moe"].update_from_config(cfg))
     parallelize_qwen3(model, parallel_dims, cfg, torch.device("cpu"))
@@ -129,33 +175,84 @@ def _build(parallel_dims, ac: str):
     return model
 
 
+def _held_tensors() -> tuple[int, int]:
+    """(count, bytes) of the tensors alive in this process, plus pending collective works."""
+    gc.collect()
+    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    pending = torch._C._distributed_c10d._get_work_registry_size()
+    return len(tensors) + pending, sum(
+        t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"
+    )
+
+
+def _loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _grads(model) -> list[torch.Tensor]:
+    return [
+        p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone() for p in model.parameters()
+    ]
+
+
+def _report_mode(parallel_dims, ac, tokens) -> dict:
+    model = _build(parallel_dims, WORKER_AC[ac])
+    experts = [m for n, m in model.named_modules() if n.endswith("moe.experts")]
+    with _CountAllToAll() as mode:
+        loss = _loss(model, tokens)
+    forward_a2a = mode.count
+    loss.backward()
+    backward_a2a, held = [], []
+    for _ in range(LEAK_STEPS):
+        model.zero_grad(set_to_none=True)
+        with _CountAllToAll() as mode:
+            _loss(model, tokens).backward()
+        backward_a2a.append(mode.count - forward_a2a)
+        held.append(_held_tensors())
+    reference = _grads(model)
+    model.zero_grad(set_to_none=True)
+    loss = _loss(model, tokens)
+    moes = [m for n, m in model.named_modules() if n.endswith(".moe")]
+    for moe in moes:
+        moe.expert_bias.copy_(torch.arange(moe.expert_bias.numel(), dtype=torch.float32) * 100.0)
+    loss.backward()
+    replayed = _grads(model)
+    return {
+        "forward_a2a": forward_a2a,
+        "backward_a2a": backward_a2a,
+        "held_after_step": held,
+        "pending_contexts": sum(e._ep_hooks._ctx is not None for e in experts),
+        "replayed_grads_equal": all(torch.equal(a, b) for a, b in zip(reference, replayed)),
+        "moe_layers": len(experts),
+        "model": model,
+    }
+
+
 def _worker() -> None:
-    """Under torchrun with 2 processes: rank 0 prints the layout and per-step collective counts."""
+    """Under torchrun with 2 processes: rank 0 prints the layout, and per AC mode the
+    all-to-all counts, the memory held after each of 20 steps and the routing-replay check."""
     dist.init_process_group("gloo")
     parallel_dims = ParallelDims(1, 2, 1, dist.get_world_size())
     parallel_dims.build_mesh("cpu")
-    report = {"a2a_per_step": {}}
+    report = {"modes": {}}
     tokens = torch.randint(0, 2048, (2, 65), generator=torch.Generator().manual_seed(dist.get_rank()))
-    for ac in ("none", "selective op"):
-        model = _build(parallel_dims, ac)
-        experts = [m for n, m in model.named_modules() if n.endswith("moe.experts")]
-        counts = []
-        for _ in range(2):
-            with _CountAllToAll() as mode:
-                logits = model(tokens[:, :-1])
-                F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-            counts.append(mode.count)
-        report["a2a_per_step"][ac] = counts
-        report["moe_layers"] = len(experts)
-        report["pending_contexts"] = sum(e._ep_hooks._ctx is not None for e in experts)
-        names = ("w1", "w2", "w3")
-        report["expert_shapes"] = [list(getattr(experts[0], n).shape) for n in names]
-        report["experts_plain"] = all(
-            not isinstance(getattr(e, n), DTensor) and getattr(e, n)._ep_local for e in experts for n in names
-        )
-        report["others_dtensor"] = all(
-            isinstance(p, DTensor) for n, p in model.named_parameters() if n.split(".")[-1] not in names
-        )
+    model = None
+    for ac in WORKER_AC:
+        del model  # so that the held-tensor counts of each mode see one model only
+        mode_report = _report_mode(parallel_dims, ac, tokens)
+        model = mode_report.pop("model")
+        report["moe_layers"] = mode_report.pop("moe_layers")
+        report["modes"][ac] = mode_report
+    experts = [m for n, m in model.named_modules() if n.endswith("moe.experts")]
+    names = ("w1", "w2", "w3")
+    report["expert_shapes"] = [list(getattr(experts[0], n).shape) for n in names]
+    report["experts_plain"] = all(
+        not isinstance(getattr(e, n), DTensor) and getattr(e, n)._ep_local for e in experts for n in names
+    )
+    report["others_dtensor"] = all(
+        isinstance(p, DTensor) for n, p in model.named_parameters() if n.split(".")[-1] not in names
+    )
     if dist.get_rank() == 0:
         print(json.dumps(report))
     dist.destroy_process_group()

@@ -267,6 +267,52 @@ def test_recompute_neither_recounts_tokens_nor_resets_the_aux_loss():
     assert moe.aux_loss is aux
 
 
+ROUTING_AC = {
+    "full, all-to-alls reissued": FULL,
+    "full, all-to-alls replayed": ActivationCheckpoint(mode="full", full_ac_all_to_all="replay"),
+    "full, early stop": ActivationCheckpoint(mode="full", early_stop=True),
+    "selective 1": ActivationCheckpoint(mode="selective", selective_ac_option="1"),
+    "selective op": OP_SAC,
+}
+
+
+@pytest.mark.parametrize("ac", list(ROUTING_AC))
+def test_recompute_replays_the_forward_routing_even_when_the_router_changed_in_between(ac):
+    """Between forward and backward, the expert bias is changed so that a recomputed router
+    would send every token elsewhere; the gradients must still be those of the forward's routing."""
+    moe = _moe(num_shared_experts=1, load_balance_coeff=1e-3)
+    plain, checkpointed = _Holder(moe), _Holder(copy.deepcopy(moe))
+    apply_ac(checkpointed, ROUTING_AC[ac], op_sac_save_list=DEFAULT_SAVE_LIST)
+    x = _tokens(2, 12, DIM)
+    out_p, dx_p, grads_p = _loss_and_grads(plain, x)
+    moved = checkpointed.layers["0"]
+    moved = getattr(moved, "_checkpoint_wrapped_module", moved).moe
+    x_c = x.clone().requires_grad_()
+    out_c = checkpointed(x_c)
+    moved.expert_bias.copy_(torch.tensor([0.0] * 7 + [100.0]))
+    out_c.square().mean().backward()
+    assert torch.equal(out_p, out_c.detach()) and torch.equal(dx_p, x_c.grad)
+    grads_c = {
+        n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in checkpointed.named_parameters()
+    }
+    for name, grad in grads_p.items():
+        assert torch.equal(grad, grads_c[name]), name
+
+
+def test_plain_checkpoint_would_silently_route_differently_when_the_router_changed():
+    """The check above can fail: without saved routing the same change alters the gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    moe = _moe(load_balance_coeff=1e-3)
+    x = _tokens(2, 12, DIM)
+    _, _, grads_plain = _loss_and_grads(moe, x)
+    moe.zero_grad()
+    out = checkpoint(moe, x, use_reentrant=False)
+    moe.expert_bias.copy_(torch.tensor([0.0] * 7 + [100.0]))
+    out.square().mean().backward()
+    assert not torch.allclose(moe.experts.w1.grad, grads_plain["experts.w1"])
+
+
 def test_meta_construction_then_to_empty_and_init_weights_gives_finite_outputs():
     with torch.device("meta"):
         moe = MoE(DIM, HIDDEN, MoEArgs(num_experts=8, top_k=2, num_shared_experts=1, load_balance_coeff=1e-3))

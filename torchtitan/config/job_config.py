@@ -128,6 +128,11 @@ class ActivationCheckpoint:
         ["moe.router.gate"], "Linear FQN substrings whose matmul shapes are always recomputed"
     )
     early_stop: bool = opt(False, "stop recompute once the needed activations are rebuilt")
+    full_ac_all_to_all: Literal["reissue", "replay"] = opt(
+        "reissue",
+        "full AC of MoE blocks: re-issue the expert all-to-alls in recompute (least memory) "
+        "or replay their saved outputs (least communication)",
+    )
     preserve_rng_state: bool = opt(False, "replay RNG in recompute (needed with dropout)")
     memory_budget: float = opt(0.5, "memory_budget mode: 0 = recompute all, 1 = save all", min=0.0, max=1.0)
     visualize_memory_budget_pareto: bool = opt(False, "dump the partitioner's pareto plot")

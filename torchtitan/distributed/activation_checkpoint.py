@@ -10,6 +10,9 @@ Modes (`[activation_checkpoint].mode`):
     none: nothing is wrapped.
     full: every block recomputes its whole forward in backward.
     selective, option "N": every Nth block of this model (0, N, 2N, ...) is fully checkpointed.
+    Full AC of a block with an MoE (`block.moe`) still saves the routing (`ROUTING_OPS`), the
+    split-size exchange and its device-to-host copy; `full_ac_all_to_all` says whether the
+    token all-to-alls are re-issued in recompute ("reissue") or saved and replayed ("replay").
     selective, option "op": every block saves the outputs of the ops in the save list and
         recomputes the rest, except that every second matmul is recomputed.
     memory_budget: no wrapping; torch.compile's partitioner chooses what to save so that
@@ -37,8 +40,8 @@ _c10d = torch.ops._c10d_functional
 
 # What op-SAC saves unless a model says otherwise. Matmuls and attention are the expensive
 # ops to recompute; collectives (sequence-parallel all-gather and reduce-scatter, expert
-# all-to-all) would communicate again; amax feeds low-precision scales; topk decides MoE
-# routing, which must not change between forward and recompute.
+# all-to-all) would communicate again; amax feeds low-precision scales; topk and the
+# scatter_add token counts are MoE routing, which must not change between forward and recompute.
 DEFAULT_SAVE_LIST: frozenset = frozenset(
     {
         _aten.mm.default,
@@ -54,11 +57,18 @@ DEFAULT_SAVE_LIST: frozenset = frozenset(
         _c10d.reduce_scatter_tensor.default,
         _c10d.all_to_all_single.default,
         _aten.topk.default,
+        _aten.scatter_add.default,
     }
 )
 
 # Ops a dense model never runs: MoE routing and the expert-parallel all-to-all.
-MOE_ONLY_OPS: frozenset = frozenset({_aten.topk.default, _c10d.all_to_all_single.default})
+MOE_ONLY_OPS: frozenset = frozenset(
+    {_aten.topk.default, _aten.scatter_add.default, _c10d.all_to_all_single.default}
+)
+
+# What full AC still saves in a block that has an MoE: the routing (expert choice and tokens per
+# expert), so recompute can neither route differently nor hit a shape mismatch.
+ROUTING_OPS: frozenset = frozenset({_aten.topk.default, _aten.scatter_add.default})
 
 
 def save_list(add=(), drop=()) -> frozenset:
@@ -176,6 +186,25 @@ def _op_sac_policy(save_ops: frozenset, forced_mm_shapes: set, counts: dict):
     return policy
 
 
+def _full_ac_moe_policy(replay_all_to_all: bool):
+    def policy(ctx, func, *args, **kwargs):
+        if func in ROUTING_OPS or _is_device_to_host_copy(func, args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
+        if func == _c10d.all_to_all_single.default:
+            # Integer inputs are the split-size exchange: tiny, and it would sync again.
+            if replay_all_to_all or not args[0].is_floating_point():
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def full_ac_moe_context_fn(replay_all_to_all: bool):
+    """A `context_fn` for full AC of an MoE block: recompute everything but the routing, the
+    split sizes and, with `replay_all_to_all`, the token all-to-alls."""
+    return lambda: create_selective_checkpoint_contexts(_full_ac_moe_policy(replay_all_to_all))
+
+
 def op_sac_context_fn(save_ops: frozenset, forced_mm_shapes: set = frozenset()):
     """A `context_fn` for op-SAC; each checkpointed call gets fresh matmul counters, shared
     by its forward and its recompute so that both make the same choices."""
@@ -262,7 +291,8 @@ def apply_ac(
     if is_op_sac:
         shapes = _forced_recompute_mm_shapes(model, ac_config.per_op_sac_force_recompute_mm_shapes_by_fqns)
         context_fn = op_sac_context_fn(frozenset(op_sac_save_list or DEFAULT_SAVE_LIST), shapes)
-    wrapped_blocks, kind = [], "full AC" if every == 1 else f"full AC on every {every}th block"
+    full_kind = "full AC" if every == 1 else f"full AC on every {every}th block"
+    blocks_by_kind: dict[str, list[str]] = defaultdict(list)
     for index, (name, block) in enumerate(list(model.layers.named_children())):
         if index % every:
             continue
@@ -270,14 +300,22 @@ def apply_ac(
             block, kind = _apply_op_sac_to_block(
                 block, ac_config, context_fn, use_flex_attn, model_compile_enabled
             )
+        elif hasattr(block, "moe"):
+            replay = ac_config.full_ac_all_to_all == "replay"
+            block = _checkpoint(block, ac_config, full_ac_moe_context_fn(replay))
+            kind = f"{full_kind} (MoE: routing saved, all-to-alls {ac_config.full_ac_all_to_all})"
         else:
-            block = _checkpoint(block, ac_config)
+            block, kind = _checkpoint(block, ac_config), full_kind
         model.layers.register_module(name, block)
-        wrapped_blocks.append(name)
+        blocks_by_kind[kind].append(name)
+    described = "; ".join(
+        f"{kind} on {len(names)}/{len(model.layers)} blocks: {', '.join(names)}"
+        for kind, names in blocks_by_kind.items()
+    )
     logger.info(
         f"Activation checkpointing: mode {ac_config.mode}"
         + (f" ({ac_config.selective_ac_option})" if ac_config.mode == "selective" else "")
-        + f", {kind} on {len(wrapped_blocks)}/{len(model.layers)} blocks: {', '.join(wrapped_blocks)}"
+        + f", {described}"
     )
 
 

@@ -113,8 +113,9 @@ class TokenChoiceTopKRouter(nn.Module):
             (top_scores [T, k] fp32 combine weights, selected_experts [T, k] int64,
             num_tokens_per_expert [num_experts] int64) and, with `return_scores`, the scores.
 
-        Pitfall: selection goes through `torch.topk`, which op-SAC saves, so an activation
-        checkpoint recompute sees the same routing even where scores tie.
+        Pitfall: selection goes through `torch.topk` and the counts through `scatter_add`, whose
+        outputs every AC mode saves for MoE blocks, so a recompute replays the forward's routing
+        even where scores tie or the expert bias changed in between.
         """
         scores = self._score(self.gate(x).float())
         choice = scores if expert_bias is None else scores + expert_bias
@@ -153,7 +154,9 @@ def _count_per_expert(selected: torch.Tensor, num_experts: int) -> torch.Tensor:
     FakeTensorMode (memory estimation) and compile, and it is deterministic on accelerators.
     """
     flat = selected.flatten()
-    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+    # Out of place: activation checkpointing saves this op's output (routing replay), which an
+    # in-place op would not give back to the tensor it mutates.
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add(
         0, flat, torch.ones_like(flat)
     )
 
