@@ -1,14 +1,217 @@
 """The one attention module every model uses; backends are chosen by name.
 
-Only `sdpa` (causal scaled-dot-product attention) exists so far. Models call
-`build_attention(backend)` and never branch on the backend or the device themselves.
+Backends:
+
+* ``sdpa``: causal `F.scaled_dot_product_attention`; needs no masks.
+* ``flex``: attention under one of `MASK_TYPES`. The mask is built once per batch by
+  `build_attention_masks` and handed to every layer, so no layer rebuilds it. On CUDA it is a
+  flex-attention `BlockMask` run by a compiled `flex_attention`; elsewhere (CPU) it is an exact dense
+  boolean mask run by SDPA, because PyTorch's flex attention has no backward on CPU.
+
+Models call `build_attention(backend)` once and then ``attn(q, k, v, masks)`` for either backend; they
+never branch on the backend or the device themselves.
+
+Every mask here allows the diagonal (a token always attends to itself), so no query row is ever fully
+masked. Keep it that way when adding a mask type: SDPA with a boolean mask returns NaN for a fully
+masked row, while flex attention returns zeros, so the two paths would silently disagree.
 """
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
-ATTENTION_BACKENDS = ("sdpa",)
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("sdpa", "flex")
+MASK_TYPES = ("causal", "block_causal", "sliding_window", "chunked")
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_compiled_flex_attention = None
+_logged_dense_path = False
+
+
+def causal_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    """Mask mod allowing each query to see itself and every earlier key."""
+    return q_idx >= kv_idx
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Per-token document index for sequences that pack several documents.
+
+    A document ends *at* its EOS token, so the EOS belongs to the document it closes and the next
+    token starts a new one (an exclusive cumulative sum of EOS positions).
+
+    Args:
+        tokens: int tensor of shape ``[batch, seq]`` with the input ids.
+        eos_id: the id that ends a document.
+
+    Returns:
+        int tensor of shape ``[batch, seq]``; documents are numbered from 0 in each row.
+    """
+    is_eos = (tokens == eos_id).to(torch.int32)
+    return torch.cumsum(is_eos, dim=1) - is_eos
+
+
+def block_causal_mask(doc_ids: torch.Tensor) -> MaskMod:
+    """Mask mod for packed documents: causal, and only within a query's own document.
+
+    Args:
+        doc_ids: ``[batch, seq]`` document index per token, from `document_ids`. The returned mask
+            mod indexes it by ``b``, so the mask must be built with ``B = batch``.
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    return mask_mod
+
+
+def sliding_window_mask(window: int) -> MaskMod:
+    """Mask mod letting a query see itself and the ``window - 1`` keys before it."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return mask_mod
+
+
+def chunked_mask(chunk_size: int) -> MaskMod:
+    """Mask mod for Llama-4 style chunked attention: causal within fixed chunks of ``chunk_size``."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx // chunk_size == kv_idx // chunk_size)
+
+    return mask_mod
+
+
+@dataclass(frozen=True)
+class AttentionMasks:
+    """The attention mask for one batch, built once by `build_attention_masks` and shared by all layers.
+
+    Exactly one of ``block_mask`` (CUDA, flex path) and ``dense_mask`` (other devices, SDPA path) is set.
+
+    Attributes:
+        mask_type: one of `MASK_TYPES`.
+        mask_mod: the mask function both representations were built from.
+        seq_len: the sequence length the mask covers; q, k and v must match it.
+        block_mask: flex-attention `BlockMask`, or None.
+        dense_mask: bool tensor ``[batch or 1, 1, seq, seq]`` where True means "may attend", or None.
+            It costs ``batch * seq**2`` bytes for ``block_causal``, so it suits tests and small runs.
+    """
+
+    mask_type: str
+    mask_mod: MaskMod
+    seq_len: int
+    block_mask: BlockMask | None = None
+    dense_mask: torch.Tensor | None = None
+
+
+def _positive(value: int | None, name: str, mask_type: str) -> int:
+    if value is None or value <= 0:
+        raise ValueError(f"mask_type '{mask_type}' needs a positive {name}, got {value!r}")
+    return value
+
+
+def build_mask_mod(
+    tokens: torch.Tensor,
+    mask_type: str,
+    *,
+    eos_id: int | None = None,
+    sliding_window: int | None = None,
+    chunk_size: int | None = None,
+) -> MaskMod:
+    """The mask mod for ``mask_type``, validating the argument that type needs.
+
+    Arguments a mask type does not use are ignored, so a config may always pass all of them.
+
+    Raises:
+        ValueError: for an unknown ``mask_type``, or when ``block_causal`` lacks ``eos_id``,
+            ``sliding_window`` lacks a positive ``sliding_window`` or ``chunked`` a positive ``chunk_size``.
+    """
+    if mask_type == "causal":
+        return causal_mask
+    if mask_type == "block_causal":
+        if eos_id is None:
+            raise ValueError("mask_type 'block_causal' needs eos_id to find document boundaries")
+        return block_causal_mask(document_ids(tokens, eos_id))
+    if mask_type == "sliding_window":
+        return sliding_window_mask(_positive(sliding_window, "sliding_window", mask_type))
+    if mask_type == "chunked":
+        return chunked_mask(_positive(chunk_size, "chunk_size", mask_type))
+    raise ValueError(f"unknown mask_type '{mask_type}'; valid: {', '.join(MASK_TYPES)}")
+
+
+def _log_dense_path_once(device: torch.device) -> None:
+    global _logged_dense_path
+    if not _logged_dense_path:
+        _logged_dense_path = True
+        logger.info(
+            "flex attention on %s: using an exact dense boolean mask with SDPA (flex has no CPU backward)",
+            device.type,
+        )
+
+
+def build_attention_masks(
+    tokens: torch.Tensor,
+    mask_type: str,
+    *,
+    eos_id: int | None = None,
+    sliding_window: int | None = None,
+    chunk_size: int | None = None,
+) -> AttentionMasks:
+    """Build the attention mask for one batch; call once per batch and pass the result to every layer.
+
+    The representation follows ``tokens.device``: a flex `BlockMask` on CUDA, a dense boolean mask
+    elsewhere (the choice is logged once per process). Both come from the same mask mod, so they
+    allow exactly the same positions.
+
+    Args:
+        tokens: int tensor ``[batch, seq]`` of input ids (only ``block_causal`` reads the values).
+        mask_type: one of `MASK_TYPES`.
+        eos_id: end-of-document id; required for ``block_causal``.
+        sliding_window: window length including the query itself; required for ``sliding_window``.
+        chunk_size: chunk length; required for ``chunked``.
+
+    Raises:
+        ValueError: see `build_mask_mod`; also when ``tokens`` is not 2-D.
+    """
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+    mask_mod = build_mask_mod(
+        tokens, mask_type, eos_id=eos_id, sliding_window=sliding_window, chunk_size=chunk_size
+    )
+    batch, seq_len = tokens.shape
+    # Only block_causal differs per sequence; the others broadcast over the batch.
+    mask_batch = batch if mask_type == "block_causal" else None
+    if tokens.device.type == "cuda":
+        block_mask = create_block_mask(mask_mod, mask_batch, None, seq_len, seq_len, device=tokens.device)
+        return AttentionMasks(mask_type, mask_mod, seq_len, block_mask=block_mask)
+    _log_dense_path_once(tokens.device)
+    dense_mask = create_mask(mask_mod, mask_batch, None, seq_len, seq_len, device=tokens.device)
+    return AttentionMasks(mask_type, mask_mod, seq_len, dense_mask=dense_mask)
+
+
+def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Repeating (rather than SDPA's enable_gqa) keeps every SDPA kernel, CPU flash included, eligible.
+    repeats = q.shape[1] // k.shape[1]
+    if repeats > 1:
+        k = k.repeat_interleave(repeats, dim=1)
+        v = v.repeat_interleave(repeats, dim=1)
+    return k, v
+
+
+def _flex_attention_compiled():
+    # Compiled lazily so importing this module (or running on CPU) never triggers torch.compile.
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention)
+    return _compiled_flex_attention
 
 
 class ScaledDotProductAttention(nn.Module):
@@ -18,16 +221,72 @@ class ScaledDotProductAttention(nn.Module):
     count first, so every SDPA kernel (including CPU flash) applies.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        repeats = q.shape[1] // k.shape[1]
-        if repeats > 1:
-            k = k.repeat_interleave(repeats, dim=1)
-            v = v.repeat_interleave(repeats, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        masks: AttentionMasks | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Causal attention.
+
+        Args:
+            q, k, v: ``[batch, heads, seq, head_dim]``; k and v may have fewer heads (GQA).
+            masks: ignored (this backend is always causal); accepted so models call both backends alike.
+            scale: softmax scale; None means ``1 / sqrt(head_dim)``.
+        """
+        k, v = _repeat_kv(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+class FlexAttention(nn.Module):
+    """Attention under a prebuilt `AttentionMasks` (any of `MASK_TYPES`).
+
+    With a block mask (CUDA) it runs a compiled `flex_attention`, using its native GQA. With a dense
+    mask it runs SDPA with that boolean mask, repeating k and v heads for GQA; this path supports
+    backward on CPU, unlike flex attention itself.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        masks: AttentionMasks | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Masked attention.
+
+        Args:
+            q, k, v: ``[batch, heads, seq, head_dim]``; k and v may have fewer heads (GQA).
+            masks: from `build_attention_masks` on this batch's tokens; required.
+            scale: softmax scale; None means ``1 / sqrt(head_dim)``.
+
+        Raises:
+            ValueError: when ``masks`` is None or covers a different sequence length than q.
+        """
+        if masks is None:
+            raise ValueError("the flex backend needs masks: pass build_attention_masks(tokens, mask_type)")
+        if masks.seq_len != q.shape[2]:
+            raise ValueError(f"masks cover seq_len {masks.seq_len} but q has seq_len {q.shape[2]}")
+        if masks.block_mask is not None:
+            gqa = k.shape[1] < q.shape[1]
+            return _flex_attention_compiled()(
+                q, k, v, block_mask=masks.block_mask, scale=scale, enable_gqa=gqa
+            )
+        k, v = _repeat_kv(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=masks.dense_mask, scale=scale)
 
 
 def build_attention(backend: str) -> nn.Module:
-    """The attention module for `backend`; raises ValueError for an unknown name."""
+    """The attention module for ``backend`` (one of `ATTENTION_BACKENDS`).
+
+    Raises:
+        ValueError: for an unknown backend name.
+    """
     if backend == "sdpa":
         return ScaledDotProductAttention()
+    if backend == "flex":
+        return FlexAttention()
     raise ValueError(f"unknown attention backend '{backend}'; valid: {', '.join(ATTENTION_BACKENDS)}")

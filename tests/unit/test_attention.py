@@ -1,0 +1,205 @@
+"""Tests for the shared attention module: the sdpa and flex backends and the flex mask types (CPU path)."""
+
+import math
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from torchtitan.models import attention
+from torchtitan.models.attention import (
+    FlexAttention,
+    ScaledDotProductAttention,
+    build_attention,
+    build_attention_masks,
+)
+
+EOS = 0
+BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16
+
+# Eager flex_attention on CPU warns that it is unfused; that is expected for a reference.
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+MASK_KWARGS = {
+    "causal": {},
+    "block_causal": {"eos_id": EOS},
+    "sliding_window": {"sliding_window": 8},
+    "chunked": {"chunk_size": 16},
+}
+
+
+def _tokens(seq: int, eos_positions: list[list[int]], seed: int = 0) -> torch.Tensor:
+    """Random non-EOS ids with EOS placed at the given positions of each row."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, 100, (len(eos_positions), seq), generator=gen)
+    for row, positions in enumerate(eos_positions):
+        tokens[row, positions] = EOS
+    return tokens
+
+
+def _qkv(seq: int, kv_heads: int = KV_HEADS, batch: int = BATCH, seed: int = 0, dtype=torch.float32):
+    """Random q, k, v; the values depend only on the seed, never on ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, HEADS, seq, HEAD_DIM, generator=gen)
+    k = torch.randn(batch, kv_heads, seq, HEAD_DIM, generator=gen)
+    v = torch.randn(batch, kv_heads, seq, HEAD_DIM, generator=gen)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _reference_attention(q, k, v, allowed: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Explicit masked softmax attention; ``allowed`` broadcasts to [batch, heads, seq, seq]."""
+    repeats = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize("kv_heads", [HEADS, KV_HEADS])
+@pytest.mark.parametrize("mask_type", list(MASK_KWARGS))
+def test_cpu_dense_path_matches_eager_flex_attention(mask_type, kv_heads):
+    seq = 128
+    tokens = _tokens(seq, [[20, 50, 51], [5, 90]])
+    masks = build_attention_masks(tokens, mask_type, **MASK_KWARGS[mask_type])
+    q, k, v = _qkv(seq, kv_heads=kv_heads)
+    batch = BATCH if mask_type == "block_causal" else None
+    block_mask = create_block_mask(masks.mask_mod, batch, None, seq, seq, device="cpu")
+
+    with torch.no_grad():
+        out = FlexAttention()(q, k, v, masks)
+        expected = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=kv_heads < HEADS)
+
+    assert masks.block_mask is None and masks.dense_mask is not None
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("changed_doc", [0, 1])
+def test_block_causal_documents_do_not_see_each_other(changed_doc):
+    seq, eos = 64, 29  # document 0 is positions 0..29 (its EOS included), document 1 is 30..63
+    masks = build_attention_masks(_tokens(seq, [[eos]]), "block_causal", eos_id=EOS)
+    q, k, v = _qkv(seq, batch=1)
+    docs = [slice(0, eos + 1), slice(eos + 1, seq)]
+    changed, kept = docs[changed_doc], docs[1 - changed_doc]
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    for t in (q2, k2, v2):
+        t[:, :, changed] += 1.0
+
+    out, out2 = FlexAttention()(q, k, v, masks), FlexAttention()(q2, k2, v2, masks)
+
+    torch.testing.assert_close(out2[:, :, kept], out[:, :, kept], atol=0, rtol=0)
+    assert not torch.allclose(out2[:, :, changed], out[:, :, changed])
+
+
+def test_block_causal_eos_belongs_to_the_document_it_ends():
+    masks = build_attention_masks(torch.tensor([[5, EOS, 7, 8, EOS, 9]]), "block_causal", eos_id=EOS)
+    allowed = masks.dense_mask[0, 0]
+
+    assert allowed[1, :2].all()  # the EOS sees its own document
+    assert not allowed[2, :2].any()  # the token after an EOS starts a new document
+    assert allowed[4, 2:5].all() and not allowed[5, :5].any()
+
+
+def test_sdpa_and_flex_causal_agree_including_gradients():
+    seq = 64
+    q, k, v = _qkv(seq)
+    masks = build_attention_masks(_tokens(seq, [[], []]), "causal")
+    grads = []
+    for module, extra in ((ScaledDotProductAttention(), ()), (FlexAttention(), (masks,))):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = module(*leaves, *extra)  # sdpa is called without masks: the pre-flex call still works
+        out.sum().backward()
+        grads.append((out.detach(), *(t.grad for t in leaves)))
+
+    for sdpa_tensor, flex_tensor in zip(*grads):
+        torch.testing.assert_close(flex_tensor, sdpa_tensor, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("scale", [None, 0.5])
+def test_dense_path_backward_matches_float64_masked_softmax(scale):
+    seq = 64
+    masks = build_attention_masks(_tokens(seq, [[10, 40], [33]]), "block_causal", eos_id=EOS)
+    weights = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+    results = {}
+    for dtype in (torch.float32, torch.float64):
+        leaves = [t.requires_grad_() for t in _qkv(seq, dtype=dtype)]
+        if dtype == torch.float32:
+            out = FlexAttention()(*leaves, masks, scale=scale)
+        else:
+            out = _reference_attention(*leaves, masks.dense_mask, scale=scale)
+        (out * weights.to(dtype)).sum().backward()
+        results[dtype] = [out.detach()] + [t.grad for t in leaves]
+
+    for got, expected in zip(results[torch.float32], results[torch.float64]):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=0)
+
+
+def test_sliding_window_mask_entries():
+    allowed = build_attention_masks(_tokens(16, [[]]), "sliding_window", sliding_window=4).dense_mask[0, 0]
+
+    assert allowed[10].nonzero().flatten().tolist() == [7, 8, 9, 10]
+    assert allowed[0].nonzero().flatten().tolist() == [0]
+
+
+def test_chunked_mask_entries():
+    allowed = build_attention_masks(_tokens(24, [[]]), "chunked", chunk_size=8).dense_mask[0, 0]
+
+    assert allowed[9].nonzero().flatten().tolist() == [8, 9]
+    assert allowed[7].nonzero().flatten().tolist() == list(range(8))
+    assert allowed[16].nonzero().flatten().tolist() == [16]
+
+
+@pytest.mark.parametrize("mask_type", list(MASK_KWARGS))
+def test_every_token_attends_to_itself(mask_type):
+    masks = build_attention_masks(_tokens(64, [[3, 4, 20], [63]]), mask_type, **MASK_KWARGS[mask_type])
+
+    assert masks.dense_mask.diagonal(dim1=-2, dim2=-1).all()
+
+
+@pytest.mark.parametrize(
+    ("mask_type", "kwargs", "named"),
+    [
+        ("block_causal", {}, "eos_id"),
+        ("sliding_window", {"sliding_window": 0}, "sliding_window"),
+        ("sliding_window", {}, "sliding_window"),
+        ("chunked", {"chunk_size": -1}, "chunk_size"),
+        ("diagonal", {}, "mask_type"),
+    ],
+)
+def test_build_attention_masks_rejects_bad_arguments(mask_type, kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        build_attention_masks(_tokens(8, [[]]), mask_type, **kwargs)
+
+
+def test_flex_without_masks_raises():
+    with pytest.raises(ValueError, match="masks"):
+        FlexAttention()(*_qkv(8))
+
+
+def test_build_attention_rejects_unknown_backend_listing_valid_ones():
+    assert isinstance(build_attention("flex"), FlexAttention)
+    with pytest.raises(ValueError, match="sdpa, flex"):
+        build_attention("flash")
+
+
+def test_mask_is_built_once_and_reused_by_every_layer(monkeypatch):
+    real_create_mask, real_sdpa = attention.create_mask, attention.F.scaled_dot_product_attention
+    built, masks_seen = [], []
+
+    def counting_create_mask(*args, **kwargs):
+        built.append(args[0])
+        return real_create_mask(*args, **kwargs)
+
+    def recording_sdpa(*args, **kwargs):
+        masks_seen.append(kwargs["attn_mask"])
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "create_mask", counting_create_mask)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording_sdpa)
+    masks = build_attention_masks(_tokens(32, [[]]), "causal")
+
+    for layer in (FlexAttention(), FlexAttention()):
+        layer(*_qkv(32), masks)
+
+    assert len(built) == 1
+    assert all(seen is masks.dense_mask for seen in masks_seen) and len(masks_seen) == 2
