@@ -182,6 +182,7 @@ def parallel_dims_for(cfg: JobConfig, ngpu: int) -> ParallelDims:
         dp_shard=p.data_parallel_shard_degree,
         tp=p.tensor_parallel_degree,
         world_size=ngpu,
+        ep=p.expert_parallel_degree,
     )
 
 

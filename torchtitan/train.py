@@ -55,6 +55,7 @@ class Trainer:
             p.data_parallel_shard_degree,
             p.tensor_parallel_degree,
             world_size,
+            ep=p.expert_parallel_degree,
         )
         self.parallel_dims.build_mesh(self.device.type)
         dist_utils.set_determinism(cfg.training.seed, cfg.training.deterministic)

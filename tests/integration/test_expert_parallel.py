@@ -26,76 +26,115 @@ from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 pytestmark = pytest.mark.integration
 
 CONFIG = ["--config", "qwen3_debug_model_moe.toml"]
+MODEL_CONFIGS = {"qwen3 moe": "qwen3_debug_model_moe.toml", "deepseek_v3": "deepseek_v3_debug_model.toml"}
 # Small and quick, fp32 so that parity holds to rounding.
-SMALL = ["--training.seq_len", "64", "--training.steps", "3", "--metrics.log_freq", "1",
+SMALL = ["--training.seq_len", "64", "--training.steps", "5", "--metrics.log_freq", "1",
          "--lr_scheduler.warmup_steps", "2", "--training.mixed_precision_param", "float32"]  # fmt: skip
 GLOBAL_BATCH = 4
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
+REPLAY = ["--activation_checkpoint.full_ac_all_to_all", "replay"]
 AC = {
     "none": ["--activation_checkpoint.mode", "none"],
     "full": ["--activation_checkpoint.mode", "full"],
     "full early stop": ["--activation_checkpoint.mode", "full", "--activation_checkpoint.early_stop"],
+    "full replay": ["--activation_checkpoint.mode", "full", *REPLAY],
     "selective op": ["--activation_checkpoint.mode", "selective",
                      "--activation_checkpoint.selective_ac_option", "op"],
 }  # fmt: skip
+# name: (processes, extra argv). "EP 2": the experts split over both ranks, nothing else holds
+# them. "FSDP 4, EP 2": each expert FSDP-sharded over the 2 ranks holding it. "HSDP 2 x 2, EP 2":
+# experts replicated over the 2 replicas.
+LAYOUTS = {
+    "EP 2": (2, EP2),
+    "FSDP 4, EP 2": (4, EP2),
+    "HSDP 2 x 2, EP 2": (4, EP2 + ["--parallelism.data_parallel_replicate_degree", "2"]),
+}
+# What runs by default; the rest of the model x layout x AC matrix is `-m full_matrix`.
+DEFAULT_CASES = {
+    ("qwen3 moe", "EP 2"): set(AC),
+    ("qwen3 moe", "FSDP 4, EP 2"): {"none", "selective op"},
+    ("qwen3 moe", "HSDP 2 x 2, EP 2"): {"full"},
+    ("deepseek_v3", "EP 2"): {"none", "full", "full replay", "selective op"},
+    ("deepseek_v3", "FSDP 4, EP 2"): {"full"},
+}
 
 
-def _run(tmp_path, name, nproc, extra=()) -> list[dict]:
+def _cases():
+    for model in MODEL_CONFIGS:
+        for layout in LAYOUTS:
+            for ac in AC:
+                default = ac in DEFAULT_CASES.get((model, layout), ())
+                marks = () if default else (pytest.mark.full_matrix,)
+                yield pytest.param(model, layout, ac, marks=marks, id=f"{model}-{layout}-{ac}")
+
+
+def _run(tmp_path, name, nproc, extra=(), config=CONFIG) -> list[dict]:
     local = ["--training.local_batch_size", str(GLOBAL_BATCH // nproc)]
     dump = ["--job.dump_folder", str(tmp_path / name)]
-    proc = run_trainer(CONFIG + SMALL + local + list(extra) + dump, nproc=nproc)
+    proc = run_trainer(config + SMALL + local + list(extra) + dump, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_metrics(tmp_path / name)
 
 
-@pytest.fixture(scope="module")
-def single_process(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("ep_single"), "single", 1, AC["none"])
+_single_runs: dict = {}
 
 
-# Two micro-batches per step: the experts' gradients accumulate like FSDP's.
-ACCUM2 = ["--training.local_batch_size", "1", "--training.global_batch_size", str(GLOBAL_BATCH)]
+def _single_process(model: str, tmp_path_factory) -> list[dict]:
+    if model not in _single_runs:
+        folder = tmp_path_factory.mktemp("ep_single")
+        _single_runs[model] = _run(folder, "single", 1, AC["none"], ["--config", MODEL_CONFIGS[model]])
+    return _single_runs[model]
 
 
-@pytest.mark.parametrize("ac", [*AC, "none, 2 micro-batches"])
-def test_fsdp2_ep2_matches_one_process(single_process, ac, tmp_path):
-    extra = AC[ac] if ac in AC else AC["none"] + ACCUM2
-    records = _run(tmp_path, "ep2", 2, EP2 + extra)
-    assert [r["step"] for r in records] == [1, 2, 3]
-    for got, want in zip(records, single_process):
+def _assert_same_metrics(got_records, want_records, context):
+    assert [r["step"] for r in got_records] == [1, 2, 3, 4, 5], context
+    for got, want in zip(got_records, want_records):
         for key in ("loss", "grad_norm", "moe_imbalance"):
-            assert abs(got[key] - want[key]) <= 1e-4 * abs(want[key]), (ac, key, got, want)
+            assert abs(got[key] - want[key]) <= 1e-4 * abs(want[key]), (context, key, got, want)
+
+
+@pytest.mark.parametrize("model, layout, ac", list(_cases()))
+def test_expert_parallel_layout_matches_one_process(model, layout, ac, tmp_path, tmp_path_factory):
+    nproc, layout_argv = LAYOUTS[layout]
+    config = ["--config", MODEL_CONFIGS[model]]
+    records = _run(tmp_path, "ep", nproc, layout_argv + AC[ac], config)
+    _assert_same_metrics(records, _single_process(model, tmp_path_factory), (model, layout, ac))
+
+
+def test_ep2_with_two_micro_batches_matches_one_process(tmp_path, tmp_path_factory):
+    """The experts' gradients accumulate over micro-batches like FSDP's."""
+    accumulate = ["--training.local_batch_size", "1", "--training.global_batch_size", str(GLOBAL_BATCH)]
+    records = _run(tmp_path, "ep2", 2, EP2 + AC["none"] + accumulate)
+    _assert_same_metrics(records, _single_process("qwen3 moe", tmp_path_factory), "2 micro-batches")
 
 
 @pytest.mark.parametrize(
     "argv, match",
-    [(["--parallelism.data_parallel_shard_degree", "4"],
-      "expert_parallel_degree = data_parallel_shard_degree"),
-     (["--parallelism.tensor_parallel_degree", "2"], "tensor_parallel_degree = 1"),
-     (["--parallelism.data_parallel_replicate_degree", "2"], "data_parallel_replicate_degree = 1")],
+    [(["--parallelism.data_parallel_shard_degree", "3"], "does not divide data_parallel_shard_degree 3"),
+     (["--parallelism.tensor_parallel_degree", "2"], "needs tensor_parallel_degree = 1"),
+     (["--parallelism.expert_tensor_parallel_degree", "2"], "experts are not tensor-parallel")],
 )  # fmt: skip
 def test_unsupported_ep_combinations_are_refused(argv, match):
-    with pytest.raises(ConfigError, match=f"not supported yet.*{match}"):
+    with pytest.raises(ConfigError, match=match):
         parse_args(CONFIG + EP2 + argv, env={})
 
 
-@pytest.mark.parametrize(
-    "dims, flavor, match",
-    [((1, 4, 1, 4), "debugmodel_moe", "Only this combination is supported yet"),
-     ((1, 2, 1, 2), "debugmodel", "needs a Mixture-of-Experts flavor")],
-)  # fmt: skip
-def test_resolved_degrees_and_flavor_are_checked_at_parallelize(dims, flavor, match):
+def test_resolved_shard_degree_that_ep_does_not_divide_is_refused():
+    with pytest.raises(ConfigError, match="degree 2 does not divide data_parallel_shard_degree 3"):
+        ParallelDims(1, -1, 1, 3, ep=2)
+
+
+def test_ep_on_a_dense_flavor_is_refused_at_parallelize():
     from types import SimpleNamespace
 
     from torchtitan.distributed.parallelize import check_ep_supported
 
-    cfg = parse_args(CONFIG + EP2 + ["--model.flavor", flavor], env={})
-    model = SimpleNamespace(args=qwen3_flavors[flavor])
-    with pytest.raises(ConfigError, match=match):
-        check_ep_supported(model, ParallelDims(*dims), cfg)
+    cfg = parse_args(CONFIG + EP2 + ["--model.flavor", "debugmodel"], env={})
+    model = SimpleNamespace(args=qwen3_flavors["debugmodel"])
+    with pytest.raises(ConfigError, match="needs a Mixture-of-Experts flavor"):
+        check_ep_supported(model, ParallelDims(1, 2, 1, 2, ep=2), cfg)
 
 
-REPLAY = ["--activation_checkpoint.full_ac_all_to_all", "replay"]
 WORKER_AC = {
     "none": AC["none"],
     "full, reissue": AC["full"],
@@ -233,7 +272,7 @@ def _worker() -> None:
     """Under torchrun with 2 processes: rank 0 prints the layout, and per AC mode the
     all-to-all counts, the memory held after each of 20 steps and the routing-replay check."""
     dist.init_process_group("gloo")
-    parallel_dims = ParallelDims(1, 2, 1, dist.get_world_size())
+    parallel_dims = ParallelDims(1, 2, 1, dist.get_world_size(), ep=2)
     parallel_dims.build_mesh("cpu")
     report = {"modes": {}}
     tokens = torch.randint(0, 2048, (2, 65), generator=torch.Generator().manual_seed(dist.get_rank()))

@@ -104,7 +104,10 @@ class Parallelism:
     enable_async_tensor_parallel: bool = opt(False, "overlap TP comms with compute (compile)")
     context_parallel_degree: int = opt(1, "context parallel degree", min=1)
     pipeline_parallel_degree: int = opt(1, "pipeline parallel degree", min=1)
-    expert_parallel_degree: int = opt(1, "expert parallel degree", min=1)
+    expert_parallel_degree: int = opt(
+        1, "expert parallel degree; its ranks come from data_parallel_shard_degree", min=1
+    )
+    expert_tensor_parallel_degree: int = opt(1, "tensor parallel degree of the experts (only 1)", min=1)
     expert_tensor_parallel_degree: int = opt(1, "tensor parallel degree inside experts", min=1)
 
 

@@ -318,17 +318,25 @@ def _check_consistency(config: JobConfig) -> None:
 def _check_expert_parallel(p) -> None:
     """What can be told from the config alone; the resolved degrees are checked at parallelize."""
     ep = p.expert_parallel_degree
+    if p.expert_tensor_parallel_degree != 1:
+        raise ConfigError(
+            f"'parallelism.expert_tensor_parallel_degree' = {p.expert_tensor_parallel_degree} is not "
+            "supported yet: experts are not tensor-parallel; set it to 1."
+        )
     if ep == 1:
         return
     shard = p.data_parallel_shard_degree
-    if (shard not in (-1, ep)) or p.tensor_parallel_degree != 1 or p.data_parallel_replicate_degree != 1:
+    if p.tensor_parallel_degree != 1:
         raise ConfigError(
-            f"'parallelism.expert_parallel_degree' = {ep} with data_parallel_shard_degree {shard}, "
-            f"data_parallel_replicate_degree {p.data_parallel_replicate_degree} and "
-            f"tensor_parallel_degree {p.tensor_parallel_degree} is not supported yet. Supported "
-            "combinations: expert_parallel_degree = 1, or expert_parallel_degree = "
-            "data_parallel_shard_degree (EP over the FSDP shard group) with "
-            "data_parallel_replicate_degree = 1 and tensor_parallel_degree = 1."
+            f"'parallelism.expert_parallel_degree' = {ep} with tensor_parallel_degree "
+            f"{p.tensor_parallel_degree} is not supported yet: expert parallelism needs "
+            "tensor_parallel_degree = 1."
+        )
+    if shard != -1 and shard % ep:
+        raise ConfigError(
+            f"'parallelism.expert_parallel_degree' = {ep} does not divide data_parallel_shard_degree "
+            f"{shard}: expert parallelism borrows its ranks from the FSDP shard group; choose an "
+            "expert_parallel_degree that divides it."
         )
 
 

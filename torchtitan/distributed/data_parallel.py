@@ -9,6 +9,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
+from torchtitan.distributed.expert_parallel import mark_expert_params
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.tools.dtypes import TORCH_DTYPES
 
@@ -34,12 +35,14 @@ def apply_fsdp(
     parallel_dims: ParallelDims,
     job_config: JobConfig,
     device: torch.device,
-    ignored_params: set[nn.Parameter] | None = None,
+    experts: list[nn.Module] = (),
 ) -> None:
     """Shard `model` in place: each block of `model.layers` is one FSDP unit, the rest the root.
 
-    `ignored_params` (the expert-parallel experts) stay plain local Parameters, neither sharded
-    nor gathered nor reduced by FSDP, nor cast by its mixed-precision policy.
+    `experts` (the expert-parallel `GroupedExperts`, already split over "ep") become FSDP units
+    of their own over `parallel_dims.expert_dp_mesh()`. When no other rank holds the same
+    experts (expert_dp_degree 1) they stay plain local Parameters instead, neither sharded nor
+    gathered nor reduced by FSDP, nor cast by its mixed-precision policy.
 
     Mixed precision follows `training.mixed_precision_param/_reduce`; CPU offload follows
     `training.enable_cpu_offload` and needs an accelerator.
@@ -59,10 +62,15 @@ def apply_fsdp(
     }
     if t.enable_cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    if ignored_params:
-        # Every unit needs them: the root would otherwise take the blocks' ignored ones.
-        kwargs["ignored_params"] = set(ignored_params)
     reshard_blocks, reshard_root = _reshard_policy(job_config.parallelism.fsdp_reshard_after_forward)
+    if experts and parallel_dims.expert_dp_degree > 1:
+        expert_kwargs = {**kwargs, "mesh": parallel_dims.expert_dp_mesh()}
+        for module in experts:
+            fully_shard(module, reshard_after_forward=reshard_blocks, **expert_kwargs)
+            mark_expert_params(module)
+    elif experts:
+        # Every unit needs them: the root would otherwise take the blocks' ignored ones.
+        kwargs["ignored_params"] = {p for module in experts for p in module.parameters()}
     for block in model.layers.values():
         fully_shard(block, reshard_after_forward=reshard_blocks, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_root, **kwargs)
@@ -81,13 +89,13 @@ def apply_data_parallel(
     parallel_dims: ParallelDims,
     job_config: JobConfig,
     device: torch.device,
-    ignored_params: set[nn.Parameter] | None = None,
+    experts: list[nn.Module] = (),
 ) -> None:
     """FSDP/HSDP when dp_shard > 1, DDP when only dp_replicate > 1, else nothing.
 
-    `ignored_params` (FSDP only): parameters FSDP leaves alone, see `apply_fsdp`.
+    `experts` (FSDP only): the expert-parallel experts, see `apply_fsdp`.
     """
     if parallel_dims.fsdp_enabled:
-        apply_fsdp(model, parallel_dims, job_config, device, ignored_params)
+        apply_fsdp(model, parallel_dims, job_config, device, experts)
     elif parallel_dims.ddp_enabled:
         apply_ddp(model, parallel_dims)

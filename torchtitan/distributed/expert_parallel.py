@@ -1,4 +1,9 @@
-"""Expert parallelism (EP) over the FSDP shard group: each rank owns `num_experts / ep` experts.
+"""Expert parallelism (EP): each rank of an EP group owns `num_experts / ep` experts.
+
+The EP group is the "ep" dim of the mesh, borrowed from the FSDP shard group (see
+`ParallelDims`). Ranks at the same position of different EP groups hold the same experts;
+`data_parallel.apply_fsdp` shards those experts over them (or, when there is only one such
+rank, leaves the experts alone).
 
 `apply_expert_parallel(model, ep_group)` shards every `moe.experts` (a `GroupedExperts`) along
 its expert dim and installs forward pre/post hooks on it, so `MoE` keeps calling
@@ -9,10 +14,11 @@ its expert dim and installs forward pre/post hooks on it, so `MoE` keeps calling
     compute:  the local GroupedExperts slice;
     combine:  undo the regrouping and all-to-all the outputs back to the ranks they came from.
 
-The expert weights stay plain local Parameters marked `_ep_local = True` (FSDP is told to
-ignore them; `clip_grad_norm_` sums their squares over `_ep_group`; `init_param_` draws the full
-tensor and keeps `_ep_slice`). Each expert lives on one rank, so its gradient needs no reduction,
-only the 1/ep that FSDP's averaging applies to every other gradient.
+The expert weights are this rank's slice, marked `_ep_local = True` (`clip_grad_norm_` sums
+their squares over `_ep_group`; `init_param_` draws the full tensor and keeps `_ep_slice`). A
+slice's gradient sums the contributions of the ep ranks that sent it tokens; the 1/ep applied on
+the way back, with FSDP's mean over the ranks holding the same slice, makes it the data-parallel
+mean like every other gradient.
 
 Pitfall: one path only, autograd-aware (`all_to_all_single_autograd`). The split sizes are
 exchanged with a functional all_to_all_single and read on the host once per call through a
@@ -119,23 +125,28 @@ def shard_experts_(experts: nn.Module, ep_group: dist.ProcessGroup) -> None:
     experts._apply = _apply_and_mark
 
 
+def mark_expert_params(experts: nn.Module) -> None:
+    """Set the `_ep_*` marks again on `experts`' current Parameters (after FSDP replaced them)."""
+    _mark_params(experts)
+
+
 def _mark_params(experts: nn.Module) -> None:
     for name, marks in experts._ep_marks.items():
         for key, value in marks.items():
             setattr(getattr(experts, name), key, value)
 
 
-def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup) -> list[nn.Parameter]:
+def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup) -> list[nn.Module]:
     """Shard and hook every `MoE.experts` of `model.layers` over `ep_group`, in place.
 
     Call before activation checkpointing and compile wrap the blocks.
 
     Returns:
-        The expert Parameters now local to this rank, for FSDP's `ignored_params`.
+        The sharded `GroupedExperts` modules, for data parallelism to shard or ignore.
     """
     from torchtitan.models.moe import MoE
 
-    params = []
+    sharded = []
     for block in model.layers.values():
         for module in block.modules():
             if not isinstance(module, MoE):
@@ -145,8 +156,8 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup) -> list
             hooks = experts._ep_hooks = _ExpertParallelHooks(ep_group)
             experts.register_forward_pre_hook(hooks.dispatch)
             experts.register_forward_hook(hooks.combine)
-            params += [getattr(experts, name) for name in EXPERT_WEIGHTS]
-    return params
+            sharded.append(experts)
+    return sharded
 
 
 def is_ep_local(param: torch.Tensor) -> bool:

@@ -7,6 +7,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchtitan.config.manager import ConfigError
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+# With expert parallelism dp_shard is built from two dims: EP groups are runs of consecutive
+# ranks (fast links for the all-to-all), and each expert is FSDP-sharded across the groups.
+EP_MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
 
 @dataclass
@@ -17,14 +20,21 @@ class ParallelDims:
     the dims ("dp_replicate", "dp_shard", "tp"), some of size 1, plus the flattened "dp"
     (replicate x shard: ranks that see different data).
 
+    Expert parallelism (`ep > 1`) borrows its ranks from dp_shard, as torchtitan does: dp_shard
+    is then the flattening of ("dp_shard_mod_ep", "ep"). Experts are split over "ep" and
+    FSDP-sharded over the ranks holding the same experts (`expert_dp_mesh`); every other
+    parameter is sharded over the whole dp_shard as without EP.
+
     Raises:
-        ConfigError: when the degrees do not multiply to the world size.
+        ConfigError: when the degrees do not multiply to the world size, or ep does not divide
+            dp_shard.
     """
 
     dp_replicate: int
     dp_shard: int
     tp: int
     world_size: int
+    ep: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -45,6 +55,12 @@ class ParallelDims:
                 f"tensor_parallel_degree {self.tp}) but the world size is {self.world_size}; make "
                 "the product equal the number of processes, or set data_parallel_shard_degree = -1."
             )
+        if self.ep > 1 and self.dp_shard % self.ep:
+            raise ConfigError(
+                f"expert_parallel_degree {self.ep} does not divide data_parallel_shard_degree "
+                f"{self.dp_shard}: expert parallelism borrows its ranks from the FSDP shard group; "
+                "choose an expert_parallel_degree that divides it."
+            )
 
     @property
     def dp_degree(self) -> int:
@@ -64,14 +80,30 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def expert_dp_degree(self) -> int:
+        """Ranks holding the same experts (they average the experts' gradients)."""
+        return self.dp_replicate * self.dp_shard // self.ep
+
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """Create the named mesh (None for a single process) and flatten "dp"."""
         if self.world_size == 1:
             return None
-        mesh = init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS
-        )
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        if self.ep_enabled:
+            shape = (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_DIMS)
+            mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+            mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
+            if self.dp_replicate > 1:
+                mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_dp")
+        else:
+            shape = (self.dp_replicate, self.dp_shard, self.tp)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+            mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self._mesh = mesh
         return mesh
 
@@ -80,6 +112,18 @@ class ParallelDims:
         if self._mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() has not been called")
         return self._mesh
+
+    def expert_dp_mesh(self) -> DeviceMesh:
+        """The 1-D mesh the experts' FSDP shards over: every rank holding the same experts.
+
+        Under HSDP the experts are sharded across the replicas too (dp_replicate flattened with
+        dp_shard_mod_ep), not replicated: their all-gathers then cross replica groups, but each
+        rank holds less. (A 2-D HSDP unit with a shard dim of 1 inside an activation checkpoint
+        runs different FSDP hooks in forward and in recompute, which selective AC refuses.)
+        """
+        if self.dp_replicate > 1:
+            return self.mesh["expert_dp"]
+        return self.mesh["dp_shard_mod_ep"]
 
     def dp_group(self):
         """The process group of ranks that see different data; None for one process."""

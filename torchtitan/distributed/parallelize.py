@@ -4,6 +4,7 @@ A model's `parallelize.py` supplies what is its own (its TP plan and its AC save
 calls `parallelize_decoder`, so the order and the checks live in one place.
 """
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -21,6 +22,8 @@ from torchtitan.distributed.tensor_parallel import (
     loss_parallel_enabled,
     maybe_enable_async_tp,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def parallelize_decoder(
@@ -61,10 +64,11 @@ def parallelize_decoder(
             )
         check_tp_divisibility(parallel_dims, job_config, args.n_heads, args.kv_heads)
         apply_tp(model, parallel_dims.mesh["tp"], loss_parallel_enabled(parallel_dims, job_config))
-    ep_params = None
+    experts = []
     if job_config.parallelism.expert_parallel_degree > 1:
         check_ep_supported(model, parallel_dims, job_config)
-        ep_params = set(apply_expert_parallel(model, parallel_dims.mesh["dp_shard"].get_group()))
+        experts = apply_expert_parallel(model, parallel_dims.mesh["ep"].get_group())
+        _log_expert_layout(model, parallel_dims)
     apply_ac(
         model,
         job_config.activation_checkpoint,
@@ -75,26 +79,32 @@ def parallelize_decoder(
     )
     if compile_model:
         apply_compile(model, job_config)
-    apply_data_parallel(model, parallel_dims, job_config, device, ep_params)
+    apply_data_parallel(model, parallel_dims, job_config, device, experts)
     return model
 
 
+def _log_expert_layout(model: nn.Module, parallel_dims: ParallelDims) -> None:
+    num_experts, ep = model.args.moe_args.num_experts, parallel_dims.ep
+    holders = parallel_dims.expert_dp_degree
+    shared = f"FSDP-sharded over the {holders} ranks holding them" if holders > 1 else "not sharded further"
+    logger.info(
+        f"Expert parallel: {num_experts} experts over ep {ep} ({num_experts // ep} per rank), {shared}"
+    )
+
+
 def check_ep_supported(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> None:
-    """Refuse the expert-parallel layouts not built yet: EP must be exactly the FSDP shard group.
+    """Refuse the expert-parallel layouts not built yet, and models without experts.
 
     Raises:
-        ConfigError: naming the supported combination.
+        ConfigError: naming what to change.
     """
     ep = job_config.parallelism.expert_parallel_degree
-    supported = (
-        "supported yet: expert_parallel_degree = data_parallel_shard_degree (the FSDP shard group), "
-        "with data_parallel_replicate_degree = 1 and tensor_parallel_degree = 1"
-    )
-    if ep != parallel_dims.dp_shard or parallel_dims.dp_replicate > 1 or parallel_dims.tp > 1:
+    if parallel_dims.ep != ep or parallel_dims.tp > 1:
         raise ConfigError(
             f"expert_parallel_degree {ep} with data_parallel_replicate_degree {parallel_dims.dp_replicate}"
             f" x data_parallel_shard_degree {parallel_dims.dp_shard} x tensor_parallel_degree "
-            f"{parallel_dims.tp} is not supported. Only this combination is {supported}."
+            f"{parallel_dims.tp} is not supported yet: expert parallelism needs tensor_parallel_degree "
+            "= 1 and an expert_parallel_degree that divides data_parallel_shard_degree."
         )
     moe_args = getattr(model.args, "moe_args", None)
     if moe_args is None:

@@ -65,18 +65,19 @@ def init_param_(param: torch.Tensor, fill_) -> None:
     `expert_parallel.shard_experts_`): the full tensor is drawn and its `_ep_slice` kept.
     Pitfall: this briefly holds one full parameter per rank.
     """
-    if getattr(param, "_ep_local", False):
-        full = torch.empty(param._ep_full_shape, dtype=param.dtype, device=param.device)
-        fill_(full)
-        param.copy_(full[param._ep_slice])
-        return
-    if not isinstance(param, DTensor):
+    ep_local = getattr(param, "_ep_local", False)
+    if not ep_local and not isinstance(param, DTensor):
         fill_(param)
         return
-    full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+    local = param.to_local() if isinstance(param, DTensor) else param
+    shape = param._ep_full_shape if ep_local else param.shape
+    full = torch.empty(shape, dtype=param.dtype, device=local.device)
     fill_(full)
-    shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-    param.to_local().copy_(shard.to_local())
+    if ep_local:
+        full = full[param._ep_slice]
+    if isinstance(param, DTensor):
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    local.copy_(full)
 
 
 @torch.no_grad()
@@ -88,9 +89,9 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     a float32 reduction over millions of elements drifts by ~1e-5, enough for the same
     gradients to show different norms on different layouts. `max_norm <= 0` only measures.
 
-    Expert-parallel gradients (parameters marked `_ep_local`) are plain tensors, each rank
-    holding different experts: their squared norms are summed over the parameter's
-    `_ep_group` and added to the rest.
+    Expert-parallel gradients (parameters marked `_ep_local`, plain or FSDP-sharded) differ
+    across the EP group: their squared norms are summed over the parameter's `_ep_group` and
+    added to the rest.
     """
     params = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in params if not getattr(p, "_ep_local", False)]
@@ -123,7 +124,7 @@ def _ep_square_sum(ep_params: list[torch.Tensor], device: torch.device) -> torch
         by_group.setdefault(p._ep_group, []).append(p.grad)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for group, grads in by_group.items():
-        square = _norm64(grads).to(device).square()
+        square = plain_tensor(_norm64(grads)).to(device).square()
         dist.all_reduce(square, group=group)
         total = total + square
     return total
