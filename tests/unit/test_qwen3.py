@@ -195,6 +195,18 @@ def test_moe_parameter_count_matches_published_total(flavor, published):
     assert abs(count - published) / published < 0.005, count
 
 
+@pytest.mark.parametrize("flavor, activated", [("30B-A3B", 3.3e9), ("235B-A22B", 22e9)])
+def test_moe_flops_count_only_the_activated_parameters(flavor, activated):
+    """6 FLOPs per activated parameter: the published activated count (embeddings included)."""
+    args = qwen3_flavors[flavor]
+    model = _meta_model(args)
+    params, flops = args.num_flops_per_token(model, seq_len=4096)
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * 4096
+    counted = (flops - attention) / 6 + model.tok_embeddings.weight.numel()
+    assert abs(counted - activated) / activated < 0.02, counted
+    assert params > 9 * counted  # the parameter count keeps every expert
+
+
 def test_moe_flavor_blocks_hold_a_routed_moe_instead_of_a_feed_forward():
     block = _meta_model(qwen3_flavors["30B-A3B"]).layers["0"]
     assert "feed_forward" not in block._modules

@@ -79,11 +79,7 @@ class DeepSeekV3ModelArgs:
         return replace(self, max_seq_len=job_config.training.seq_len)
 
     def num_flops_per_token(self, model: nn.Module, seq_len: int) -> tuple[int, float]:
-        """(non-embedding parameters, training FLOPs per token); see `decoder_flops_per_token`.
-
-        Pitfall: for MoE flavors this counts every expert, not the ones a token activates, so
-        it overstates the FLOPs per token (as the shared helper does for Qwen3 MoE).
-        """
+        """(non-embedding parameters, training FLOPs per token); see `decoder_flops_per_token`."""
         return decoder_flops_per_token(
             model, self.n_layers, self.n_heads, self.head_dim, seq_len, self.tie_word_embeddings
         )
