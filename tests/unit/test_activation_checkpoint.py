@@ -56,8 +56,17 @@ def _loss_and_grads(model):
     return loss.detach(), grads
 
 
+def _is_checkpointed(module) -> bool:
+    return "Checkpoint" in type(module).__name__
+
+
 def _wrapped(model) -> list[str]:
-    return [name for name, block in model.layers.named_children() if "Checkpoint" in type(block).__name__]
+    """Blocks checkpointed whole, or (flex attention under op-SAC) through their submodules."""
+    return [
+        name
+        for name, block in model.layers.named_children()
+        if _is_checkpointed(block) or any(_is_checkpointed(child) for child in block.children())
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,16 @@ class Model:
     hf_assets_path: str = opt(
         "torchtitan/assets/tokenizer", "folder with tokenizer.json (and HF config/weights)"
     )
+    attn_backend: Literal["sdpa", "flex"] | None = opt(
+        None, "attention backend; unset = the flavor's. sdpa is causal only, flex runs every mask type"
+    )
+    attn_mask_type: Literal["causal", "block_causal", "sliding_window", "chunked"] | None = opt(
+        None, "attention mask; unset = the flavor's; all but causal need flex (block_causal: split at EOS)"
+    )
+    sliding_window: int = opt(
+        4096, "keys a query sees (itself included) under attn_mask_type sliding_window", min=1
+    )
+    attn_chunk_size: int = opt(8192, "chunk length under attn_mask_type chunked (Llama 4 style)", min=1)
 
 
 @dataclass

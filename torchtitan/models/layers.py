@@ -1,12 +1,110 @@
 """Small building blocks shared by several models."""
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torchtitan.components.tokenizer import build_hf_tokenizer
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import Model as ModelConfig
+from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.utils import init_param_
+from torchtitan.models.attention import ATTENTION_BACKENDS, MASK_TYPES, AttentionMasks, build_attention_masks
+
+
+@dataclass
+class AttentionArgs:
+    """Attention settings that every model's args dataclass inherits.
+
+    Attributes:
+        attn_backend: one of `ATTENTION_BACKENDS`.
+        attn_mask_type: one of `MASK_TYPES`; every type but ``causal`` needs the ``flex`` backend.
+        eos_id: the id that ends a document, read by ``block_causal``; `with_attention_config`
+            takes it from the run's tokenizer.
+        sliding_window: keys a query sees, itself included, under ``sliding_window``.
+        attn_chunk_size: chunk length under ``chunked``.
+
+    Raises:
+        ConfigError: (at construction) for an unknown backend or mask type, or a mask type other
+            than ``causal`` with the ``sdpa`` backend.
+    """
+
+    attn_backend: str = "sdpa"
+    attn_mask_type: str = "causal"
+    eos_id: int | None = None
+    # [model]'s defaults, so that args built without a config match a run that leaves them unset.
+    sliding_window: int = ModelConfig.sliding_window
+    attn_chunk_size: int = ModelConfig.attn_chunk_size
+
+    def __post_init__(self):
+        if self.attn_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"'model.attn_backend' = '{self.attn_backend}' is unknown; use one of "
+                f"{', '.join(ATTENTION_BACKENDS)}."
+            )
+        if self.attn_mask_type not in MASK_TYPES:
+            raise ConfigError(
+                f"'model.attn_mask_type' = '{self.attn_mask_type}' is unknown; use one of "
+                f"{', '.join(MASK_TYPES)}."
+            )
+        if self.attn_backend == "sdpa" and self.attn_mask_type != "causal":
+            raise ConfigError(
+                f"'model.attn_mask_type' = '{self.attn_mask_type}' needs the flex attention backend, but "
+                "'model.attn_backend' is 'sdpa' (the flavor's when unset), which is causal only. Set "
+                'model.attn_backend = "flex", or model.attn_mask_type = "causal".'
+            )
+
+    def with_attention_config(self, job_config: JobConfig):
+        """A copy with ``[model]``'s attention keys applied.
+
+        The backend and mask type are overridden only when set (unset keeps the flavor's);
+        the window and chunk size always come from the config. For ``block_causal`` the EOS id
+        is read from the tokenizer in ``model.hf_assets_path``, the one the run trains with.
+
+        Raises:
+            ConfigError: for a mask type the backend cannot run (checked before the tokenizer
+                is read), or ``block_causal`` with a tokenizer that has no EOS token.
+        """
+        m = job_config.model
+        args = replace(
+            self,
+            attn_backend=m.attn_backend or self.attn_backend,
+            attn_mask_type=m.attn_mask_type or self.attn_mask_type,
+            sliding_window=m.sliding_window,
+            attn_chunk_size=m.attn_chunk_size,
+        )
+        if args.attn_mask_type != "block_causal":
+            return args
+        eos_id = build_hf_tokenizer(job_config).eos_id
+        if eos_id is None:
+            raise ConfigError(
+                f"'model.attn_mask_type' = 'block_causal' splits documents at EOS, but the tokenizer in "
+                f"'model.hf_assets_path' = '{m.hf_assets_path}' has no EOS token; use a tokenizer with "
+                "one, or another attn_mask_type."
+            )
+        return replace(args, eos_id=eos_id)
+
+    def build_masks(self, tokens: torch.Tensor) -> AttentionMasks | None:
+        """The attention masks of one batch, to be built once per forward and shared by every layer.
+
+        Args:
+            tokens: ``[batch, seq]`` input ids.
+
+        Returns:
+            None for ``sdpa`` (causal, needs no mask), else `build_attention_masks` of these args.
+        """
+        if self.attn_backend == "sdpa":
+            return None
+        return build_attention_masks(
+            tokens,
+            self.attn_mask_type,
+            eos_id=self.eos_id,
+            sliding_window=self.sliding_window,
+            chunk_size=self.attn_chunk_size,
+        )
 
 
 def trunc_normal(std: float):
@@ -61,8 +159,12 @@ class DecoderBlock(nn.Module):
     def mlp(self) -> nn.Module:
         return getattr(self, self.mlp_name)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(
+        self, x: torch.Tensor, rope_cache: torch.Tensor, masks: AttentionMasks | None = None
+    ) -> torch.Tensor:
+        """``masks``: this batch's, from `AttentionArgs.build_masks`; None for the sdpa backend."""
+        # By keyword: TP's PrepareModuleInput on `attention` lays out the positional inputs only.
+        h = x + self.attention(self.attention_norm(x), rope_cache, masks=masks)
         return h + self.mlp(self.ffn_norm(h))
 
     def init_weights(self) -> None:

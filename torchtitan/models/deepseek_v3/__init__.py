@@ -1,5 +1,7 @@
 """DeepSeek-V3 flavors and their TrainSpec registration."""
 
+from dataclasses import replace
+
 from torchtitan.components.dataloader import build_text_dataloader
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_scheduler
@@ -52,6 +54,10 @@ deepseek_v3_flavors = {
         ),
     ),
 }  # fmt: skip
+# The debug model under flex attention with packed documents kept apart (block_causal at EOS).
+deepseek_v3_flavors["debugmodel_flex_attn"] = replace(
+    deepseek_v3_flavors["debugmodel"], attn_backend="flex", attn_mask_type="block_causal"
+)
 
 register_train_spec(
     TrainSpec(

@@ -18,12 +18,13 @@ from dataclasses import dataclass, field, replace
 import torch.nn as nn
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.models.layers import AttentionArgs
 from torchtitan.models.moe import MoEArgs
 from torchtitan.protocols.model_args import decoder_flops_per_token
 
 
 @dataclass
-class DeepSeekV3ModelArgs:
+class DeepSeekV3ModelArgs(AttentionArgs):
     vocab_size: int = 129280
     dim: int = 7168
     inter_dim: int = 18432
@@ -49,9 +50,9 @@ class DeepSeekV3ModelArgs:
     max_seq_len: int = 4096
     depth_init: bool = True
     tie_word_embeddings: bool = False
-    attn_backend: str = "sdpa"
 
     def __post_init__(self):
+        super().__post_init__()
         if self.rope_scaling is not None:
             raise ValueError("DeepSeek-V3 YaRN rope scaling is not implemented; set rope_scaling = None")
         if not 0 <= self.n_dense_layers <= self.n_layers:
@@ -75,8 +76,9 @@ class DeepSeekV3ModelArgs:
         return self.n_heads
 
     def update_from_config(self, job_config: JobConfig) -> "DeepSeekV3ModelArgs":
-        """A copy whose RoPE table covers `training.seq_len`."""
-        return replace(self, max_seq_len=job_config.training.seq_len)
+        """A copy whose RoPE table covers `training.seq_len`, with `[model]`'s attention keys applied
+        (see `AttentionArgs.with_attention_config`)."""
+        return replace(self, max_seq_len=job_config.training.seq_len).with_attention_config(job_config)
 
     def num_flops_per_token(self, model: nn.Module, seq_len: int) -> tuple[int, float]:
         """(non-embedding parameters, training FLOPs per token); see `decoder_flops_per_token`."""

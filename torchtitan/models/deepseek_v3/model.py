@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan.distributed.utils import init_param_
-from torchtitan.models.attention import build_attention
+from torchtitan.models.attention import AttentionMasks, build_attention
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from torchtitan.models.layers import DecoderBlock, FeedForward, depth_scaled_std, trunc_normal
 from torchtitan.models.llama3.model import Transformer
@@ -27,10 +27,11 @@ class MultiHeadLatentAttention(nn.Module):
     and `wkv_b` to per-head position-free keys (`qk_nope_head_dim`) and values (`v_head_dim`).
     RoPE touches only the rotary parts; the one rotary key head is broadcast to every head.
 
-    SDPA's default softmax scale, 1 / sqrt(q's last dim), is exactly 1 / sqrt(nope + rope)
-    here, so the shared attention module needs no scale argument. (YaRN would multiply it by
-    mscale^2 and need one; YaRN is not implemented.) Value heads may be narrower or wider than
-    q/k heads: SDPA allows a different last dim for v.
+    The default softmax scale of both backends (sdpa and flex), 1 / sqrt(q's last dim), is exactly
+    1 / sqrt(nope + rope) here, so the shared attention module needs no scale argument. (YaRN
+    would multiply it by mscale^2 and need one; YaRN is not implemented.) Value heads may be
+    narrower or wider than q/k heads: SDPA and flex_attention both allow a different last dim
+    for v.
     """
 
     def __init__(self, args: DeepSeekV3ModelArgs):
@@ -55,7 +56,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
         self.sdpa = build_attention(args.attn_backend)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope_cache: torch.Tensor, masks: AttentionMasks | None = None
+    ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
         # -1 heads: what a future TP plan would leave each rank (its local heads).
@@ -68,7 +71,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masks=masks)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def init_weights(self, out_std: float) -> None:

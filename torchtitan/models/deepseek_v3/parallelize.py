@@ -24,5 +24,11 @@ def parallelize_deepseek_v3(
     and wq/wq_b column-wise, wo row-wise), so tensor parallelism is refused.
     """
     return parallelize_decoder(
-        model, parallel_dims, job_config, device, apply_tp=None, op_sac_save_list=DEEPSEEK_V3_SAVE_LIST
+        model,
+        parallel_dims,
+        job_config,
+        device,
+        apply_tp=None,
+        op_sac_save_list=DEEPSEEK_V3_SAVE_LIST,
+        use_flex_attn=model.args.attn_backend == "flex",
     )

@@ -5,12 +5,13 @@ from dataclasses import dataclass, replace
 import torch.nn as nn
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.models.layers import AttentionArgs
 from torchtitan.models.rope import RoPEScaling
 from torchtitan.protocols.model_args import decoder_flops_per_token
 
 
 @dataclass
-class TransformerModelArgs:
+class TransformerModelArgs(AttentionArgs):
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -24,7 +25,6 @@ class TransformerModelArgs:
     max_seq_len: int = 131072
     depth_init: bool = True
     tie_word_embeddings: bool = False
-    attn_backend: str = "sdpa"
 
     @property
     def head_dim(self) -> int:
@@ -43,8 +43,9 @@ class TransformerModelArgs:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
     def update_from_config(self, job_config: JobConfig) -> "TransformerModelArgs":
-        """A copy whose RoPE table covers `training.seq_len`."""
-        return replace(self, max_seq_len=job_config.training.seq_len)
+        """A copy whose RoPE table covers `training.seq_len`, with `[model]`'s attention keys applied
+        (see `AttentionArgs.with_attention_config`)."""
+        return replace(self, max_seq_len=job_config.training.seq_len).with_attention_config(job_config)
 
     def num_flops_per_token(self, model: nn.Module, seq_len: int) -> tuple[int, float]:
         """(non-embedding parameters, training FLOPs per token); see `decoder_flops_per_token`."""

@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchtitan.distributed.utils import init_param_
-from torchtitan.models.attention import build_attention
+from torchtitan.models.attention import AttentionMasks, build_attention
 from torchtitan.models.layers import DecoderBlock, FeedForward, depth_scaled_std, trunc_normal
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.rope import apply_rope, precompute_rope_cache
@@ -21,7 +21,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.sdpa = build_attention(args.attn_backend)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope_cache: torch.Tensor, masks: AttentionMasks | None = None
+    ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its local heads.
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
@@ -29,7 +31,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = self.normalize_qk(q, k)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masks=masks)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,9 +91,11 @@ class Transformer(nn.Module):
             init_param_(self.output.weight, trunc_normal(self.args.dim**-0.5))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # Once per batch, not per layer: block_causal's mask depends on where this batch's EOS are.
+        masks = self.args.build_masks(tokens)
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
-            h = block(h, self.rope_cache)
+            h = block(h, self.rope_cache, masks)
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)

@@ -65,5 +65,11 @@ def parallelize_llama(
 ) -> nn.Module:
     """Apply TP, `[activation_checkpoint]`, `[compile]` and data parallelism to `model` in place."""
     return parallelize_decoder(
-        model, parallel_dims, job_config, device, apply_tp=apply_tp, op_sac_save_list=LLAMA3_SAVE_LIST
+        model,
+        parallel_dims,
+        job_config,
+        device,
+        apply_tp=apply_tp,
+        op_sac_save_list=LLAMA3_SAVE_LIST,
+        use_flex_attn=model.args.attn_backend == "flex",
     )

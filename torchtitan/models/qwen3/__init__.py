@@ -1,5 +1,7 @@
 """Qwen3 dense and MoE flavors and their TrainSpec registration."""
 
+from dataclasses import replace
+
 from torchtitan.components.dataloader import build_text_dataloader
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_scheduler
@@ -46,6 +48,11 @@ qwen3_flavors = {
         moe_args=MoEArgs(num_experts=128, top_k=8, route_norm=True, load_balance_coeff=1e-3),
     ),
 }  # fmt: skip
+# The debug models under flex attention with packed documents kept apart (block_causal at EOS).
+for _name in ("debugmodel", "debugmodel_moe"):
+    qwen3_flavors[f"{_name}_flex_attn"] = replace(
+        qwen3_flavors[_name], attn_backend="flex", attn_mask_type="block_causal"
+    )
 
 register_train_spec(
     TrainSpec(

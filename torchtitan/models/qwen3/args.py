@@ -10,12 +10,13 @@ from dataclasses import dataclass, replace
 import torch.nn as nn
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.models.layers import AttentionArgs
 from torchtitan.models.moe import MoEArgs
 from torchtitan.protocols.model_args import decoder_flops_per_token
 
 
 @dataclass
-class Qwen3ModelArgs:
+class Qwen3ModelArgs(AttentionArgs):
     dim: int = 4096
     n_layers: int = 36
     n_heads: int = 32
@@ -30,7 +31,6 @@ class Qwen3ModelArgs:
     tie_word_embeddings: bool = False
     max_seq_len: int = 40960
     depth_init: bool = True
-    attn_backend: str = "sdpa"
     # MoE flavors: every block's feed-forward is a routed MoE of experts of width moe_hidden_dim.
     moe_args: MoEArgs | None = None
     moe_hidden_dim: int = 768
@@ -40,8 +40,9 @@ class Qwen3ModelArgs:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     def update_from_config(self, job_config: JobConfig) -> "Qwen3ModelArgs":
-        """A copy whose RoPE table covers `training.seq_len`."""
-        return replace(self, max_seq_len=job_config.training.seq_len)
+        """A copy whose RoPE table covers `training.seq_len`, with `[model]`'s attention keys applied
+        (see `AttentionArgs.with_attention_config`)."""
+        return replace(self, max_seq_len=job_config.training.seq_len).with_attention_config(job_config)
 
     def num_flops_per_token(self, model: nn.Module, seq_len: int) -> tuple[int, float]:
         """(non-embedding parameters, training FLOPs per token); see `decoder_flops_per_token`."""

@@ -60,4 +60,5 @@ def parallelize_qwen3(
         device,
         apply_tp=apply_tp,
         op_sac_save_list=QWEN3_SAVE_LIST if model.args.moe_args is None else QWEN3_MOE_SAVE_LIST,
+        use_flex_attn=model.args.attn_backend == "flex",
     )

@@ -1,0 +1,251 @@
+"""Flex attention in every model: the `[model]` attention keys, masks built once per batch, numerics
+against sdpa, document isolation under block_causal, and every AC mode (CPU: the dense-mask path)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchtitan.components.tokenizer import build_hf_tokenizer
+from torchtitan.config import ActivationCheckpoint, ConfigError, parse_args
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models import layers
+from torchtitan.models.deepseek_v3.parallelize import DEEPSEEK_V3_SAVE_LIST
+from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
+from torchtitan.models.qwen3.parallelize import QWEN3_MOE_SAVE_LIST, QWEN3_SAVE_LIST
+from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.train import main
+
+SEQ_LEN = 32
+# (config file, flavor, op-SAC save list): the dense, MoE and MLA variants of the debug models.
+MODELS = {
+    "llama3": ("debug_model.toml", "debugmodel", LLAMA3_SAVE_LIST),
+    "qwen3": ("qwen3_debug_model.toml", "debugmodel", QWEN3_SAVE_LIST),
+    "qwen3_moe": ("qwen3_debug_model_moe.toml", "debugmodel_moe", QWEN3_MOE_SAVE_LIST),
+    "deepseek_v3": ("deepseek_v3_debug_model.toml", "debugmodel", DEEPSEEK_V3_SAVE_LIST),
+}
+FLEX_CONFIGS = {
+    "llama3": "debug_model_flex_attn.toml",
+    "qwen3": "qwen3_debug_model_flex_attn.toml",
+    "deepseek_v3": "deepseek_v3_debug_model_flex_attn.toml",
+}
+AC_MODES = {
+    "none": ActivationCheckpoint(mode="none"),
+    "full": ActivationCheckpoint(mode="full"),
+    "selective op": ActivationCheckpoint(mode="selective", selective_ac_option="op"),
+}
+
+
+def _config(model: str, *overrides: str):
+    toml, flavor, _ = MODELS[model]
+    argv = ["--config", toml, "--model.flavor", flavor, "--training.seq_len", str(SEQ_LEN), *overrides]
+    return parse_args(argv, env={})
+
+
+def _args(model: str, *overrides: str):
+    """The flavor's args after `update_from_config`, as the trainer builds them."""
+    cfg = _config(model, *overrides)
+    return get_train_spec(cfg.model.name).get_flavor(cfg.model.flavor).update_from_config(cfg)
+
+
+def _build(model: str, args, ac: ActivationCheckpoint = AC_MODES["none"]):
+    """The model for `args` in fp32 on the CPU, seeded, with `ac` applied as parallelize does."""
+    spec = get_train_spec(_config(model).model.name)
+    module = spec.build_meta_model(args, torch.float32)
+    apply_ac(module, ac, use_flex_attn=args.attn_backend == "flex", op_sac_save_list=MODELS[model][2])
+    module.to_empty(device="cpu")
+    torch.manual_seed(0)
+    module.init_weights()
+    return module
+
+
+def _documents(eos_id: int, seed: int = 1) -> torch.Tensor:
+    """``[2, SEQ_LEN + 1]`` ids of packed documents: random non-EOS ids, an EOS ending a document
+    at position 9 in both rows and at 20 in the second (documents of different lengths per row)."""
+    tokens = torch.randint(eos_id + 1, 2048, (2, SEQ_LEN + 1), generator=torch.Generator().manual_seed(seed))
+    tokens[:, 9] = eos_id
+    tokens[1, 20] = eos_id
+    return tokens
+
+
+def _loss_and_grads(module, tokens: torch.Tensor):
+    logits = module(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in module.named_parameters()}
+    return loss.detach(), grads
+
+
+# ----- config keys -> model args -----------------------------------------------------------
+
+
+def test_unset_keys_keep_the_flavors_backend_and_mask():
+    assert (_args("llama3").attn_backend, _args("llama3").attn_mask_type) == ("sdpa", "causal")
+    flex = _args("llama3", "--model.flavor", "debugmodel_flex_attn")
+    assert (flex.attn_backend, flex.attn_mask_type) == ("flex", "block_causal")
+
+
+def test_config_keys_override_backend_mask_window_and_chunk():
+    args = _args(
+        "qwen3", "--model.attn_backend", "flex", "--model.attn_mask_type", "sliding_window",
+        "--model.sliding_window", "8", "--model.attn_chunk_size", "16",
+    )  # fmt: skip
+    assert (args.attn_backend, args.attn_mask_type, args.sliding_window, args.attn_chunk_size) == (
+        "flex",
+        "sliding_window",
+        8,
+        16,
+    )
+    assert args.max_seq_len == SEQ_LEN  # the RoPE sizing still applies
+
+
+def test_block_causal_takes_the_eos_id_of_the_runs_tokenizer():
+    cfg = _config("deepseek_v3", "--model.attn_backend", "flex", "--model.attn_mask_type", "block_causal")
+    args = get_train_spec("deepseek_v3").get_flavor("debugmodel").update_from_config(cfg)
+    assert args.eos_id is not None and args.eos_id == build_hf_tokenizer(cfg).eos_id
+
+
+def test_flex_flavor_exists_for_every_model_and_its_config_selects_it():
+    for model, toml in FLEX_CONFIGS.items():
+        cfg = parse_args(["--config", toml], env={})
+        assert (cfg.model.name, cfg.model.flavor) == (model, "debugmodel_flex_attn")
+        assert cfg.activation_checkpoint.mode == "selective"
+        assert cfg.activation_checkpoint.selective_ac_option == "op"
+    assert get_train_spec("qwen3").get_flavor("debugmodel_moe_flex_attn").moe_args is not None
+
+
+@pytest.mark.parametrize("model", ["llama3", "qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("mask_type", ["block_causal", "sliding_window", "chunked"])
+def test_a_non_causal_mask_with_sdpa_is_refused_naming_the_keys_and_the_fix(model, mask_type):
+    with pytest.raises(ConfigError) as info:
+        _args(model, "--model.attn_mask_type", mask_type)
+    message = str(info.value)
+    assert f"'model.attn_mask_type' = '{mask_type}'" in message and "'model.attn_backend'" in message
+    assert 'model.attn_backend = "flex"' in message
+
+
+def test_forcing_sdpa_on_a_flex_flavor_is_refused_before_training(tmp_path, capsys):
+    argv = ["--config", "debug_model_flex_attn.toml", "--model.attn_backend", "sdpa"]
+    with pytest.raises(SystemExit) as info:
+        main(argv + ["--job.dump_folder", str(tmp_path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "'model.attn_mask_type' = 'block_causal'" in err and "Traceback" not in err
+
+
+def test_unknown_backend_or_mask_type_is_refused_when_the_config_is_parsed():
+    with pytest.raises(ConfigError, match="model.attn_backend"):
+        parse_args(["--model.attn_backend", "flash"], env={})
+    with pytest.raises(ConfigError, match="model.attn_mask_type"):
+        parse_args(["--model.attn_mask_type", "bidirectional"], env={})
+
+
+# ----- masks are built once per batch ------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_masks_are_built_once_per_forward_and_every_layer_gets_the_same(model, monkeypatch):
+    args = _args(model, "--model.attn_backend", "flex", "--model.attn_mask_type", "block_causal")
+    module = _build(model, args)
+    build, built = layers.build_attention_masks, []
+
+    def counting(*a, **kw):
+        built.append(build(*a, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(layers, "build_attention_masks", counting)
+    seen = []
+    for block in module.layers.values():
+        block.attention.sdpa.register_forward_pre_hook(
+            lambda m, a, kw: seen.append(kw["masks"]), with_kwargs=True
+        )
+    module(_documents(args.eos_id)[:, :-1])
+    assert len(built) == 1
+    assert len(seen) == args.n_layers and all(masks is built[0] for masks in seen)
+
+
+def test_sdpa_builds_no_masks(monkeypatch):
+    calls = []
+    monkeypatch.setattr(layers, "build_attention_masks", lambda *a, **kw: calls.append(a))
+    seen = []
+    module = _build("llama3", _args("llama3"))
+    module.layers["0"].attention.sdpa.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["masks"]), with_kwargs=True
+    )
+    module(_documents(1)[:, :-1])
+    assert calls == [] and seen == [None]
+
+
+# ----- numerics ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_flex_with_a_causal_mask_gives_the_sdpa_loss(model):
+    sdpa = _args(model)
+    flex = _args(model, "--model.attn_backend", "flex", "--model.attn_mask_type", "causal")
+    tokens = _documents(eos_id=1)
+    sdpa_loss, _ = _loss_and_grads(_build(model, sdpa), tokens)
+    flex_loss, _ = _loss_and_grads(_build(model, flex), tokens)
+    torch.testing.assert_close(flex_loss, sdpa_loss, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mask_type", ["sliding_window", "chunked"])
+def test_a_window_or_chunk_covering_the_sequence_is_causal(mask_type):
+    causal = _args("llama3", "--model.attn_backend", "flex")
+    covering = ["--model.sliding_window", str(SEQ_LEN), "--model.attn_chunk_size", str(SEQ_LEN)]
+    wide = _args("llama3", "--model.attn_backend", "flex", "--model.attn_mask_type", mask_type, *covering)
+    narrow = replace(wide, sliding_window=4, attn_chunk_size=4)
+    tokens = _documents(eos_id=1)
+    causal_loss, _ = _loss_and_grads(_build("llama3", causal), tokens)
+    assert torch.equal(_loss_and_grads(_build("llama3", wide), tokens)[0], causal_loss)
+    assert not torch.allclose(_loss_and_grads(_build("llama3", narrow), tokens)[0], causal_loss)
+
+
+@pytest.mark.parametrize("model", ["llama3", "qwen3", "deepseek_v3"])
+def test_block_causal_keeps_a_later_document_blind_to_an_earlier_one(model):
+    # Causality alone already hides later documents from earlier ones; block_causal must also
+    # hide earlier documents from later ones. The EOS at position 9 ends row 0's first document.
+    args = _args(model, "--model.attn_backend", "flex", "--model.attn_mask_type", "block_causal")
+    block_causal, causal = _build(model, args), _build(model, replace(args, attn_mask_type="causal"))
+    tokens = _documents(args.eos_id)[:, :-1]
+    edited = tokens.clone()
+    edited[0, 2:9] = torch.randint(args.eos_id + 1, 2048, (7,), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        before, after = block_causal(tokens), block_causal(edited)
+        torch.testing.assert_close(after[0, 10:], before[0, 10:], atol=1e-5, rtol=0)
+        assert not torch.allclose(after[0, :9], before[0, :9])  # the edited document itself changed
+        assert not torch.allclose(causal(edited)[0, 10:], causal(tokens)[0, 10:])  # plain causal leaks
+
+
+# ----- activation checkpointing ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def flex_reference():
+    """Per model: flex args (block_causal), its packed batch, and the loss and grads without AC."""
+    cache = {}
+
+    def get(model):
+        if model not in cache:
+            args = _args(model, "--model.attn_backend", "flex", "--model.attn_mask_type", "block_causal")
+            tokens = _documents(args.eos_id)
+            cache[model] = args, tokens, _loss_and_grads(_build(model, args), tokens)
+        return cache[model]
+
+    return get
+
+
+@pytest.mark.parametrize("mode", list(AC_MODES))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_every_ac_mode_under_flex_keeps_loss_and_gradients(model, mode, flex_reference):
+    args, tokens, (ref_loss, ref_grads) = flex_reference(model)
+    module = _build(model, args, AC_MODES[mode])
+    if mode == "selective op":
+        # flex without compile: attention under full AC, the feed-forward or MoE under op-SAC.
+        assert all(type(b.attention).__name__ == "CheckpointWrapper" for b in module.layers.values())
+    loss, grads = _loss_and_grads(module, tokens)
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        assert torch.equal(grads[name], grad), name  # CPU kernels are deterministic: bit for bit
