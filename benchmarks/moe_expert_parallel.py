@@ -1,0 +1,168 @@
+"""MoE with expert parallelism: step time, memory held for backward and all-to-all traffic per AC mode.
+
+Trains the Qwen3 MoE debug model (fp32, CPU, gloo) with expert_parallel_degree 2 on 2 processes,
+once per AC mode, interleaving the modes round by round so machine noise hits all alike. Both
+full-AC options are measured: `reissue` (the token all-to-alls run again in recompute) and
+`replay` (their outputs are saved). Rank 0 prints one table.
+
+    python benchmarks/moe_expert_parallel.py [--batch 2] [--seq-len 512] [--rounds 3]
+        [--steps-per-round 2] [--warmup 1]
+
+Run it as is: it starts itself under torchrun with 2 processes.
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchtitan.config.manager import parse_args
+from torchtitan.distributed.expert_parallel import is_ep_local
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.qwen3 import qwen3_flavors
+from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+from torchtitan.tools.activation_memory import bytes_held_for_backward
+
+_MODE = "--activation_checkpoint.mode"
+_OPTION = "--activation_checkpoint.selective_ac_option"
+MODES = {
+    "none": [_MODE, "none"],
+    "full, reissue": [_MODE, "full"],
+    "full, replay": [_MODE, "full", "--activation_checkpoint.full_ac_all_to_all", "replay"],
+    "selective 2": [_MODE, "selective", _OPTION, "2"],
+    "selective op": [_MODE, "selective", _OPTION, "op"],
+}
+EP = 2
+
+
+class _AllToAllTraffic(TorchDispatchMode):
+    """Counts the all-to-alls and the bytes this rank sends through them."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.bytes_sent = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_to_all_single.default:
+            self.calls += 1
+            self.bytes_sent += args[0].numel() * args[0].element_size()
+        return func(*args, **(kwargs or {}))
+
+
+def build(parallel_dims: ParallelDims, ac_argv: list[str], seq_len: int) -> Qwen3Model:
+    argv = ["--config", "qwen3_debug_model_moe.toml", "--parallelism.expert_parallel_degree", str(EP)]
+    cfg = parse_args(argv + ac_argv + ["--training.seq_len", str(seq_len)], env={})
+    with torch.device("meta"):
+        model = Qwen3Model(qwen3_flavors["debugmodel_moe"].update_from_config(cfg))
+    parallelize_qwen3(model, parallel_dims, cfg, torch.device("cpu"))
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    return model
+
+
+class ModeRun:
+    def __init__(self, parallel_dims, ac_argv, tokens):
+        self.model = build(parallel_dims, ac_argv, tokens.shape[1] - 1)
+        # Experts are plain local tensors, the rest DTensors: foreach kernels take one kind at a time.
+        local = [p for p in self.model.parameters() if is_ep_local(p)]
+        sharded = [p for p in self.model.parameters() if not is_ep_local(p)]
+        self.optimizer = torch.optim.AdamW([{"params": local}, {"params": sharded}], lr=1e-4, foreach=True)
+        self.tokens = tokens
+        self.times: list[float] = []
+
+    def loss(self) -> torch.Tensor:
+        logits = self.model(self.tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), self.tokens[:, 1:].flatten())
+
+    def step(self, record: bool) -> None:
+        dist.barrier()
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss().backward()
+        self.optimizer.step()
+        dist.barrier()
+        if record:
+            self.times.append(time.perf_counter() - start)
+
+    def traffic(self) -> tuple[int, int, int]:
+        """(forward calls, backward calls, backward bytes) of one step's all-to-alls."""
+        with _AllToAllTraffic() as forward:
+            loss = self.loss()
+        with _AllToAllTraffic() as whole:
+            self.loss().backward()
+        del loss
+        self.optimizer.zero_grad(set_to_none=True)
+        return forward.calls, whole.calls - forward.calls, whole.bytes_sent - forward.bytes_sent
+
+    def held_bytes(self) -> int:
+        return bytes_held_for_backward(self.model, self.tokens[:, :-1])
+
+
+def table(cli) -> list[str]:
+    parallel_dims = ParallelDims(1, EP, 1, dist.get_world_size(), ep=EP)
+    parallel_dims.build_mesh("cpu")
+    vocab = qwen3_flavors["debugmodel_moe"].vocab_size
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(0, vocab, (cli.batch, cli.seq_len + 1), generator=generator)
+    runs = {name: ModeRun(parallel_dims, argv, tokens) for name, argv in MODES.items()}
+    for run in runs.values():
+        for _ in range(cli.warmup):
+            run.step(record=False)
+    for _ in range(cli.rounds):
+        for run in runs.values():
+            for _ in range(cli.steps_per_round):
+                run.step(record=True)
+    base_time = statistics.median(runs["none"].times)
+    runs["none"].held_bytes()  # the first measurement also counts lazily created state
+    held = {name: run.held_bytes() for name, run in runs.items()}
+    lines = [
+        f"Qwen3 debugmodel_moe, EP {EP} on {dist.get_world_size()} CPU processes (gloo), batch "
+        f"{cli.batch} x {cli.seq_len} per rank, fp32, median of {cli.rounds * cli.steps_per_round} "
+        f"steps, torch {torch.__version__}; all-to-alls and MiB sent per rank per step",
+        "",
+        "| mode | step (ms) | time vs none | held for backward MiB | memory vs none "
+        "| a2a fwd | a2a bwd | MiB sent bwd |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, run in runs.items():
+        step = statistics.median(run.times)
+        fwd_calls, bwd_calls, bwd_bytes = run.traffic()
+        row = [
+            f"{1000 * step:.0f}", f"{step / base_time:.2f}",
+            f"{held[name] / 2**20:.1f}", f"{held[name] / held['none']:.2f}",
+            str(fwd_calls), str(bwd_calls), f"{bwd_bytes / 2**20:.1f}",
+        ]  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps-per-round", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    cli = parser.parse_args()
+    if "RANK" not in os.environ:
+        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={EP}", __file__]
+        sys.exit(subprocess.call(launch + sys.argv[1:], env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    dist.init_process_group("gloo")
+    lines = table(cli)
+    if dist.get_rank() == 0:
+        print("\n".join(lines))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
