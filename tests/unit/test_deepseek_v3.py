@@ -8,11 +8,10 @@ import torch.nn.functional as F
 from torchtitan.config import ActivationCheckpoint, ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.deepseek_v3 import deepseek_v3_flavors
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
-from torchtitan.models.deepseek_v3.parallelize import DEEPSEEK_V3_SAVE_LIST, parallelize_deepseek_v3
+from torchtitan.models.deepseek_v3.parallelize import DEEPSEEK_V3_SAVE_LIST
 from torchtitan.models.moe import MoE, MoEArgs
 from torchtitan.protocols.train_spec import get_train_spec
 
@@ -202,11 +201,14 @@ def test_train_spec_and_debug_config():
     assert deepseek_v3_flavors["debugmodel"].update_from_config(cfg).max_seq_len == 64
 
 
-def test_tensor_parallel_is_refused():
-    cfg = parse_args(["--config", "deepseek_v3_debug_model.toml"], env={})
-    model = _meta_model(deepseek_v3_flavors["debugmodel"])
-    with pytest.raises(ConfigError, match="not supported yet"):
-        parallelize_deepseek_v3(model, ParallelDims(1, 1, 2, 2), cfg, torch.device("cpu"))
+def test_tensor_parallel_degree_must_divide_the_experts_hidden_width():
+    from torchtitan.distributed.tensor_parallel import moe_plan
+
+    block = _meta_model(deepseek_v3_flavors["debugmodel"]).layers["1"]
+    hidden = block.moe.experts.w1.shape[1]
+    assert set(moe_plan(block.moe, 2)) >= {"moe", "moe.router", "moe.experts", "moe.shared_experts.w2"}
+    with pytest.raises(ConfigError, match=f"does not divide the experts' hidden width {hidden}"):
+        moe_plan(block.moe, 3)
 
 
 def _debug_model(ac_mode: str, option: str = "op") -> DeepSeekV3Model:

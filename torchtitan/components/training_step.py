@@ -61,5 +61,6 @@ def forward_backward(
         loss = loss_fn(logits, labels) / accum_steps
         del logits
         extra = extra_loss_fn(model) if extra_loss_fn is not None else None
-        (loss if extra is None else loss + extra / accum_steps).backward()
+        # Under loss parallel the loss is a (replicated) DTensor and the extra a local tensor.
+        (loss if extra is None else plain_tensor(loss) + extra / accum_steps).backward()
     return plain_tensor(loss.detach())

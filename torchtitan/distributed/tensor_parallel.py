@@ -1,4 +1,5 @@
-"""Tensor-parallel pieces shared by every model: loss parallel and async TP.
+"""Tensor-parallel pieces shared by every model: the block's MLP plan (dense feed-forward or
+MoE), styles the plans share, loss parallel and async TP.
 
 Each model's TP plan lives in its own `parallelize.py`; what is the same for all of them
 lives here.
@@ -7,7 +8,18 @@ lives here.
 import contextlib
 
 import torch
-from torch.distributed.tensor.parallel import loss_parallel
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
@@ -60,3 +72,137 @@ def maybe_enable_async_tp(parallel_dims: ParallelDims, job_config: JobConfig, de
 
     torch._inductor.config._micro_pipeline_tp = True
     enable_symm_mem_for_group(parallel_dims.mesh["tp"].get_group().group_name)
+
+
+def sum_grad_over_tp(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """Identity in forward; in backward, all-reduces (sums) x's gradient over `tp_mesh`.
+
+    For a tensor every TP rank holds whole but whose consumers each see only their shard of
+    the heads or hidden units, so that each rank's gradient is a partial sum (Megatron's "f").
+    """
+    replicated = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
+    return replicated.to_local(grad_placements=[Partial()])
+
+
+class ReplicatedParams(ParallelStyle):
+    """Keep a module whole on every TP rank: its parameters become Replicate DTensors (so FSDP
+    sees one TP layout), and it returns local tensors (it takes local or replicated DTensor input).
+
+    For small projections every rank needs in full (MoE router gate, MLA's latent projections
+    and norms); each rank computes the same thing and the same gradient, so nothing is reduced.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor(_module, inputs, mesh):
+            return tuple(
+                x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                for x in inputs
+            )
+
+        return distribute_module(
+            module,
+            device_mesh,
+            input_fn=to_dtensor,
+            output_fn=lambda _module, out, _mesh: out.to_local(),
+        )
+
+
+class SumGradOverTP(ParallelStyle):
+    """For an `nn.Identity` hook point: its output's gradient is summed over TP (`sum_grad_over_tp`)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(lambda _module, _inputs, out: sum_grad_over_tp(out, device_mesh))
+        return module
+
+
+class RouterTensorParallel(ParallelStyle):
+    """An MoE router under TP: the gate whole on every rank (`ReplicatedParams`), so every rank
+    routes alike. The combine weights (the router's first output) scale the experts' partial
+    outputs, so their gradient is a partial sum: it is summed over TP."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        ReplicatedParams()._apply(module.gate, device_mesh)
+
+        def sum_weight_grads(_module, _inputs, out):
+            return (sum_grad_over_tp(out[0], device_mesh), *out[1:])
+
+        module.register_forward_hook(sum_weight_grads)
+        return module
+
+
+class ExpertTensorParallel(ParallelStyle):
+    """Shard a `GroupedExperts`' hidden units over TP (w1/w3 [E, hidden, dim] on dim 1, w2
+    [E, dim, hidden] on dim 2): each rank runs every expert on every routed token for its slice
+    of the hidden units and returns a partial sum, reduced with the rest of the MoE output.
+
+    The routed tokens' gradient is a partial sum too, so it is summed over TP on the way in.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard_hidden(name, mod, mesh):
+            for param_name, param in list(mod.named_parameters(recurse=False)):
+                dim = 2 if param_name == "w2" else 1
+                sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(dim)]), param.requires_grad)
+                mod.register_parameter(param_name, sharded)
+
+        def sum_token_grads(_module, inputs, mesh):
+            tokens, counts = inputs
+            return sum_grad_over_tp(tokens, mesh), counts
+
+        return distribute_module(module, device_mesh, partition_fn=shard_hidden, input_fn=sum_token_grads)
+
+
+def dense_mlp_plan() -> dict[str, ParallelStyle]:
+    """A block's SwiGLU feed-forward: gather the sequence, w1/w3 column-wise, w2 row-wise with a
+    reduce-scatter back to sequence shards."""
+    return {
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def moe_plan(moe: nn.Module, tp: int) -> dict[str, ParallelStyle]:
+    """A block's MoE under TP (expert tensor parallel degree = TP, no expert parallelism).
+
+    Every rank gathers the whole sequence and routes every token (the router gate replicated,
+    so all ranks route alike); the routed experts and the shared experts are sharded over their
+    hidden units, so each rank's MoE output is a partial sum, reduce-scattered back to sequence
+    shards like a dense feed-forward's.
+
+    Raises:
+        ConfigError: when TP does not divide the experts' hidden width.
+    """
+    hidden = moe.experts.w1.shape[1]
+    if hidden % tp:
+        raise ConfigError(
+            f"'parallelism.tensor_parallel_degree' = {tp} does not divide the experts' hidden width "
+            f"{hidden}; choose a degree that divides it."
+        )
+    plan = {
+        "ffn_norm": SequenceParallel(),
+        "moe": PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Partial(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=True,
+        ),
+        "moe.router": RouterTensorParallel(),
+        "moe.experts": ExpertTensorParallel(),
+    }
+    if moe.shared_experts is not None:
+        plan |= {
+            "moe.shared_experts.w1": ColwiseParallel(),
+            "moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial()),
+            "moe.shared_experts.w3": ColwiseParallel(),
+        }
+    return plan
+
+
+def mlp_plan(block: nn.Module, tp: int) -> dict[str, ParallelStyle]:
+    """The TP plan of `block`'s MLP, whichever it has: `feed_forward` or `moe`."""
+    return moe_plan(block.moe, tp) if hasattr(block, "moe") else dense_mlp_plan()

@@ -54,6 +54,9 @@ class MultiHeadLatentAttention(nn.Module):
         kv_out = args.n_heads * (args.qk_nope_head_dim + args.v_head_dim)
         self.wkv_b = nn.Linear(args.kv_lora_rank, kv_out, bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+        # Identity; under tensor parallelism it sums the rotary key's gradient over the ranks,
+        # since the one rotary key head feeds every rank's own heads.
+        self.shared_rope_key = nn.Identity()
         self.sdpa = build_attention(args.attn_backend)
 
     def forward(
@@ -61,12 +64,13 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
-        # -1 heads: what a future TP plan would leave each rank (its local heads).
+        # -1 heads: under tensor parallelism each rank holds only its local heads.
         q_nope, q_pe = q.view(batch, seq_len, -1, self.qk_head_dim).split([self.nope_dim, self.rope_dim], -1)
         q = torch.cat([q_nope, apply_rope(q_pe, rope_cache)], dim=-1)
 
         latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_pe = apply_rope(k_pe.unsqueeze(2), rope_cache)  # one rotary key head: (batch, seq, 1, rope)
+        k_pe = self.shared_rope_key(k_pe)
         kv = self.wkv_b(self.kv_norm(latent)).view(batch, seq_len, -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)

@@ -15,19 +15,16 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import MOE_ONLY_OPS, save_list
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize_decoder
+from torchtitan.distributed.tensor_parallel import mlp_plan
 
 # A dense model never routes tokens: MoE routing and the expert all-to-all are dropped. The
 # default keeps reduce_scatter, so op-SAC saves what sequence parallelism scatters.
 LLAMA3_SAVE_LIST = save_list(drop=MOE_ONLY_OPS)
 
 
-def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
-    """Megatron-style TP with sequence parallelism over `tp_mesh`, in place.
-
-    Norms and residuals run on sequence shards (Shard(1)); attention and the feed-forward
-    gather the sequence, run column-wise then row-wise sharded linears over local heads, and
-    reduce-scatter back to sequence shards. With loss parallel the logits stay vocab-sharded.
-    """
+def apply_tp_to_ends(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
+    """The embedding (row-wise, out to sequence shards), final norm and output projection
+    (column-wise; vocab-sharded logits under loss parallel) of any decoder with these names."""
     parallelize_module(
         model,
         tp_mesh,
@@ -41,7 +38,18 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
             ),
         },
     )
-    block_plan = {
+
+
+def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
+    """Megatron-style TP with sequence parallelism over `tp_mesh`, in place.
+
+    Norms and residuals run on sequence shards (Shard(1)); attention and the feed-forward
+    gather the sequence, run column-wise then row-wise sharded linears over local heads, and
+    reduce-scatter back to sequence shards (an MoE block's MLP follows `mlp_plan`, so models
+    that reuse this plan get MoE TP too). With loss parallel the logits stay vocab-sharded.
+    """
+    apply_tp_to_ends(model, tp_mesh, loss_parallel)
+    attention_plan = {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(
             input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
@@ -50,14 +58,9 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
     }
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+        parallelize_module(block, tp_mesh, attention_plan | mlp_plan(block, tp_mesh.size()))
 
 
 def parallelize_llama(

@@ -6,7 +6,6 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.activation_checkpoint import MOE_ONLY_OPS, save_list
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize_decoder
@@ -35,14 +34,9 @@ QK_NORM_TP_PLAN = {
 def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
     """Megatron-style TP with sequence parallelism over `tp_mesh`, in place.
 
-    The embedding, norms, projections and feed-forward follow Llama 3's plan (same module
+    The embedding, norms, projections and feed-forward or MoE follow Llama 3's plan (same module
     names); the qk-norms are added on top of it.
     """
-    if model.args.moe_args is not None:
-        raise ConfigError(
-            "tensor parallelism for Qwen3 MoE flavors is not supported yet; set "
-            "parallelism.tensor_parallel_degree = 1."
-        )
     apply_llama3_tp(model, tp_mesh, loss_parallel)
     if model.args.qk_norm:
         for block in model.layers.values():

@@ -1,0 +1,134 @@
+"""Tensor parallelism for MoE models and multi-head latent attention (CPU, gloo): every gradient
+of TP 2 equals one process's, under each AC mode, and training matches one process.
+
+Run as a script under torchrun (2 processes), this file is also the gradient worker
+(`run_worker` launches it).
+"""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from tests.conftest import read_metrics, run_trainer
+from tests.integration.workers import run_worker
+from torchtitan.config.manager import parse_args
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import loss_context
+from torchtitan.protocols.train_spec import get_train_spec
+
+pytestmark = pytest.mark.integration
+
+# name: (model, flavor, overrides of the flavor's args)
+MODELS = {
+    "qwen3 moe": ("qwen3", "debugmodel_moe", {}),
+    "deepseek_v3": ("deepseek_v3", "debugmodel", {}),
+    "deepseek_v3 with q_lora": ("deepseek_v3", "debugmodel", {"q_lora_rank": 32}),
+}
+AC_MODES = {"none": ("none", "2"), "full": ("full", "2"), "selective op": ("selective", "op")}
+GRAD_RTOL = 1e-5  # of each gradient's largest entry
+
+
+@pytest.fixture(scope="module")
+def gradient_report():
+    return run_worker("test_moe_tensor_parallel")
+
+
+@pytest.mark.parametrize("ac", list(AC_MODES))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_tp2_gradients_equal_one_process(gradient_report, model, ac):
+    result = gradient_report[model][ac]
+    assert result["loss_error"] <= 1e-6, result
+    assert result["params"] > 20 and result["worst"] == [], result
+
+
+def _build(name, flavor, overrides, tp, ac):
+    spec = get_train_spec(name)
+    mode, option = AC_MODES[ac]
+    argv = ["--model.name", name, "--model.flavor", flavor, "--training.seq_len", "64",
+            "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", mode,
+            "--activation_checkpoint.selective_ac_option", option,
+            "--parallelism.tensor_parallel_degree", str(tp)]  # fmt: skip
+    cfg = parse_args(argv, env={})
+    with torch.device("meta"):
+        model = spec.model_cls(replace(spec.flavors[flavor], **overrides).update_from_config(cfg))
+    parallel_dims = None
+    if tp > 1:
+        parallel_dims = ParallelDims(1, 1, tp, tp)
+        parallel_dims.build_mesh("cpu")
+        spec.parallelize_fn(model, parallel_dims, cfg, torch.device("cpu"))
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    return model, parallel_dims, cfg
+
+
+def _loss_and_grads(model, parallel_dims, cfg, tokens):
+    context = loss_context(parallel_dims, cfg) if parallel_dims else torch.enable_grad()
+    with context:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+    loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        grads[name.replace("._checkpoint_wrapped_module", "")] = grad
+    return loss.item(), grads
+
+
+def _close(grad: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.allclose(grad, want, rtol=0, atol=GRAD_RTOL * want.abs().max().item())
+
+
+def _worker() -> None:
+    dist.init_process_group("gloo")
+    tokens = torch.randint(0, 2048, (2, 65), generator=torch.Generator().manual_seed(0))
+    report = {}
+    for label, (name, flavor, overrides) in MODELS.items():
+        reference = _loss_and_grads(*_build(name, flavor, overrides, 1, "none"), tokens)
+        report[label] = {}
+        for ac in AC_MODES:
+            loss, grads = _loss_and_grads(*_build(name, flavor, overrides, 2, ac), tokens)
+            worst = [param for param, grad in grads.items() if not _close(grad, reference[1][param])]
+            report[label][ac] = {"loss_error": abs(loss - reference[0]), "params": len(grads), "worst": worst}
+    if dist.get_rank() == 0:
+        print(json.dumps(report))
+    dist.destroy_process_group()
+
+
+SMALL = ["--training.seq_len", "64", "--training.steps", "5", "--metrics.log_freq", "1",
+         "--lr_scheduler.warmup_steps", "2", "--training.mixed_precision_param", "float32",
+         "--training.local_batch_size", "4"]  # fmt: skip
+CONFIGS = {"qwen3 moe": "qwen3_debug_model_moe.toml", "deepseek_v3": "deepseek_v3_debug_model.toml"}
+
+
+@pytest.mark.parametrize(
+    "model, layout, nproc, argv",
+    [("qwen3 moe", "TP 2, op-SAC", 2, ["--parallelism.tensor_parallel_degree", "2",
+      "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
+     ("deepseek_v3", "FSDP 2 x TP 2, full AC", 4, ["--parallelism.tensor_parallel_degree", "2",
+      "--activation_checkpoint.mode", "full", "--training.local_batch_size", "2"])],
+)  # fmt: skip
+def test_training_with_tp_matches_one_process(model, layout, nproc, argv, tmp_path):
+    runs = {}
+    for run, (procs, extra) in {
+        "single": (1, ["--activation_checkpoint.mode", "none"]),
+        "tp": (nproc, argv),
+    }.items():
+        dump = ["--job.dump_folder", str(tmp_path / run)]
+        proc = run_trainer(["--config", CONFIGS[model]] + SMALL + extra + dump, nproc=procs)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[run] = read_metrics(tmp_path / run)
+    assert [r["step"] for r in runs["tp"]] == [1, 2, 3, 4, 5]
+    for got, want in zip(runs["tp"], runs["single"]):
+        for key in ("loss", "grad_norm", "moe_imbalance"):
+            assert abs(got[key] - want[key]) <= 1e-4 * abs(want[key]), (layout, key, got, want)
+
+
+if __name__ == "__main__":
+    _worker()
