@@ -112,7 +112,7 @@ def test_ep2_with_two_micro_batches_matches_one_process(tmp_path, tmp_path_facto
     "argv, match",
     [(["--parallelism.data_parallel_shard_degree", "3"], "does not divide data_parallel_shard_degree 3"),
      (["--parallelism.tensor_parallel_degree", "2"], "needs tensor_parallel_degree = 1"),
-     (["--parallelism.expert_tensor_parallel_degree", "2"], "experts are not tensor-parallel")],
+     (["--parallelism.expert_tensor_parallel_degree", "2"], "must be 1 or the tensor_parallel_degree")],
 )  # fmt: skip
 def test_unsupported_ep_combinations_are_refused(argv, match):
     with pytest.raises(ConfigError, match=match):

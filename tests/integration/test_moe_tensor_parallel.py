@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.conftest import read_metrics, run_trainer
 from tests.integration.workers import run_worker
-from torchtitan.config.manager import parse_args
+from torchtitan.config.manager import ConfigError, parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
 from torchtitan.protocols.train_spec import get_train_spec
@@ -52,7 +52,8 @@ def _build(name, flavor, overrides, tp, ac):
     argv = ["--model.name", name, "--model.flavor", flavor, "--training.seq_len", "64",
             "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", mode,
             "--activation_checkpoint.selective_ac_option", option,
-            "--parallelism.tensor_parallel_degree", str(tp)]  # fmt: skip
+            "--parallelism.tensor_parallel_degree", str(tp),
+            "--parallelism.expert_tensor_parallel_degree", str(tp)]  # fmt: skip
     cfg = parse_args(argv, env={})
     with torch.device("meta"):
         model = spec.model_cls(replace(spec.flavors[flavor], **overrides).update_from_config(cfg))
@@ -104,14 +105,15 @@ def _worker() -> None:
 SMALL = ["--training.seq_len", "64", "--training.steps", "5", "--metrics.log_freq", "1",
          "--lr_scheduler.warmup_steps", "2", "--training.mixed_precision_param", "float32",
          "--training.local_batch_size", "4"]  # fmt: skip
+TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"]
 CONFIGS = {"qwen3 moe": "qwen3_debug_model_moe.toml", "deepseek_v3": "deepseek_v3_debug_model.toml"}
 
 
 @pytest.mark.parametrize(
     "model, layout, nproc, argv",
-    [("qwen3 moe", "TP 2, op-SAC", 2, ["--parallelism.tensor_parallel_degree", "2",
+    [("qwen3 moe", "TP 2, op-SAC", 2, TP2 + [
       "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
-     ("deepseek_v3", "FSDP 2 x TP 2, full AC", 4, ["--parallelism.tensor_parallel_degree", "2",
+     ("deepseek_v3", "FSDP 2 x TP 2, full AC", 4, TP2 + [
       "--activation_checkpoint.mode", "full", "--training.local_batch_size", "2"])],
 )  # fmt: skip
 def test_training_with_tp_matches_one_process(model, layout, nproc, argv, tmp_path):
@@ -128,6 +130,21 @@ def test_training_with_tp_matches_one_process(model, layout, nproc, argv, tmp_pa
     for got, want in zip(runs["tp"], runs["single"]):
         for key in ("loss", "grad_norm", "moe_imbalance"):
             assert abs(got[key] - want[key]) <= 1e-4 * abs(want[key]), (layout, key, got, want)
+
+
+def test_moe_under_tp_without_expert_tp_is_refused_naming_the_fix():
+    model, _, _ = _build("qwen3", "debugmodel_moe", {}, 1, "none")
+    cfg = parse_args(["--config", CONFIGS["qwen3 moe"], "--parallelism.tensor_parallel_degree", "2"], env={})
+    from torchtitan.distributed.parallelize import _check_expert_tp
+
+    with pytest.raises(ConfigError, match="Set parallelism.expert_tensor_parallel_degree = 2"):
+        _check_expert_tp(model, ParallelDims(1, 1, 2, 2), cfg)
+
+
+def test_expert_tp_other_than_1_or_tp_is_refused():
+    argv = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "4"]
+    with pytest.raises(ConfigError, match="must be 1 or the tensor_parallel_degree"):
+        parse_args(["--config", CONFIGS["qwen3 moe"]] + argv, env={})
 
 
 if __name__ == "__main__":

@@ -117,7 +117,9 @@ class Parallelism:
     expert_parallel_degree: int = opt(
         1, "expert parallel degree; its ranks come from data_parallel_shard_degree", min=1
     )
-    expert_tensor_parallel_degree: int = opt(1, "tensor parallel degree of the experts (only 1)", min=1)
+    expert_tensor_parallel_degree: int = opt(
+        1, "TP degree of the MoE experts: 1, or tensor_parallel_degree to shard them over TP", min=1
+    )
     expert_tensor_parallel_degree: int = opt(1, "tensor parallel degree inside experts", min=1)
 
 

@@ -318,10 +318,11 @@ def _check_consistency(config: JobConfig) -> None:
 def _check_expert_parallel(p) -> None:
     """What can be told from the config alone; the resolved degrees are checked at parallelize."""
     ep = p.expert_parallel_degree
-    if p.expert_tensor_parallel_degree != 1:
+    etp, tp = p.expert_tensor_parallel_degree, p.tensor_parallel_degree
+    if etp not in (1, tp):
         raise ConfigError(
-            f"'parallelism.expert_tensor_parallel_degree' = {p.expert_tensor_parallel_degree} is not "
-            "supported yet: experts are not tensor-parallel; set it to 1."
+            f"'parallelism.expert_tensor_parallel_degree' = {etp} must be 1 or the "
+            f"tensor_parallel_degree ({tp}): experts are either not tensor-parallel or sharded over TP."
         )
     if ep == 1:
         return

@@ -63,6 +63,7 @@ def parallelize_decoder(
                 "does not support yet; set parallelism.tensor_parallel_degree = 1."
             )
         check_tp_divisibility(parallel_dims, job_config, args.n_heads, args.kv_heads)
+        _check_expert_tp(model, parallel_dims, job_config)
         apply_tp(model, parallel_dims.mesh["tp"], loss_parallel_enabled(parallel_dims, job_config))
     experts = []
     if job_config.parallelism.expert_parallel_degree > 1:
@@ -81,6 +82,18 @@ def parallelize_decoder(
         apply_compile(model, job_config)
     apply_data_parallel(model, parallel_dims, job_config, device, experts)
     return model
+
+
+def _check_expert_tp(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> None:
+    """MoE flavors under TP shard their experts over TP, which the config must say."""
+    etp = job_config.parallelism.expert_tensor_parallel_degree
+    if getattr(model.args, "moe_args", None) is not None and etp != parallel_dims.tp:
+        raise ConfigError(
+            f"flavor '{job_config.model.flavor}' has MoE experts and tensor_parallel_degree = "
+            f"{parallel_dims.tp}, but expert_tensor_parallel_degree = {etp}: experts that are not "
+            "tensor-parallel would need expert parallelism over the TP ranks, which is not built. Set "
+            f"parallelism.expert_tensor_parallel_degree = {parallel_dims.tp} to shard them over TP."
+        )
 
 
 def _log_expert_layout(model: nn.Module, parallel_dims: ParallelDims) -> None:
