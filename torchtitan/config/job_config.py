@@ -120,7 +120,6 @@ class Parallelism:
     expert_tensor_parallel_degree: int = opt(
         1, "TP degree of the MoE experts: 1, or tensor_parallel_degree to shard them over TP", min=1
     )
-    expert_tensor_parallel_degree: int = opt(1, "tensor parallel degree inside experts", min=1)
 
 
 @dataclass

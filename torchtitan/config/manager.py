@@ -29,7 +29,6 @@ NOT_BUILT_YET = {
     "profiling": "profiling",
     "parallelism.context_parallel_degree": "context parallelism",
     "parallelism.pipeline_parallel_degree": "pipeline parallelism",
-    "parallelism.expert_tensor_parallel_degree": "expert tensor parallelism",
 }
 
 
