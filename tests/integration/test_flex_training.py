@@ -1,8 +1,9 @@
-"""The flex-attention debug configs train on the CPU: 2 processes (FSDP), op-SAC and full AC.
+"""The flex-attention debug configs train on the CPU: 2 processes (FSDP), op-SAC, full AC, and
+op-SAC with compile on.
 
 On the CPU flex attention runs its block_causal mask as an exact dense mask through SDPA; these
-runs check that path end to end (mask built from each batch's EOS tokens, AC, FSDP) and that
-the model learns. Compile-on runs are not here.
+runs check that path end to end (mask built from each batch's EOS tokens, AC, compile, FSDP) and
+that the model learns.
 """
 
 import pytest
@@ -16,9 +17,11 @@ CONFIGS = [
     "qwen3_debug_model_flex_attn.toml",
     "deepseek_v3_debug_model_flex_attn.toml",
 ]
+OP_SAC = ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"]
 AC_MODES = {
-    "op-SAC": ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"],
+    "op-SAC": OP_SAC,
     "full": ["--activation_checkpoint.mode=full"],
+    "op-SAC + compile": [*OP_SAC, "--compile.enable"],
 }
 STEPS = 10
 # Short: 10 steps of 2 x 4 sequences of 128 tokens, warmup 2 so that 10 steps are enough to learn.
@@ -55,6 +58,8 @@ def test_flex_config_trains_on_two_processes_and_loss_falls(config, mode, runs):
     assert "exact dense boolean mask" in logs  # the CPU path says which path it took
     if mode == "op-SAC":
         assert "attention full +" in logs  # flex without compile: attention under full AC
+    if mode == "op-SAC + compile":
+        assert "Compiled each transformer block" in logs and "attention full +" not in logs
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -62,3 +67,31 @@ def test_op_sac_and_full_ac_train_alike(config, runs):
     op_sac, full = runs(config, "op-SAC")[1], runs(config, "full")[1]
     for a, b in zip(op_sac, full):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_compiled_training_equals_eager(config, runs):
+    eager, compiled = runs(config, "op-SAC")[1], runs(config, "op-SAC + compile")[1]
+    for a, b in zip(compiled, eager):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a, b)
+
+
+def test_moe_flex_flavor_with_compile_checkpoints_attention_and_moe_separately(tmp_path):
+    """flex + op-SAC + compile on MoE blocks: two SAC regions per block (the AC module's rule)."""
+    dump = tmp_path / "moe_flex"
+    flavor = ["--model.flavor", "debugmodel_moe_flex_attn"]
+    compile_all = [*AC_MODES["op-SAC + compile"], "--compile.capture_scalar_outputs"]
+    argv = [
+        "--config",
+        "qwen3_debug_model_moe.toml",
+        *flavor,
+        *SHORT,
+        *compile_all,
+        "--job.dump_folder",
+        str(dump),
+    ]
+    proc = run_trainer(argv, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(dump)
+    assert "attention op-SAC + moe op-SAC" in proc.stdout + proc.stderr
+    assert records[-1]["loss"] <= 0.8 * records[0]["loss"], records

@@ -157,6 +157,9 @@ class Compile:
     enable: bool = opt(False, "torch.compile the components below")
     components: list[str] = opt(["model", "loss"], "what to compile: model, loss")
     backend: str = opt("inductor", "torch.compile backend")
+    capture_scalar_outputs: bool = opt(
+        False, "let dynamo trace .item()/.tolist() (MoE split sizes): bigger graphs, fewer breaks"
+    )
 
 
 @dataclass

@@ -79,7 +79,7 @@ def parallelize_decoder(
         base_folder=job_config.job.dump_folder,
     )
     if compile_model:
-        apply_compile(model, job_config)
+        apply_compile(model, job_config, device)
     apply_data_parallel(model, parallel_dims, job_config, device, experts)
     return model
 
