@@ -72,12 +72,12 @@ def test_tensor_parallel_2_gives_every_gradient_of_one_process():
 @pytest.mark.parametrize("config", ["qwen3_debug_model.toml", "qwen3_debug_model_moe.toml"])
 def test_debug_config_trains_and_loss_falls(config, tmp_path):
     dump = tmp_path / "debug"
-    steps = ["--training.steps", "20", "--metrics.log_freq", "1", "--job.dump_folder", str(dump)]
-    proc = run_trainer(["--config", config] + steps)
+    steps = ["--training.steps", "20", "--training.seq_len", "128", "--metrics.log_freq", "1"]
+    proc = run_trainer(["--config", config] + steps + ["--job.dump_folder", str(dump)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(dump)
     first, last = records[0]["loss"], records[-1]["loss"]
-    print(f"{config}, 20 steps: loss {first:.3f} -> {last:.3f}")
+    print(f"{config}, 20 steps of 8 x 128 tokens: loss {first:.3f} -> {last:.3f}")
     assert records[-1]["step"] == 20
     assert last <= 0.7 * first, (first, last)
 

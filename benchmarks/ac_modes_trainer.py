@@ -1,0 +1,95 @@
+"""Activation checkpointing through the real trainer: tokens/s, MFU and peak memory per AC mode.
+
+Runs `python -m torchtitan.train` once per AC mode with the same config and overrides, reads
+each run's metrics.jsonl, drops the warm-up steps, and prints one table (medians over the
+remaining steps). Made for one GPU, e.g. Llama 3 1B at seq_len 8192 in bf16:
+
+    python benchmarks/ac_modes_trainer.py --config debug_model.toml --flavor 1B --seq-len 8192 \\
+        --steps 8 --warmup 3 [--modes none full "selective 2" "selective op"] [-- EXTRA OVERRIDES]
+
+It also runs on the CPU with the debug model (MFU is then n/a: no peak FLOPs are known).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_MODE, _OPTION = "--activation_checkpoint.mode", "--activation_checkpoint.selective_ac_option"
+MODES = {
+    "none": [_MODE, "none"],
+    "full": [_MODE, "full"],
+    "selective 2": [_MODE, "selective", _OPTION, "2"],
+    "selective op": [_MODE, "selective", _OPTION, "op"],
+}
+MEMORY_KEYS = ("memory/max_allocated_gib", "memory/max_rss_gib")
+
+
+def run_mode(cli, mode: str, folder: Path) -> list[dict]:
+    argv = [sys.executable, "-m", "torchtitan.train", "--config", cli.config,
+            "--training.steps", str(cli.steps), "--training.seq_len", str(cli.seq_len),
+            "--training.local_batch_size", str(cli.batch), "--metrics.log_freq", "1",
+            "--job.dump_folder", str(folder), *MODES[mode], *cli.extra]  # fmt: skip
+    if cli.flavor:
+        argv += ["--model.flavor", cli.flavor]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        sys.exit(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    with open(folder / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    return records[cli.warmup :]
+
+
+def row(mode: str, records: list[dict], base_seconds: float) -> str:
+    seconds = statistics.median(r["step_seconds"] for r in records)
+    tps = statistics.median(r["tps"] for r in records)
+    mfu = [r["mfu_pct"] for r in records if r.get("mfu_pct") is not None]
+    memory_key = next(k for k in MEMORY_KEYS if k in records[-1])
+    memory = max(r[memory_key] for r in records)
+    mfu_text = f"{statistics.median(mfu):.1f}" if mfu else "n/a"
+    cells = [
+        f"{tps:,.0f}",
+        mfu_text,
+        f"{memory:.2f}",
+        f"{1000 * seconds:.0f}",
+        f"{seconds / base_seconds:.2f}",
+    ]
+    return f"| {mode} | " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="debug_model.toml")
+    parser.add_argument("--flavor", default=None)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3, help="steps dropped before the medians")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("extra", nargs="*", help="more trainer overrides, after --")
+    cli = parser.parse_args()
+    if cli.steps <= cli.warmup:
+        sys.exit(f"--steps {cli.steps} must exceed --warmup {cli.warmup}")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in cli.modes:
+            results[mode] = run_mode(cli, mode, Path(tmp) / mode.replace(" ", "_"))
+    base = statistics.median(r["step_seconds"] for r in results[cli.modes[0]])
+    memory_name = next(k for k in MEMORY_KEYS if k in results[cli.modes[0]][-1]).split("/")[1]
+    print(
+        f"{cli.config} flavor {cli.flavor or '(config)'}, batch {cli.batch} x {cli.seq_len}, "
+        f"median of steps {cli.warmup + 1}-{cli.steps}; extra: {' '.join(cli.extra) or 'none'}"
+    )
+    print()
+    print(f"| mode | tokens/s | MFU % | peak memory GiB ({memory_name}) | step ms | time vs {cli.modes[0]} |")
+    print("|---|---|---|---|---|---|")
+    for mode, records in results.items():
+        print(row(mode, records, base))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The checks that need one CUDA GPU, in one command that ends in under 8 minutes:
+#   1. the test suite's GPU-marked tests (tests/gpu: compiled flex BlockMask vs the exact dense
+#      path, bf16 grouped-mm experts, the GPU attention kernel under op-SAC, a bf16 run);
+#   2. each model's flex-attention debug config, 10 steps with op-SAC + compile, then full AC;
+#   3. the AC benchmark through the trainer on Llama 3 1B at seq_len 8192 (bf16): tokens/s,
+#      MFU and peak memory per AC mode, as one table.
+#
+#   scripts/gpu_check.sh [--quick]     # --quick: step 3 on the debug model at seq_len 2048
+#
+# Needs the project installed (`pip install -e .`); writes logs under ${GPU_CHECK_DIR:-/tmp/gpu_check}.
+# Exit code: 0 when every step passed, else the number of failed steps.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${GPU_CHECK_DIR:-/tmp/gpu_check}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check.sh needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)." >&2
+    exit 2
+fi
+python -c "import torch; print('torch', torch.__version__, 'on', torch.cuda.get_device_name(0))"
+failed=0
+start=$SECONDS
+
+echo "== 1. GPU-marked tests"
+if ! python -m pytest -q -m gpu tests/gpu 2>&1 | tee "$out/gpu_tests.log"; then
+    failed=$((failed + 1))
+fi
+
+echo "== 2. flex-attention debug configs: op-SAC + compile, then full AC (10 steps each)"
+printf "| config | AC | first loss | last loss | tokens/s | peak GiB |\n|---|---|---|---|---|---|\n" > "$out/flex.md"
+for config in debug_model_flex_attn qwen3_debug_model_flex_attn deepseek_v3_debug_model_flex_attn; do
+    for ac in op_sac_compile full; do
+        case $ac in
+            op_sac_compile) ac_args=(--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op --compile.enable) ;;
+            full) ac_args=(--activation_checkpoint.mode full) ;;
+        esac
+        dump="$out/$config-$ac"
+        rm -rf "$dump"
+        if python -m torchtitan.train --config "$config.toml" --training.steps 10 --metrics.log_freq 1 \
+            "${ac_args[@]}" --job.dump_folder "$dump" > "$dump.log" 2>&1; then
+            python - "$dump/metrics.jsonl" "$config" "$ac" >> "$out/flex.md" <<'EOF'
+import json, sys
+records = [json.loads(line) for line in open(sys.argv[1])]
+first, last = records[0], records[-1]
+print(f"| {sys.argv[2]} | {sys.argv[3]} | {first['loss']:.3f} | {last['loss']:.3f} | "
+      f"{last['tps']:,.0f} | {last.get('memory/max_allocated_gib', float('nan')):.2f} |")
+EOF
+        else
+            echo "| $config | $ac | FAILED (see $dump.log) | | | |" >> "$out/flex.md"
+            failed=$((failed + 1))
+        fi
+    done
+done
+cat "$out/flex.md"
+
+echo "== 3. AC modes through the trainer"
+if [[ "${1:-}" == "--quick" ]]; then
+    bench=(--config debug_model.toml --seq-len 2048 --batch 4 --steps 8 --warmup 3)
+else
+    # Llama 3 1B on the bundled corpus and tokenizer (nothing to download), bf16 autocast.
+    bench=(--config debug_model.toml --flavor 1B --seq-len 8192 --batch 1 --steps 8 --warmup 3)
+fi
+if ! python benchmarks/ac_modes_trainer.py "${bench[@]}" -- --training.mixed_precision_param bfloat16 \
+    2>&1 | tee "$out/ac_modes.md"; then
+    failed=$((failed + 1))
+fi
+
+echo "== done in $((SECONDS - start)) s; failed steps: $failed (logs in $out)"
+exit "$failed"

@@ -1,0 +1,116 @@
+"""What only a CUDA GPU can check: flex_attention's compiled BlockMask path against the exact
+dense path, the bf16 grouped-matmul experts against the loop, the GPU attention kernel under
+op-SAC, and a short bf16 training run. Marked `gpu`; skipped without CUDA. `scripts/gpu_check.sh`
+runs them with `python -m pytest -m gpu tests/gpu`.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.conftest import read_metrics, run_trainer
+from torchtitan.config import ActivationCheckpoint
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models.attention import FlexAttention, build_attention_masks
+from torchtitan.models.llama3 import llama3_flavors
+from torchtitan.models.llama3.model import TransformerBlock
+from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
+from torchtitan.models.moe import GroupedExperts
+from torchtitan.models.rope import precompute_rope_cache
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+CUDA = torch.device("cuda")
+MASK_ARGS = {
+    "causal": {},
+    "block_causal": {"eos_id": 0},
+    "sliding_window": {"sliding_window": 64},
+    "chunked": {"chunk_size": 128},
+}
+
+
+@pytest.mark.parametrize("mask_type", list(MASK_ARGS))
+def test_compiled_flex_block_mask_equals_the_dense_path_forward_and_backward(mask_type):
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 8, (2, 512), generator=generator)  # id 0 is a frequent EOS
+    q, k, v = (torch.randn(2, 8, 512, 64, generator=generator) for _ in range(3))
+    attention = FlexAttention()
+    results = []
+    for masks_device in ("cuda", "cpu"):
+        masks = build_attention_masks(tokens.to(masks_device), mask_type, **MASK_ARGS[mask_type])
+        if masks.dense_mask is not None:
+            masks = replace(masks, dense_mask=masks.dense_mask.to(CUDA))
+        inputs = [t.to(CUDA).requires_grad_() for t in (q, k, v)]
+        out = attention(*inputs, masks=masks)
+        out.square().sum().backward()
+        results.append([out.detach(), *(t.grad for t in inputs)])
+    assert results[0][0] is not None
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+def test_bf16_grouped_mm_experts_equal_the_loop():
+    torch.manual_seed(0)
+    experts = GroupedExperts(dim=256, hidden_dim=512, num_experts=8).to(CUDA, torch.bfloat16)
+    for weight in experts.parameters():
+        nn.init.normal_(weight, std=0.02)
+    x = torch.randn(1000, 256, device=CUDA, dtype=torch.bfloat16)
+    counts = torch.tensor([300, 0, 200, 100, 150, 50, 100, 100], device=CUDA)
+    assert experts.uses_grouped_mm(x)
+    grouped = experts(x, counts)
+    experts.use_grouped_mm = False
+    looped = experts(x, counts)
+    torch.testing.assert_close(grouped.float(), looped.float(), rtol=2e-2, atol=2e-2)
+
+
+class _AttentionCallsInBackward(TorchDispatchMode):
+    """Counts SDPA kernel calls after `in_backward` is set; active over forward and backward."""
+
+    KERNELS = {
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.in_backward, self.backward_calls = False, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.backward_calls += self.in_backward and func in self.KERNELS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode, option, reruns", [("selective", "op", 0), ("full", "2", 1)])
+def test_gpu_attention_kernel_is_saved_by_op_sac(mode, option, reruns):
+    args = replace(llama3_flavors["debugmodel"], max_seq_len=1024)
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.layers = nn.ModuleDict({"0": TransformerBlock(0, args)})
+    apply_ac(
+        holder, ActivationCheckpoint(mode=mode, selective_ac_option=option), op_sac_save_list=LLAMA3_SAVE_LIST
+    )
+    block = holder.layers["0"].to(CUDA, torch.bfloat16)
+    x = torch.randn(2, 1024, args.dim, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    rope = precompute_rope_cache(args.head_dim, 1024, args.rope_theta).to(CUDA)
+    with _AttentionCallsInBackward() as counter:
+        out = block(x, rope)
+        counter.in_backward = True
+        out.float().sum().backward()
+    assert counter.backward_calls == reruns
+
+
+def test_bf16_training_with_op_sac_and_compile_learns(tmp_path):
+    argv = ["--config", "debug_model.toml", "--training.steps", "30", "--metrics.log_freq", "1",
+            "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
+            "--compile.enable", "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    proc = run_trainer(argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(tmp_path)
+    assert records[-1]["loss"] <= 0.6 * records[0]["loss"], records
+    assert records[-1]["mfu_pct"] is not None and records[-1]["memory/max_allocated_gib"] > 0
