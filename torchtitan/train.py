@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.components.dataloader import build_validation_dataloader
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.training_step import (
@@ -78,6 +79,12 @@ class Trainer:
         self.step = 0
         self.step_metrics: dict[str, torch.Tensor] = {}
         self.stop_requested = False
+        self.train_state = TrainState()
+        self.checkpointer = CheckpointManager(
+            cfg, self.model, self.optimizer, self.lr_scheduler, self.dataloader, dp_rank=dp_rank,
+            dp_degree=dp_degree, device=self.device,
+            hf_adapter=self._hf_adapter(),
+        )  # fmt: skip
         # Tensor-parallel ranks share their batch, so each device processes 1/tp of it.
         t = cfg.training
         self.tokens_per_device_per_step = (
@@ -122,6 +129,16 @@ class Trainer:
         model.init_weights(buffer_device=self.device)
         model.train()
         return model
+
+    def _hf_adapter(self):
+        """The model's Hugging Face state-dict adapter (None if it has none), built from the
+        published flavor rather than the run's args, so an exported config.json keeps the
+        flavor's context length."""
+        adapter = self.spec.state_dict_adapter
+        if adapter is None:
+            return None
+        flavor = self.spec.get_flavor(self.job_config.model.flavor)
+        return adapter(flavor, self.job_config.model.hf_assets_path)
 
     def _build_validator(self, dp_rank: int, dp_degree: int) -> Validator | None:
         if not self.job_config.validation.enable:
@@ -182,8 +199,15 @@ class Trainer:
         self.metrics.write({"step": self.step, "validation/loss": val_loss})
 
     def train(self) -> None:
-        """Run `training.steps` optimizer steps (or until SIGTERM), logging as configured."""
+        """Run `training.steps` optimizer steps (or until SIGTERM), logging and checkpointing as
+        configured; resumes from the newest checkpoint first."""
         cfg = self.job_config
+        if cfg.checkpoint.create_seed_checkpoint:
+            self.checkpointer.save_seed()
+            logger.info("Wrote the seed checkpoint (step 0, model only); exiting")
+            return
+        if self.checkpointer.load(self.train_state):
+            self.step = self.train_state.step
         data_iter = iter(self.dataloader)
         gc.disable()
         started = time.perf_counter()
@@ -193,7 +217,9 @@ class Trainer:
             f"{cfg.training.seq_len} tokens, {self.accum_steps} micro-batch(es) per step"
         )
         while self.step < cfg.training.steps:
-            if self.stop_requested:
+            if self._stop_agreed():
+                if cfg.checkpoint.enable:
+                    self.checkpointer.save(self.train_state, force_sync=True)
                 raise StopRequested
             self.step += 1
             if self.step % cfg.training.gc_freq == 0:
@@ -206,13 +232,26 @@ class Trainer:
                 dist_utils.set_collective_timeout(cfg.comm.train_timeout_seconds)
             if self.validator and (self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps):
                 self._validate()
+            self.train_state.step = self.step
+            if self.checkpointer.should_save(self.step, cfg.training.steps):
+                self.checkpointer.save(self.train_state, last=self.step == cfg.training.steps)
         logger.info(f"Training finished after {self.step} steps in {time.perf_counter() - started:.1f}s")
+
+    def _stop_agreed(self) -> bool:
+        """Whether to stop now. With checkpointing every rank must stop at the same step to save
+        it, so the ranks agree (one tiny all-reduce per step); otherwise each rank's signal."""
+        if not (self.job_config.checkpoint.enable and dist.is_initialized()):
+            return self.stop_requested
+        flag = torch.tensor(float(self.stop_requested), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def request_stop(self, signum, frame) -> None:
         logger.warning(f"Received signal {signum}: stopping after the current step")
         self.stop_requested = True
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.metrics.close()
         gc.enable()
 

@@ -27,6 +27,8 @@ class TrainSpec:
         post_optimizer_step_fn: optional `(model, dp_group) -> {name: 0-dim tensor}`, run after
             every optimizer step on every rank (e.g. MoE load balancing); what it returns is
             logged at log steps.
+        state_dict_adapter: optional `StateDictAdapter` subclass, built as `cls(model_args,
+            hf_assets_path)`, that converts the model's state dict to and from Hugging Face's.
     """
 
     name: str
@@ -40,6 +42,7 @@ class TrainSpec:
     build_loss_fn: Callable
     extra_loss_fn: Callable | None = None
     post_optimizer_step_fn: Callable | None = None
+    state_dict_adapter: type | None = None
 
     def get_flavor(self, flavor: str) -> BaseModelArgs:
         """The args of `flavor`; raises ConfigError listing the valid flavors."""

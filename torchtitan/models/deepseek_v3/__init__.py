@@ -10,6 +10,7 @@ from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseek_v3
+from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from torchtitan.models.moe import MoEArgs, load_balance_step, pop_aux_loss
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
@@ -72,5 +73,6 @@ register_train_spec(
         build_loss_fn=build_cross_entropy_loss,
         extra_loss_fn=pop_aux_loss,
         post_optimizer_step_fn=load_balance_step,
+        state_dict_adapter=DeepSeekV3StateDictAdapter,
     )
 )

@@ -10,6 +10,7 @@ from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.parallelize import parallelize_llama
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.models.rope import RoPEScaling
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
@@ -82,5 +83,6 @@ register_train_spec(
         build_dataloader_fn=build_text_dataloader,
         build_tokenizer_fn=build_hf_tokenizer,
         build_loss_fn=build_cross_entropy_loss,
+        state_dict_adapter=Llama3StateDictAdapter,
     )
 )

@@ -11,6 +11,7 @@ from torchtitan.models.moe import MoEArgs, load_balance_step, pop_aux_loss
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 # Published sizes, from each model's Hugging Face config.json (Qwen/Qwen3-<size>): all use
@@ -67,5 +68,6 @@ register_train_spec(
         build_loss_fn=build_cross_entropy_loss,
         extra_loss_fn=pop_aux_loss,
         post_optimizer_step_fn=load_balance_step,
+        state_dict_adapter=Qwen3StateDictAdapter,
     )
 )

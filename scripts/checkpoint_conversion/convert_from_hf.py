@@ -1,0 +1,95 @@
+"""Convert a Hugging Face transformers checkpoint (safetensors) into a DCP checkpoint to train from.
+
+The DCP holds ``{"model": {FQN: tensor}}``, model weights only, under the top-level key the
+trainer's checkpoints use for them. Parameters are stored in ``--dtype`` (default float32, the
+trainer's parameter dtype); buffers (MoE ``expert_bias``) keep the model's dtype for them.
+Runs in one process, without a process group.
+
+Bad input (a missing folder, an unknown model or flavor, a checkpoint whose keys or shapes are
+not the flavor's, an output folder that is not empty) ends with exit code 2 and a one-paragraph
+message on stderr.
+
+Usage:
+    python scripts/checkpoint_conversion/convert_from_hf.py --model llama3 --flavor 8B \\
+        --hf ./assets/hf/Llama-3.1-8B --out ./outputs/llama3_8b_from_hf [--dtype float32]
+"""
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torchtitan.components.hf_io import load_hf
+from torchtitan.config.manager import ConfigError
+from torchtitan.protocols.state_dict_adapter import (
+    StateDictMismatchError,
+    build_state_dict_adapter,
+    describe_mismatch,
+)
+from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.tools.dtypes import TORCH_DTYPES
+
+EXIT_BAD_INPUT = 2
+BAD_INPUT_ERRORS = (ConfigError, StateDictMismatchError, FileNotFoundError, FileExistsError)
+
+
+def convert_from_hf(model: str, flavor: str, hf: str | Path, out: str | Path, dtype: torch.dtype) -> None:
+    """Read the HF checkpoint in `hf`, convert it to `model`'s `flavor`, and save it as DCP in `out`.
+
+    Raises:
+        ConfigError: unknown model or flavor.
+        FileNotFoundError: `hf` is missing or holds no safetensors checkpoint.
+        FileExistsError: `out` exists and is not empty.
+        StateDictMismatchError: the checkpoint's keys or shapes are not the flavor's.
+    """
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output folder '{out}' is not empty; choose a new one")
+    adapter = build_state_dict_adapter(model, flavor)
+    template = get_train_spec(model).build_meta_model(adapter.model_args, dtype).state_dict()
+    not_this_flavor = f"'{hf}' is not a {model} {flavor} Hugging Face checkpoint"
+    try:
+        state_dict = adapter.from_hf(load_hf(hf))
+    except StateDictMismatchError as error:
+        raise StateDictMismatchError(f"{not_this_flavor}: {error}") from None
+    if mismatch := describe_mismatch(_shapes(template), _shapes(state_dict)):
+        raise StateDictMismatchError(f"{not_this_flavor}: {mismatch}")
+    state_dict = {key: state_dict[key].to(template[key].dtype) for key in template}
+    with warnings.catch_warnings():
+        # One process on purpose; DCP's warning that no process group is set says nothing new.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": state_dict}, checkpoint_id=str(out))
+
+
+def _shapes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Size]:
+    return {key: tensor.shape for key, tensor in state_dict.items()}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse the command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(description="Convert a Hugging Face checkpoint to DCP.")
+    parser.add_argument("--model", required=True, help="registered model name, e.g. llama3")
+    parser.add_argument("--flavor", required=True, help="the model's flavor, e.g. 8B")
+    parser.add_argument("--hf", required=True, help="folder of the HF checkpoint (safetensors)")
+    parser.add_argument("--out", required=True, help="DCP checkpoint folder to create")
+    parser.add_argument("--dtype", choices=list(TORCH_DTYPES), default="float32", help="parameter dtype")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 2 bad input)."""
+    args = parse_args(argv)
+    try:
+        convert_from_hf(args.model, args.flavor, args.hf, args.out, TORCH_DTYPES[args.dtype])
+    except BAD_INPUT_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Convert a DCP checkpoint's model weights into a Hugging Face transformers checkpoint.
+
+Reads ``{"model": {FQN: tensor}}`` from the DCP (other entries, such as optimizer state, are
+left unread), so a trainer checkpoint converts as it is. Writes safetensors shards, their index
+and config.json, loadable with ``transformers.AutoModelForCausalLM.from_pretrained(OUT)``.
+Parameters are written in ``--dtype`` (default float32); buffers keep the model's dtype for them
+(MoE ``expert_bias`` stays float32, as in published DeepSeek-V3 checkpoints). With
+``--hf_assets``, config.json takes its token ids from that folder's config.json. Tokenizer files
+are not copied. Runs in one process, without a process group, holding the whole model in CPU
+memory.
+
+Bad input (a missing folder, an unknown model or flavor, a checkpoint whose keys or shapes are
+not the flavor's, a flavor Hugging Face cannot express, an output folder that is not empty)
+ends with exit code 2 and a one-paragraph message on stderr.
+
+Usage:
+    python scripts/checkpoint_conversion/convert_to_hf.py --model llama3 --flavor 8B \\
+        --dcp ./outputs/checkpoint/step-1000 --out ./outputs/llama3_8b_hf [--dtype bfloat16]
+"""
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from torchtitan.components.hf_io import save_hf
+from torchtitan.config.manager import ConfigError
+from torchtitan.protocols.state_dict_adapter import (
+    HFConfigError,
+    StateDictMismatchError,
+    build_state_dict_adapter,
+    describe_mismatch,
+)
+from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.tools.dtypes import TORCH_DTYPES
+
+EXIT_BAD_INPUT = 2
+BAD_INPUT_ERRORS = (ConfigError, HFConfigError, StateDictMismatchError, FileNotFoundError, FileExistsError)
+MODEL_KEY = "model"
+
+
+def convert_to_hf(
+    model: str,
+    flavor: str,
+    dcp_dir: str | Path,
+    out: str | Path,
+    dtype: torch.dtype,
+    hf_assets: str | Path | None = None,
+) -> None:
+    """Load the model weights of the DCP in `dcp_dir` as `model`'s `flavor` and write them to
+    `out` as an HF checkpoint.
+
+    Raises:
+        ConfigError: unknown model or flavor.
+        HFConfigError: the flavor has no Hugging Face equivalent.
+        FileNotFoundError: `dcp_dir` is not a DCP checkpoint.
+        FileExistsError: `out` exists and is not empty.
+        StateDictMismatchError: the checkpoint's model keys or shapes are not the flavor's.
+    """
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output folder '{out}' is not empty; choose a new one")
+    adapter = build_state_dict_adapter(model, flavor, hf_assets)
+    config = adapter.hf_config(dtype)
+    template = get_train_spec(model).build_meta_model(adapter.model_args, dtype).state_dict()
+    expected = {key: tensor.shape for key, tensor in template.items()}
+    if mismatch := describe_mismatch(expected, _stored_model_shapes(dcp_dir)):
+        raise StateDictMismatchError(f"'{dcp_dir}' does not hold a {model} {flavor} model: {mismatch}")
+    state_dict = {key: torch.empty_like(tensor, device="cpu") for key, tensor in template.items()}
+    with warnings.catch_warnings():
+        # One process on purpose; DCP's warning that no process group is set says nothing new.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({MODEL_KEY: state_dict}, checkpoint_id=str(dcp_dir))
+    save_hf(adapter.to_hf(state_dict), config, out)
+
+
+def _stored_model_shapes(dcp_dir: str | Path) -> dict[str, torch.Size]:
+    """{FQN: shape} of the tensors the DCP in `dcp_dir` stores under the "model" key."""
+    if not (Path(dcp_dir) / ".metadata").is_file():
+        raise FileNotFoundError(f"'{dcp_dir}' is not a DCP checkpoint folder (it has no .metadata file)")
+    stored = FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    prefix = f"{MODEL_KEY}."
+    return {
+        key.removeprefix(prefix): meta.size
+        for key, meta in stored.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse the command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(description="Convert a DCP checkpoint to Hugging Face safetensors.")
+    parser.add_argument("--model", required=True, help="registered model name, e.g. llama3")
+    parser.add_argument("--flavor", required=True, help="the model's flavor, e.g. 8B")
+    parser.add_argument("--dcp", required=True, help="DCP checkpoint folder (model weights under 'model')")
+    parser.add_argument("--out", required=True, help="HF checkpoint folder to create")
+    parser.add_argument("--dtype", choices=list(TORCH_DTYPES), default="float32", help="parameter dtype")
+    parser.add_argument("--hf_assets", default=None, help="HF asset folder whose config.json has token ids")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 2 bad input)."""
+    args = parse_args(argv)
+    try:
+        convert_to_hf(args.model, args.flavor, args.dcp, args.out, TORCH_DTYPES[args.dtype], args.hf_assets)
+    except BAD_INPUT_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Distributed checkpoints on the CPU with gloo: exact resume, resharding, async save, crash
+safety, SIGTERM, seed checkpoints, keep_latest_k and exclude_from_loading."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import PROJECT_ROOT, read_metrics, run_trainer
+
+pytestmark = pytest.mark.integration
+
+BASE = ["--config", "debug_model.toml", "--training.seq_len", "64", "--training.steps", "10",
+        "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--training.global_batch_size", "8",
+        "--checkpoint.enable", "--checkpoint.interval", "5"]  # fmt: skip
+LAYOUTS = {
+    "1 process": (1, []),
+    "FSDP 2": (2, []),
+    "FSDP 2 x TP 2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
+}
+
+
+def _train(folder, layout="1 process", extra=(), env=None, expect=0):
+    nproc, layout_argv = LAYOUTS[layout]
+    local = ["--training.local_batch_size", str(8 // _dp(layout))]
+    argv = BASE + local + layout_argv + list(extra) + ["--job.dump_folder", str(folder)]
+    proc = run_trainer(argv, nproc=nproc, env=env)
+    assert proc.returncode == expect, proc.stderr[-3000:]
+    return proc
+
+
+def _dp(layout: str) -> int:
+    nproc, argv = LAYOUTS[layout]
+    return nproc // (2 if "--parallelism.tensor_parallel_degree" in argv else 1)
+
+
+def _losses(folder) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(folder)}
+
+
+def _steps(folder) -> list[str]:
+    return sorted(p.name for p in (folder / "checkpoint").iterdir())
+
+
+def _resume_from_step_5(source, target, layout="1 process", extra=()):
+    (target / "checkpoint").mkdir(parents=True)
+    shutil.copytree(source / "checkpoint" / "step-5", target / "checkpoint" / "step-5")
+    return _train(target, layout, extra)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    _train(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "layout, extra",
+    [("1 process", []), ("1 process", ["--checkpoint.async_mode", "async"]), ("FSDP 2 x TP 2", [])],
+    ids=["1 process", "1 process, async", "FSDP 2 x TP 2"],
+)
+def test_resume_from_step_5_repeats_steps_6_to_10_bit_for_bit(layout, extra, uninterrupted, tmp_path):
+    full = uninterrupted if layout == "1 process" and not extra else tmp_path / "full"
+    if full is not uninterrupted:
+        _train(full, layout, extra)
+    assert _steps(full) == ["step-10", "step-5"]
+    proc = _resume_from_step_5(full, tmp_path / "resumed", layout, extra)
+    assert "Resumed from checkpoint" in proc.stderr + proc.stdout
+    resumed, original = _losses(tmp_path / "resumed"), _losses(full)
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
+    assert all(resumed[s] == original[s] for s in resumed), (resumed, original)
+
+
+@pytest.fixture(scope="module")
+def saved_by_fsdp2_x_tp2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fsdp2_tp2")
+    _train(folder, "FSDP 2 x TP 2")
+    return folder
+
+
+@pytest.mark.parametrize("target", ["1 process", "FSDP 2"])
+def test_checkpoint_of_fsdp2_x_tp2_loads_into_another_layout(
+    target, saved_by_fsdp2_x_tp2, uninterrupted, tmp_path
+):
+    proc = _resume_from_step_5(saved_by_fsdp2_x_tp2, tmp_path, target)
+    assert "loaded model, optimizer, lr_scheduler, train_state, dataloader" in proc.stderr
+    got, want = _losses(tmp_path), _losses(uninterrupted)
+    assert sorted(got) == [6, 7, 8, 9, 10]
+    for step in got:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_in_use(uninterrupted, tmp_path):
+    crash = {**os.environ, "TORCHTITAN_TEST_CRASH_DURING_SAVE": "10"}
+    _train(tmp_path, extra=["--checkpoint.no_last_save_model_only"], env=crash, expect=17)
+    assert _steps(tmp_path) == ["step-10.partial", "step-5"]
+    proc = _train(tmp_path, extra=["--checkpoint.no_last_save_model_only"])
+    assert "Resumed from checkpoint" in proc.stderr and "step-5 (step 5)" in proc.stderr
+    assert _losses(tmp_path)[10] == _losses(uninterrupted)[10]
+    assert _steps(tmp_path) == ["step-10", "step-5"]
+
+
+def test_keep_latest_k_keeps_the_newest_complete_checkpoints(tmp_path):
+    _train(tmp_path, extra=["--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2"])
+    assert _steps(tmp_path) == ["step-10", "step-8"]
+
+
+def test_excluded_dataloader_restarts_the_data_but_keeps_the_weights(uninterrupted, tmp_path):
+    proc = _resume_from_step_5(
+        uninterrupted, tmp_path, extra=["--checkpoint.exclude_from_loading", "dataloader"]
+    )
+    assert "excluded dataloader" in proc.stderr
+    resumed, original = _losses(tmp_path), _losses(uninterrupted)
+    assert resumed[6] != original[6]  # step 6 now sees the first batch again
+
+
+def test_unknown_exclude_entry_is_refused_with_exit_code_2(tmp_path):
+    proc = run_trainer(
+        BASE + ["--checkpoint.exclude_from_loading", "optimiser", "--job.dump_folder", str(tmp_path)]
+    )
+    assert proc.returncode == 2
+    assert "'checkpoint.exclude_from_loading'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_load_step_without_that_checkpoint_is_refused(uninterrupted, tmp_path):
+    shutil.copytree(uninterrupted / "checkpoint", tmp_path / "checkpoint")
+    proc = run_trainer(BASE + ["--checkpoint.load_step", "7", "--job.dump_folder", str(tmp_path)])
+    assert proc.returncode == 2 and "'checkpoint.load_step' = 7" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
+    argv = BASE + [
+        "--training.steps",
+        "100000",
+        "--checkpoint.interval",
+        "100000",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "torchtitan.train", *argv], cwd=PROJECT_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.time() + 120
+    while not (tmp_path / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, output[-2000:]
+    stopped_at = max(_losses(tmp_path))
+    assert _steps(tmp_path) == [f"step-{stopped_at}"], output[-2000:]
+
+
+def test_seed_checkpoint_gives_any_layout_the_same_start(tmp_path):
+    seed = tmp_path / "seed"
+    seed_argv = ["--checkpoint.create_seed_checkpoint", "--training.seed", "1"]
+    run = run_trainer(BASE + seed_argv + ["--job.dump_folder", str(seed)])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert _steps(seed) == ["step-0"]
+    reference = tmp_path / "reference"
+    _train(reference, extra=["--training.seed", "1", "--training.steps", "2", "--checkpoint.no_enable"])
+    from_seed = tmp_path / "from_seed"
+    (from_seed / "checkpoint").mkdir(parents=True)
+    shutil.copytree(seed / "checkpoint" / "step-0", from_seed / "checkpoint" / "step-0")
+    _train(from_seed, "FSDP 2", ["--training.steps", "2"])  # seed 0, but the weights come from step-0
+    got, want = _losses(from_seed)[1], _losses(reference)[1]
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_last_save_in_hf_then_initial_load_in_hf_gives_the_dcp_weights(tmp_path):
+    """The final weights exported as HF safetensors and read back through `initial_load_in_hf`
+    train on like the same weights read from the DCP model-only save."""
+    five = ["--training.steps", "5"]
+    _train(tmp_path / "hf_export", extra=five + ["--checkpoint.last_save_in_hf"])
+    exported = tmp_path / "hf_export" / "checkpoint" / "step-5-hf"
+    assert (exported / "config.json").is_file() and (exported / "model.safetensors.index.json").is_file()
+    _train(tmp_path / "dcp_export", extra=five)
+    one = ["--training.steps", "1", "--checkpoint.folder", "fresh"]
+    _train(tmp_path / "from_hf", extra=one + ["--checkpoint.initial_load_path", str(exported),
+                                              "--checkpoint.initial_load_in_hf"])  # fmt: skip
+    dcp_model = tmp_path / "dcp_export" / "checkpoint" / "step-5"
+    _train(tmp_path / "from_dcp", extra=one + ["--checkpoint.initial_load_path", str(dcp_model)])
+    got, want = _losses(tmp_path / "from_hf")[1], _losses(tmp_path / "from_dcp")[1]
+    assert got == want, (got, want)
+    assert want < _losses(tmp_path / "dcp_export")[1]  # trained weights, not a fresh init

@@ -1,0 +1,414 @@
+"""Distributed checkpoints (`[checkpoint]`) with torch.distributed.checkpoint (DCP).
+
+A checkpoint is the folder `<dump_folder>/<checkpoint.folder>/step-N`, holding:
+
+    model        the model's state dict (FSDP/TP shards as DTensors; resharded on load)
+    optimizer    the optimizer's state dict, keyed by parameter FQN
+    lr_scheduler the scheduler's state dict
+    dataloader   each data-parallel rank's loader state, under `dp<rank>`
+    train_state  step, tokens seen, the data-parallel layout, and each rank's RNG states
+
+Pitfalls:
+    * Visibility is atomic: DCP writes into `step-N.partial`, and only once every rank has
+      finished does rank 0 rename it to `step-N`. A save that dies midway leaves a `.partial`
+      folder that resume ignores (and the next save of that step replaces).
+    * The checkpoint folder must be on storage every rank sees (a shared filesystem on clusters).
+    * A data position moves to another data-parallel layout only for packed (local) datasets,
+      whose position is global; a streaming dataset's position is refused across layouts.
+"""
+
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import ConfigError
+from torchtitan.tools.dtypes import TORCH_DTYPES
+
+logger = logging.getLogger(__name__)
+
+STEP_FOLDER = re.compile(r"^step-(\d+)$")
+PARTIAL_SUFFIX = ".partial"
+STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+# Test hook: a rank that reads this step from the environment dies after writing its shards and
+# before the checkpoint becomes visible, as a preempted or crashed save would.
+CRASH_DURING_SAVE_ENV = "TORCHTITAN_TEST_CRASH_DURING_SAVE"
+
+
+@dataclass
+class TrainState:
+    """What the trainer needs besides model, optimizer, scheduler and data to continue exactly."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    dp_degree: int = 1
+    local_batch_size: int = 1
+    rng: dict = field(default_factory=dict)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type != "cpu":
+        state["device"] = torch.get_device_module(device.type).get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "device" in state and device.type != "cpu":
+        torch.get_device_module(device.type).set_rng_state(state["device"], device)
+
+
+def _clean_fqn(name: str) -> str:
+    """A parameter or buffer name without the AC and compile wrappers' prefixes."""
+    return name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps with a complete (visible) checkpoint in `folder`, ascending."""
+    if not folder.is_dir():
+        return []
+    steps = [int(m.group(1)) for p in folder.iterdir() if p.is_dir() and (m := STEP_FOLDER.match(p.name))]
+    return sorted(steps)
+
+
+class CheckpointManager:
+    """Saves and resumes the training state under `[checkpoint]`.
+
+    Args:
+        job_config: the run's config.
+        model, optimizer, lr_scheduler: what the trainer built (parallelized model).
+        dataloader: the training `StatefulDataLoader`.
+        dp_rank, dp_degree: this rank's data-parallel index and the data-parallel size.
+        device: the training device (its RNG state is saved).
+        hf_adapter: the model's `StateDictAdapter` instance, for `initial_load_in_hf` and
+            `last_save_in_hf`; None when the model has none.
+    """
+
+    def __init__(self, job_config: JobConfig, model, optimizer, lr_scheduler, dataloader, *, dp_rank: int,
+                 dp_degree: int, device: torch.device, hf_adapter=None):  # fmt: skip
+        self.config = c = job_config.checkpoint
+        self.job_config = job_config
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.dataloader, self.dp_rank, self.dp_degree = dataloader, dp_rank, dp_degree
+        self.device, self.hf_adapter = device, hf_adapter
+        self.folder = Path(job_config.job.dump_folder) / c.folder
+        self.pending = None  # (future, partial folder, final folder) of an async save
+        self._check(job_config)
+        if c.async_mode != "disabled" and dist.is_initialized():
+            # Async saves coordinate on their own gloo group, off the training collectives.
+            self.async_group = dist.new_group(backend="gloo")
+        else:
+            self.async_group = None
+
+    def _check(self, job_config: JobConfig) -> None:
+        c = self.config
+        if c.async_mode == "async_with_pinned_mem" and self.device.type == "cpu":
+            raise ConfigError(
+                "'checkpoint.async_mode' = 'async_with_pinned_mem' stages through pinned host memory "
+                "for an accelerator, but this run is on the CPU; use 'async' or 'disabled'."
+            )
+        if c.enable and job_config.parallelism.expert_parallel_degree > 1:
+            raise ConfigError(
+                "'checkpoint.enable' with expert_parallel_degree > 1 is not supported yet: expert slices "
+                "are not saved as sharded tensors. Set parallelism.expert_parallel_degree = 1 or "
+                "checkpoint.enable = false."
+            )
+        if c.create_seed_checkpoint and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError(
+                "'checkpoint.create_seed_checkpoint' = true writes the initial weights from one process; "
+                "run it with NGPU=1 (no torchrun), then start the real run from that folder."
+            )
+        unknown = sorted(set(c.exclude_from_loading) - set(STATE_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"'checkpoint.exclude_from_loading' = {c.exclude_from_loading} names {unknown}, which a "
+                f"checkpoint does not hold; valid entries: {', '.join(STATE_KEYS)}."
+            )
+        if (c.initial_load_in_hf or c.last_save_in_hf) and self.hf_adapter is None:
+            raise ConfigError(
+                f"model '{job_config.model.name}' has no Hugging Face state-dict adapter, so "
+                "'checkpoint.initial_load_in_hf' and 'checkpoint.last_save_in_hf' cannot be used."
+            )
+        if c.initial_load_in_hf and not c.initial_load_path:
+            raise ConfigError(
+                "'checkpoint.initial_load_in_hf' = true needs 'checkpoint.initial_load_path', the folder "
+                "with the Hugging Face safetensors."
+            )
+
+    # ----- state ------------------------------------------------------------------------
+
+    def _model_state(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def _full_state(self, train_state: TrainState) -> dict:
+        return {
+            "model": self._model_state(),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "dataloader": {f"dp{self.dp_rank}": self.dataloader.state_dict()},
+            "train_state": {
+                "step": train_state.step,
+                "tokens_seen": train_state.tokens_seen,
+                "dp_degree": self.dp_degree,
+                "local_batch_size": self.job_config.training.local_batch_size,
+                "rng": {f"rank{_rank()}": _rng_state(self.device)},
+            },
+        }
+
+    # ----- saving -----------------------------------------------------------------------
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        c = self.config
+        if not c.enable:
+            return False
+        return step % c.interval == 0 or step == last_step or (step == 1 and c.enable_first_step_checkpoint)
+
+    def save(self, train_state: TrainState, *, last: bool = False, force_sync: bool = False) -> None:
+        """Save the state at `train_state.step`; the final save may be model-only or HF."""
+        c = self.config
+        self.wait()
+        step = train_state.step
+        if last and c.last_save_in_hf:
+            self._save_hf(self.folder / f"step-{step}-hf")
+            return
+        if last and c.last_save_model_only:
+            state = {"model": self._export_model_state()}
+        else:
+            state = self._full_state(train_state)
+        final = self.folder / f"step-{step}"
+        partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        if _rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        _barrier()
+        start = time.perf_counter()
+        if c.async_mode != "disabled" and not (last or force_sync):
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
+            self.pending = (future, partial, final, start)
+            return
+        dcp.save(state, checkpoint_id=str(partial))
+        self._publish(partial, final, start)
+
+    def save_seed(self) -> None:
+        """Write the freshly initialized weights as `step-0` (model only), for `create_seed_checkpoint`."""
+        final = self.folder / "step-0"
+        partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        shutil.rmtree(partial, ignore_errors=True)
+        start = time.perf_counter()
+        dcp.save({"model": self._model_state()}, checkpoint_id=str(partial))
+        self._publish(partial, final, start)
+
+    def _export_model_state(self) -> dict:
+        dtype = TORCH_DTYPES[self.config.export_dtype]
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in self._model_state().items()}
+
+    def wait(self) -> None:
+        """Finish a pending async save (and make it visible)."""
+        if self.pending is None:
+            return
+        future, partial, final, start = self.pending
+        self.pending = None
+        future.result()
+        self._publish(partial, final, start)
+
+    def _publish(self, partial: Path, final: Path, start: float) -> None:
+        crash_step = os.environ.get(CRASH_DURING_SAVE_ENV)
+        if crash_step is not None and final.name == f"step-{crash_step}":
+            os._exit(17)
+        _barrier()
+        if _rank() == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            partial.rename(final)
+            self._keep_latest()
+        _barrier()
+        logger.info(f"Saved checkpoint {final} in {time.perf_counter() - start:.1f}s")
+
+    def _keep_latest(self) -> None:
+        k = self.config.keep_latest_k
+        if k <= 0:
+            return
+        for step in complete_steps(self.folder)[:-k]:
+            shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
+
+    def _save_hf(self, folder: Path) -> None:
+        from torchtitan.components.hf_io import save_hf
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(self.model, options=options)
+        if _rank() == 0:
+            # Parameters in export_dtype; buffers (e.g. the fp32 expert bias) keep theirs.
+            dtype = TORCH_DTYPES[self.config.export_dtype]
+            buffers = {_clean_fqn(name) for name, _ in self.model.named_buffers()}
+            full = {k: v if k in buffers else v.to(dtype) for k, v in full.items()}
+            save_hf(self.hf_adapter.to_hf(full), self.hf_adapter.hf_config(dtype), folder)
+            logger.info(f"Saved the model as Hugging Face safetensors in {folder}")
+        _barrier()
+
+    # ----- loading ----------------------------------------------------------------------
+
+    def resume_step(self) -> int | None:
+        """The step to resume from: `load_step`, else the newest complete checkpoint that holds a
+        training state, else the newest model-only one (a seed checkpoint), else None.
+
+        A model-only final save (`last_save_model_only`) is an export: a later run resumes from
+        the full checkpoint before it rather than restarting from step 0 with its weights.
+        """
+        c = self.config
+        steps = complete_steps(self.folder)
+        if c.load_step >= 0:
+            if c.load_step not in steps:
+                raise ConfigError(
+                    f"'checkpoint.load_step' = {c.load_step} has no complete checkpoint in {self.folder} "
+                    f"(complete: {steps or 'none'}); choose one of those, or -1 for the newest."
+                )
+            return c.load_step
+        resumable = [s for s in steps if "train_state" in self._saved_keys(self.folder / f"step-{s}")]
+        if resumable:
+            return resumable[-1]
+        return steps[-1] if steps else None
+
+    @staticmethod
+    def _saved_keys(folder: Path) -> set[str]:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+        return {key.split(".")[0] for key in metadata.state_dict_metadata}
+
+    def load(self, train_state: TrainState) -> bool:
+        """Restore the newest checkpoint (or `initial_load_path`) in place; True when one was read."""
+        if not self.config.enable:
+            return False
+        step = self.resume_step()
+        if step is not None:
+            self._load_full(self.folder / f"step-{step}", train_state)
+            return True
+        if self.config.initial_load_path:
+            self._load_initial(Path(self.config.initial_load_path))
+            return True
+        return False
+
+    def _load_full(self, folder: Path, train_state: TrainState) -> None:
+        excluded = set(self.config.exclude_from_loading)
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+        saved = self._saved_keys(folder)
+        wanted = [k for k in STATE_KEYS if k not in excluded and k in saved]
+        if "model" not in saved:
+            raise ConfigError(f"checkpoint {folder} holds no model state; it cannot be resumed from.")
+        state = {}
+        if "model" in wanted:
+            state["model"] = self._model_state()
+        if "optimizer" in wanted:
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        if "lr_scheduler" in wanted:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        if "train_state" in wanted:
+            state["train_state"] = {"step": 0, "tokens_seen": 0, "dp_degree": 0, "local_batch_size": 0}
+            rng_key = f"train_state.rng.rank{_rank()}"
+            if any(k.startswith(rng_key) for k in metadata.state_dict_metadata):
+                state["train_state"]["rng"] = {f"rank{_rank()}": _rng_state(self.device)}
+        dcp.load(state, checkpoint_id=str(folder))
+        if "model" in state:
+            set_model_state_dict(self.model, state["model"])
+        if "optimizer" in state:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        if "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if "train_state" in state:
+            self._restore_train_state(state["train_state"], train_state)
+            if "dataloader" in wanted:
+                self._load_dataloader(folder, metadata, state["train_state"])
+        logger.info(
+            f"Resumed from checkpoint {folder} (step {train_state.step}); loaded {', '.join(state)}"
+            + (", dataloader" if "dataloader" in wanted and "train_state" in state else "")
+            + (f"; excluded {', '.join(sorted(excluded))}" if excluded else "")
+        )
+
+    def _restore_train_state(self, saved: dict, train_state: TrainState) -> None:
+        train_state.step = int(saved["step"])
+        train_state.tokens_seen = int(saved["tokens_seen"])
+        rng = saved.get("rng", {}).get(f"rank{_rank()}")
+        if rng is not None and int(saved["dp_degree"]) == self.dp_degree:
+            _set_rng_state(rng, self.device)
+
+    def _load_dataloader(self, folder: Path, metadata, saved_train_state: dict) -> None:
+        saved_dp, saved_batch = (
+            int(saved_train_state["dp_degree"]),
+            int(saved_train_state["local_batch_size"]),
+        )
+        if saved_dp == self.dp_degree:
+            state = {"dataloader": {f"dp{self.dp_rank}": self.dataloader.state_dict()}}
+            dcp.load(state, checkpoint_id=str(folder))
+            self.dataloader.load_state_dict(state["dataloader"][f"dp{self.dp_rank}"])
+            return
+        dataset = self.dataloader.dataset
+        if not hasattr(dataset, "sample_index"):
+            raise ConfigError(
+                f"checkpoint {folder} was saved with data-parallel degree {saved_dp} and this run has "
+                f"{self.dp_degree}: a streaming dataset's position cannot move between layouts. Add "
+                "'dataloader' to checkpoint.exclude_from_loading to restart the data stream."
+            )
+        state = {"dataloader": {"dp0": self.dataloader.state_dict()}}
+        dcp.load(state, checkpoint_id=str(folder))
+        loader_state = state["dataloader"]["dp0"]
+        # Packed datasets deal global batches: the number consumed is layout-independent, and
+        # this rank's position follows from it. (The loader applies the dataset state when
+        # its iterator is created, so the state itself is rewritten.)
+        global_batches = loader_state["dataset_state"]["sample_index"] // saved_batch
+        loader_state["dataset_state"]["sample_index"] = (
+            global_batches * self.job_config.training.local_batch_size
+        )
+        self.dataloader.load_state_dict(loader_state)
+        logger.info(
+            f"Data position moved from data-parallel degree {saved_dp} to {self.dp_degree}: "
+            f"{global_batches} global batches consumed"
+        )
+
+    def _load_initial(self, path: Path) -> None:
+        c = self.config
+        if not path.exists():
+            raise ConfigError(f"'checkpoint.initial_load_path' = '{path}' does not exist.")
+        if c.initial_load_in_hf:
+            from torchtitan.components.hf_io import load_hf
+
+            hf_state = load_hf(path)
+            model_state = self.hf_adapter.from_hf(hf_state)
+            set_model_state_dict(
+                self.model,
+                model_state,
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False),
+            )
+            logger.info(f"Initialized the model from Hugging Face safetensors in {path}")
+            return
+        state = {"model": self._model_state()}
+        if not c.initial_load_model_only:
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(self.model, state["model"])
+        if "optimizer" in state:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        logger.info(f"Initialized the model from checkpoint {path}")
+
+    def close(self) -> None:
+        self.wait()

@@ -1,0 +1,101 @@
+"""DeepSeek-V3 <-> Hugging Face ``DeepseekV3ForCausalLM`` (model_type "deepseek_v3")."""
+
+import torch
+
+from torchtitan.models.llama3.state_dict_adapter import DECODER_KEY_MAP
+from torchtitan.models.qwen3.state_dict_adapter import ROUTED_MOE_KEY_MAP
+from torchtitan.protocols.state_dict_adapter import HFConfigError, StateDictAdapter, split_indices
+
+# Multi-head latent attention; the query bottleneck keys (wq_a, q_norm, wq_b) replace wq when
+# q_lora_rank > 0.
+MLA_KEY_MAP = {
+    "layers.{}.attention.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "layers.{}.attention.wq_a.weight": "model.layers.{}.self_attn.q_a_proj.weight",
+    "layers.{}.attention.q_norm.weight": "model.layers.{}.self_attn.q_a_layernorm.weight",
+    "layers.{}.attention.wq_b.weight": "model.layers.{}.self_attn.q_b_proj.weight",
+    "layers.{}.attention.wkv_a.weight": "model.layers.{}.self_attn.kv_a_proj_with_mqa.weight",
+    "layers.{}.attention.kv_norm.weight": "model.layers.{}.self_attn.kv_a_layernorm.weight",
+    "layers.{}.attention.wkv_b.weight": "model.layers.{}.self_attn.kv_b_proj.weight",
+    "layers.{}.attention.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
+}
+SHARED_EXPERTS_KEY_MAP = {
+    "layers.{}.moe.expert_bias": "model.layers.{}.mlp.gate.e_score_correction_bias",
+    "layers.{}.moe.shared_experts.w1.weight": "model.layers.{}.mlp.shared_experts.gate_proj.weight",
+    "layers.{}.moe.shared_experts.w2.weight": "model.layers.{}.mlp.shared_experts.down_proj.weight",
+    "layers.{}.moe.shared_experts.w3.weight": "model.layers.{}.mlp.shared_experts.up_proj.weight",
+}
+# HF builds the latent norms (q_a_layernorm, kv_a_layernorm) with this eps, whatever rms_norm_eps.
+_HF_LATENT_NORM_EPS = 1e-6
+
+
+class DeepSeekV3StateDictAdapter(StateDictAdapter):
+    """DeepSeek-V3 <-> ``DeepseekV3ForCausalLM``.
+
+    RoPE: no permutation. DeepSeek's published weights keep the rotary parts of q and of the
+    shared key (the last ``qk_rope_head_dim`` rows of each q head, and of ``kv_a_proj_with_mqa``)
+    in interleaved pairs, as ours do, and the config's ``rope_interleave = true`` makes
+    transformers rotate those pairs.
+
+    MoE: routed experts per `ROUTED_MOE_KEY_MAP`, the router as ``mlp.gate.weight``, the expert
+    bias as ``mlp.gate.e_score_correction_bias`` (fp32 in both), shared experts as
+    ``mlp.shared_experts.*``. The MoE's ``tokens_per_expert`` counts are not persistent, so never
+    in a state dict.
+
+    `from_hf` skips the multi-token-prediction module that published checkpoints store as the
+    layers past ``num_hidden_layers``: it is not built here.
+    """
+
+    key_map = {**DECODER_KEY_MAP, **MLA_KEY_MAP, **ROUTED_MOE_KEY_MAP, **SHARED_EXPERTS_KEY_MAP}
+
+    def ignores_hf_key(self, hf_key: str) -> bool:
+        template, indices = split_indices(hf_key)
+        is_mtp = template.startswith("model.layers.{}.") and indices[0] >= self.model_args.n_layers
+        return is_mtp or super().ignores_hf_key(hf_key)
+
+    def hf_config(self, dtype: torch.dtype = torch.float32) -> dict:
+        a = self.model_args
+        self._check_expressible()
+        m = a.moe_args
+        # Without node-limited routing, one group holding every expert selects the same experts.
+        groups, limited = (m.num_expert_groups, m.num_limited_groups) if m.num_expert_groups else (1, 1)
+        return {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            **self.base_hf_config(dtype),
+            "num_key_value_heads": a.n_heads,
+            "intermediate_size": a.inter_dim,
+            "first_k_dense_replace": a.n_dense_layers,
+            "q_lora_rank": a.q_lora_rank or None,
+            "kv_lora_rank": a.kv_lora_rank,
+            "qk_nope_head_dim": a.qk_nope_head_dim,
+            "qk_rope_head_dim": a.qk_rope_head_dim,
+            "v_head_dim": a.v_head_dim,
+            "rope_interleave": True,
+            "moe_intermediate_size": a.moe_inter_dim,
+            "n_routed_experts": m.num_experts,
+            "n_shared_experts": m.num_shared_experts,
+            "num_experts_per_tok": m.top_k,
+            "norm_topk_prob": m.route_norm,
+            "routed_scaling_factor": m.route_scale,
+            "n_group": groups,
+            "topk_group": limited,
+            # Read by DeepSeek's own and other inference code; transformers implies them.
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "num_nextn_predict_layers": 0,
+        }
+
+    def _check_expressible(self) -> None:
+        """Raise HFConfigError for args ``DeepseekV3ForCausalLM`` computes differently."""
+        a, m = self.model_args, self.model_args.moe_args
+        experts_per_group = m.num_experts // (m.num_expert_groups or 1)
+        problems = {
+            f"score_func = '{m.score_func}' (HF scores experts by sigmoid)": m.score_func != "sigmoid",
+            "num_shared_experts = 0 (HF always has shared experts)": m.num_shared_experts == 0,
+            f"{experts_per_group} expert per group (HF ranks groups by their top 2)": experts_per_group < 2,
+            f"norm_eps = {a.norm_eps} (HF's latent norms use {_HF_LATENT_NORM_EPS})": (
+                a.norm_eps != _HF_LATENT_NORM_EPS
+            ),
+        }
+        if bad := [problem for problem, is_bad in problems.items() if is_bad]:
+            raise HFConfigError(f"Hugging Face DeepSeek-V3 cannot express {'; '.join(bad)}")

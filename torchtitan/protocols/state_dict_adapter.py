@@ -1,0 +1,250 @@
+"""StateDictAdapter: a model's state dict to and from its Hugging Face transformers checkpoint.
+
+Our keys are the model's plain `state_dict()` FQNs (``layers.0.attention.wq.weight``); HF keys and
+layouts are the ones transformers' ``save_pretrained`` writes for the architecture in
+`StateDictAdapter.hf_config` (``model.layers.0.self_attn.q_proj.weight``), i.e. the layout
+published checkpoints use, which transformers 4.x and 5.x both load.
+"""
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from torchtitan.config.manager import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Token ids copied from the HF repo's config.json (see `StateDictAdapter.hf_config`).
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# Derived buffers some older HF checkpoints still store; nothing of ours corresponds to them.
+_DERIVED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class StateDictMismatchError(ValueError):
+    """Keys (or shapes) that do not match between a checkpoint and the model it is meant for."""
+
+
+class HFConfigError(ValueError):
+    """Model args that the Hugging Face architecture cannot express (so cannot be exported)."""
+
+
+class StateDictAdapter(ABC):
+    """Converts one model flavor's state dict to and from the Hugging Face transformers layout.
+
+    The conversion is driven by two class attributes that subclasses set:
+
+    * ``key_map``: our key template -> HF key template, where ``{}`` stands for each integer
+      path component (layer index). An HF template with one more ``{}`` than ours names one
+      slice of a stacked tensor: our tensor is the stack, along dim 0, over that last index
+      (MoE experts: [num_experts, ...] here, one ``mlp.experts.{e}.*`` tensor each in HF).
+    * ``rope_permuted``: our templates whose dim 0 is made of rotary heads of width
+      `rope_head_dim` in our interleaved-pair layout that HF keeps half-split; they are permuted
+      per head (`interleaved_to_half_split`).
+
+    Args:
+        model_args: the flavor's args.
+        hf_assets_path: the HF repo's asset folder; when it holds a config.json, `hf_config`
+            copies its token ids (bos/eos/pad) so that generation stops where the tokenizer says.
+
+    Pitfalls: tensors must be full (unsharded: gather DTensors first), since the RoPE
+    permutation and the expert split reshape whole tensors; dtypes and devices are kept as given;
+    `to_hf` may return views of its input (one per stacked expert), which
+    `torchtitan.components.hf_io.save_hf` copies before writing.
+    """
+
+    key_map: Mapping[str, str] = {}
+    rope_permuted: frozenset[str] = frozenset()
+
+    def __init__(self, model_args, hf_assets_path: str | Path | None = None):
+        self.model_args = model_args
+        self.hf_assets_path = hf_assets_path
+        self._from_hf_map = {hf: ours for ours, hf in self.key_map.items()}
+        self._stacked = {ours for ours, hf in self.key_map.items() if hf.count("{}") == ours.count("{}") + 1}
+
+    @property
+    def rope_head_dim(self) -> int:
+        """Width of one rotary head in the `rope_permuted` tensors."""
+        raise NotImplementedError(f"{type(self).__name__} permutes no rotary weights")
+
+    @abstractmethod
+    def hf_config(self, dtype: torch.dtype = torch.float32) -> dict:
+        """The transformers ``config.json`` content of this flavor, its weights stored in `dtype`.
+
+        Raises:
+            HFConfigError: for args the HF architecture cannot express (the message says which).
+        """
+
+    def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our state dict -> HF keys and layouts.
+
+        Raises:
+            StateDictMismatchError: naming the first keys that have no HF counterpart.
+        """
+        hf, unknown = {}, []
+        for key, tensor in state_dict.items():
+            template, indices = split_indices(key)
+            hf_template = self.key_map.get(template)
+            if hf_template is None:
+                unknown.append(key)
+            elif template in self._stacked:
+                for expert, piece in enumerate(tensor.unbind(0)):
+                    hf[hf_template.format(*indices, expert)] = piece
+            else:
+                if template in self.rope_permuted:
+                    tensor = interleaved_to_half_split(tensor, self.rope_head_dim)
+                hf[hf_template.format(*indices)] = tensor
+        if unknown:
+            raise StateDictMismatchError(f"keys with no Hugging Face counterpart: {name_few(unknown)}")
+        return hf
+
+    def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF keys and layouts -> our state dict; the inverse of `to_hf`.
+
+        Keys that `ignores_hf_key` accepts are skipped. Missing keys are not detected here:
+        compare the result with the model's state dict (`describe_mismatch`).
+
+        Raises:
+            StateDictMismatchError: naming the first HF keys this adapter does not know, or a
+                stacked tensor with a gap in its slices.
+        """
+        ours, stacks, unknown = {}, defaultdict(dict), []
+        for hf_key, tensor in hf_state_dict.items():
+            if self.ignores_hf_key(hf_key):
+                continue
+            hf_template, indices = split_indices(hf_key)
+            template = self._from_hf_map.get(hf_template)
+            if template is None:
+                unknown.append(hf_key)
+            elif template in self._stacked:
+                *outer, expert = indices
+                stacks[template.format(*outer)][expert] = tensor
+            else:
+                if template in self.rope_permuted:
+                    tensor = half_split_to_interleaved(tensor, self.rope_head_dim)
+                ours[template.format(*indices)] = tensor
+        if unknown:
+            raise StateDictMismatchError(f"Hugging Face keys this model does not have: {name_few(unknown)}")
+        for key, pieces in stacks.items():
+            ours[key] = _stack_in_order(key, pieces)
+        return ours
+
+    def ignores_hf_key(self, hf_key: str) -> bool:
+        """Whether `from_hf` skips `hf_key`: derived buffers, and ``lm_head.weight`` of a tied
+        model (some tied checkpoints store it; our logits reuse the embedding)."""
+        if hf_key.endswith(_DERIVED_HF_SUFFIXES):
+            return True
+        return hf_key == "lm_head.weight" and self.model_args.tie_word_embeddings
+
+    def base_hf_config(self, dtype: torch.dtype) -> dict:
+        """The config fields every decoder here shares (same arg names in every model's args),
+        plus the token ids of `hf_assets_path`'s config.json.
+
+        Raises:
+            HFConfigError: for a mask type inference cannot reproduce. ``block_causal`` exports as
+                causal: it only keeps packed training documents apart.
+        """
+        a = self.model_args
+        if a.attn_mask_type not in ("causal", "block_causal"):
+            raise HFConfigError(
+                f"attn_mask_type '{a.attn_mask_type}' has no Hugging Face config equivalent here; "
+                "only causal (and block_causal, exported as causal) models can be exported."
+            )
+        return {
+            "vocab_size": a.vocab_size,
+            "hidden_size": a.dim,
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta,
+            "max_position_embeddings": a.max_seq_len,
+            "tie_word_embeddings": a.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "initializer_range": 0.02,
+            # "torch_dtype" rather than transformers 5's "dtype": what Hub configs carry and
+            # every reader (transformers 4 and 5, vLLM) understands.
+            "torch_dtype": str(dtype).removeprefix("torch."),
+            **self._token_ids_from_assets(),
+        }
+
+    def _token_ids_from_assets(self) -> dict:
+        if self.hf_assets_path is None:
+            return {}
+        config_file = Path(self.hf_assets_path) / "config.json"
+        if not config_file.is_file():
+            return {}
+        hf_config = json.loads(config_file.read_text())
+        return {key: hf_config[key] for key in _TOKEN_ID_KEYS if key in hf_config}
+
+
+def split_indices(key: str) -> tuple[str, tuple[int, ...]]:
+    """``"layers.3.moe.experts.w1"`` -> (``"layers.{}.moe.experts.w1"``, (3,)): every integer
+    path component becomes ``{}``."""
+    parts = key.split(".")
+    indices = tuple(int(part) for part in parts if part.isdigit())
+    return ".".join("{}" if part.isdigit() else part for part in parts), indices
+
+
+def interleaved_to_half_split(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Reorder dim 0 of `weight`, a stack of heads of `head_dim` rows, from our interleaved
+    rotary pairs (2i, 2i+1) to HF's half-split pairs (i, i + head_dim/2).
+
+    The rows of a q/k projection (or the entries of a per-head q/k norm) that make pair i move
+    together, so attention scores, which are sums over all pairs, stay the same.
+    """
+    return weight.unflatten(0, (-1, head_dim // 2, 2)).transpose(1, 2).flatten(0, 2)
+
+
+def half_split_to_interleaved(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The inverse of `interleaved_to_half_split`."""
+    return weight.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2)
+
+
+def _stack_in_order(key: str, pieces: dict[int, torch.Tensor]) -> torch.Tensor:
+    missing = sorted(set(range(max(pieces) + 1)) - set(pieces))
+    if missing:
+        raise StateDictMismatchError(f"'{key}' lacks the slices (experts) {name_few(missing)}")
+    return torch.stack([pieces[i] for i in range(len(pieces))])
+
+
+def name_few(items, limit: int = 5) -> str:
+    """The first `limit` of `items`, comma-separated, with a count of the rest."""
+    items = list(items)
+    shown = ", ".join(str(item) for item in items[:limit])
+    return shown + (f" (and {len(items) - limit} more)" if len(items) > limit else "")
+
+
+def describe_mismatch(expected: Mapping[str, torch.Size], actual: Mapping[str, torch.Size]) -> str | None:
+    """What differs between two {key: shape} maps, in one sentence naming the first few keys;
+    None when they match."""
+    problems = []
+    if missing := [key for key in expected if key not in actual]:
+        problems.append(f"missing keys: {name_few(missing)}")
+    if unexpected := [key for key in actual if key not in expected]:
+        problems.append(f"unexpected keys: {name_few(unexpected)}")
+    if wrong := [key for key in expected if key in actual and tuple(expected[key]) != tuple(actual[key])]:
+        shapes = [f"{key} {tuple(actual[key])} (want {tuple(expected[key])})" for key in wrong]
+        problems.append(f"wrong shapes: {name_few(shapes)}")
+    return "; ".join(problems) or None
+
+
+def build_state_dict_adapter(
+    model_name: str, flavor: str, hf_assets_path: str | Path | None = None
+) -> StateDictAdapter:
+    """The adapter of `model_name`'s TrainSpec for `flavor`.
+
+    Raises:
+        ConfigError: for an unknown model or flavor, or a model without an adapter.
+    """
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    spec = get_train_spec(model_name)
+    args = spec.get_flavor(flavor)
+    if spec.state_dict_adapter is None:
+        raise ConfigError(f"model '{model_name}' has no Hugging Face state-dict adapter")
+    return spec.state_dict_adapter(args, hf_assets_path)
