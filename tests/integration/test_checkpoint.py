@@ -59,11 +59,15 @@ def uninterrupted(tmp_path_factory):
     return folder
 
 
+ASYNC = ["--checkpoint.async_mode", "async"]
+
+
 @pytest.mark.parametrize(
     "layout, extra",
-    [("1 process", []), ("1 process", ["--checkpoint.async_mode", "async"]), ("FSDP 2 x TP 2", [])],
-    ids=["1 process", "1 process, async", "FSDP 2 x TP 2"],
-)
+    [("1 process", []), ("1 process", ASYNC), ("FSDP 2 x TP 2", []),
+     pytest.param("FSDP 2 x TP 2", ASYNC, marks=pytest.mark.full_matrix)],
+    ids=["1 process", "1 process, async", "FSDP 2 x TP 2", "FSDP 2 x TP 2, async"],
+)  # fmt: skip
 def test_resume_from_step_5_repeats_steps_6_to_10_bit_for_bit(layout, extra, uninterrupted, tmp_path):
     full = uninterrupted if layout == "1 process" and not extra else tmp_path / "full"
     if full is not uninterrupted:

@@ -55,7 +55,7 @@ DEFAULT_CASES = {
     ("qwen3 moe", "EP 2"): {"none", "full", "full replay", "selective op"},
     ("qwen3 moe", "FSDP 4, EP 2"): {"selective op"},
     ("qwen3 moe", "HSDP 2 x 2, EP 2"): {"full"},
-    ("deepseek_v3", "EP 2"): {"none", "full", "selective op"},
+    ("deepseek_v3", "EP 2"): {"full"},
     ("deepseek_v3", "FSDP 4, EP 2"): {"full replay"},
 }
 
