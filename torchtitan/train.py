@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.components.dataloader import build_validation_dataloader
 from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.profiling import MemorySnapshotter, maybe_profile
 from torchtitan.components.training_step import (
     autocast_context,
     forward_backward,
@@ -59,6 +60,8 @@ class Trainer:
             ep=p.expert_parallel_degree,
         )
         self.parallel_dims.build_mesh(self.device.type)
+        # Before anything is allocated, so that the snapshots see every allocation.
+        self.memory_snapshotter = MemorySnapshotter(cfg, self.rank, self.device)
         dist_utils.set_determinism(cfg.training.seed, cfg.training.deterministic)
         self._write_resolved_config()
 
@@ -216,6 +219,16 @@ class Trainer:
             f"{cfg.training.local_batch_size * self.parallel_dims.dp_degree * self.accum_steps} x "
             f"{cfg.training.seq_len} tokens, {self.accum_steps} micro-batch(es) per step"
         )
+        try:
+            with maybe_profile(cfg, self.rank, self.step) as profiler:
+                self._train_steps(data_iter, started, profiler)
+        except torch.OutOfMemoryError:
+            self.memory_snapshotter.on_oom()
+            raise
+        logger.info(f"Training finished after {self.step} steps in {time.perf_counter() - started:.1f}s")
+
+    def _train_steps(self, data_iter, started: float, profiler) -> None:
+        cfg = self.job_config
         while self.step < cfg.training.steps:
             if self._stop_agreed():
                 if cfg.checkpoint.enable:
@@ -235,7 +248,8 @@ class Trainer:
             self.train_state.step = self.step
             if self.checkpointer.should_save(self.step, cfg.training.steps):
                 self.checkpointer.save(self.train_state, last=self.step == cfg.training.steps)
-        logger.info(f"Training finished after {self.step} steps in {time.perf_counter() - started:.1f}s")
+            profiler.step()
+            self.memory_snapshotter.after_step(self.step)
 
     def _stop_agreed(self) -> bool:
         """Whether to stop now. With checkpointing every rank must stop at the same step to save

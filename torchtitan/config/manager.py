@@ -25,7 +25,6 @@ DEFAULT_CONFIG = "debug_model.toml"
 
 # Keys whose feature is not built yet: any value other than the default stops the run.
 NOT_BUILT_YET = {
-    "profiling": "profiling",
     "parallelism.context_parallel_degree": "context parallelism",
     "parallelism.pipeline_parallel_degree": "pipeline parallelism",
 }
