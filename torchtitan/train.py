@@ -246,6 +246,7 @@ class Trainer:
             if self.validator and (self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps):
                 self._validate()
             self.train_state.step = self.step
+            self.train_state.tokens_seen += self.tokens_per_device_per_step * self.parallel_dims.world_size
             if self.checkpointer.should_save(self.step, cfg.training.steps):
                 self.checkpointer.save(self.train_state, last=self.step == cfg.training.steps)
             profiler.step()
