@@ -43,3 +43,17 @@ def test_profile_window_longer_than_the_frequency_is_refused(tmp_path):
 def test_memory_snapshot_without_cuda_is_refused(tmp_path):
     proc = run_trainer(SHORT + ["--profiling.enable_memory_snapshot", "--job.dump_folder", str(tmp_path)])
     assert proc.returncode == 2 and "'profiling.enable_memory_snapshot'" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_wandb_offline_run_records_every_logged_loss(tmp_path):
+    """Weights & Biases without network: WANDB_MODE=offline writes the run under the dump folder;
+    its record file holds each logged loss (as the JSON text wandb stores values in)."""
+    pytest.importorskip("wandb")
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    argv = SHORT + ["--training.steps", "3", "--metrics.enable_wandb", "--job.dump_folder", str(tmp_path)]
+    proc = run_trainer(argv, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (record_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    data = record_file.read_bytes()
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 3 and all(json.dumps(loss).encode() in data for loss in losses)
