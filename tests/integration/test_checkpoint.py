@@ -59,6 +59,13 @@ def uninterrupted(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def saved_by_fsdp2_x_tp2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fsdp2_tp2")
+    _train(folder, "FSDP 2 x TP 2")
+    return folder
+
+
 ASYNC = ["--checkpoint.async_mode", "async"]
 
 
@@ -68,9 +75,13 @@ ASYNC = ["--checkpoint.async_mode", "async"]
      pytest.param("FSDP 2 x TP 2", ASYNC, marks=pytest.mark.full_matrix)],
     ids=["1 process", "1 process, async", "FSDP 2 x TP 2", "FSDP 2 x TP 2, async"],
 )  # fmt: skip
-def test_resume_from_step_5_repeats_steps_6_to_10_bit_for_bit(layout, extra, uninterrupted, tmp_path):
-    full = uninterrupted if layout == "1 process" and not extra else tmp_path / "full"
-    if full is not uninterrupted:
+def test_resume_from_step_5_repeats_steps_6_to_10_bit_for_bit(
+    layout, extra, uninterrupted, saved_by_fsdp2_x_tp2, tmp_path
+):
+    reused = {("1 process", ()): uninterrupted, ("FSDP 2 x TP 2", ()): saved_by_fsdp2_x_tp2}
+    full = reused.get((layout, tuple(extra)))
+    if full is None:
+        full = tmp_path / "full"
         _train(full, layout, extra)
     assert _steps(full) == ["step-10", "step-5"]
     proc = _resume_from_step_5(full, tmp_path / "resumed", layout, extra)
@@ -78,13 +89,6 @@ def test_resume_from_step_5_repeats_steps_6_to_10_bit_for_bit(layout, extra, uni
     resumed, original = _losses(tmp_path / "resumed"), _losses(full)
     assert sorted(resumed) == [6, 7, 8, 9, 10]
     assert all(resumed[s] == original[s] for s in resumed), (resumed, original)
-
-
-@pytest.fixture(scope="module")
-def saved_by_fsdp2_x_tp2(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("fsdp2_tp2")
-    _train(folder, "FSDP 2 x TP 2")
-    return folder
 
 
 @pytest.mark.parametrize("target", ["1 process", "FSDP 2"])
