@@ -15,10 +15,10 @@ from torchtitan.models.moe import (
     MoE,
     MoEArgs,
     TokenChoiceTopKRouter,
-    grouped_mm_supported,
     pop_aux_loss,
     update_expert_bias,
 )
+from torchtitan.tools.grouped_mm import grouped_mm_supported
 
 DIM, HIDDEN = 16, 32
 OP_SAC = ActivationCheckpoint(mode="selective", selective_ac_option="op")

@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.models.moe import probe_grouped_mm_for_compile
 from torchtitan.tools.dtypes import TORCH_DTYPES
+from torchtitan.tools.grouped_mm import probe_grouped_mm_for_compile
 
 logger = logging.getLogger(__name__)
 
