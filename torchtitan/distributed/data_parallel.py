@@ -26,8 +26,8 @@ def _reshard_policy(setting: str) -> tuple[bool, bool]:
 def data_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     """The mesh FSDP shards over: 1-D dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP."""
     if parallel_dims.dp_replicate > 1:
-        return parallel_dims.mesh["dp_replicate", "dp_shard"]
-    return parallel_dims.mesh["dp_shard"]
+        return parallel_dims.submesh("hsdp")
+    return parallel_dims.submesh("dp_shard")
 
 
 def apply_fsdp(
@@ -81,7 +81,7 @@ def apply_ddp(model: nn.Module, parallel_dims: ParallelDims) -> None:
 
     DDP has no mixed-precision policy: the trainer autocasts instead.
     """
-    replicate(model, device_mesh=parallel_dims.mesh["dp_replicate"], bucket_cap_mb=100)
+    replicate(model, device_mesh=parallel_dims.submesh("dp_replicate"), bucket_cap_mb=100)
 
 
 def apply_data_parallel(

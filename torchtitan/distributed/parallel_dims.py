@@ -36,6 +36,9 @@ class ParallelDims:
     world_size: int
     ep: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False)
+    # Flattened and combined meshes, kept here because slicing them out of the root mesh by
+    # name is deprecated (and warns) since torch 2.11.
+    _derived: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.dp_shard == -1:
@@ -90,22 +93,32 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard // self.ep
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """Create the named mesh (None for a single process) and flatten "dp"."""
+        """Create the named mesh (None for a single process) and its flattened "dp"."""
         if self.world_size == 1:
             return None
         if self.ep_enabled:
             shape = (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
             mesh = init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_DIMS)
-            mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
-            mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
+            dp_shard = mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+            self._derived["dp_shard"] = dp_shard
+            self._derived["dp"] = mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
             if self.dp_replicate > 1:
-                mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_dp")
+                self._derived["expert_dp"] = mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_dp")
+                self._derived["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], dp_shard])
         else:
             shape = (self.dp_replicate, self.dp_shard, self.tp)
             mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-            mesh["dp_replicate", "dp_shard"]._flatten("dp")
+            self._derived["dp"] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+            self._derived["hsdp"] = mesh["dp_replicate", "dp_shard"]
         self._mesh = mesh
         return mesh
+
+    def submesh(self, name: str) -> DeviceMesh:
+        """The 1-D mesh of one dim ("dp_replicate", "dp_shard", "tp", "ep", ...) or of a
+        flattened one ("dp", "expert_dp"); "hsdp" is the 2-D (dp_replicate, dp_shard) mesh."""
+        if name in self._derived:
+            return self._derived[name]
+        return self.mesh[name]
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -122,13 +135,13 @@ class ParallelDims:
         runs different FSDP hooks in forward and in recompute, which selective AC refuses.)
         """
         if self.dp_replicate > 1:
-            return self.mesh["expert_dp"]
-        return self.mesh["dp_shard_mod_ep"]
+            return self.submesh("expert_dp")
+        return self.submesh("dp_shard_mod_ep")
 
     def dp_group(self):
         """The process group of ranks that see different data; None for one process."""
-        return None if self._mesh is None else self._mesh["dp"].get_group()
+        return None if self._mesh is None else self.submesh("dp").get_group()
 
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (0 without a mesh)."""
-        return 0 if self._mesh is None else self._mesh["dp"].get_local_rank()
+        return 0 if self._mesh is None else self.submesh("dp").get_local_rank()

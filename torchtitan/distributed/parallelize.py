@@ -64,11 +64,11 @@ def parallelize_decoder(
             )
         check_tp_divisibility(parallel_dims, job_config, args.n_heads, args.kv_heads)
         _check_expert_tp(model, parallel_dims, job_config)
-        apply_tp(model, parallel_dims.mesh["tp"], loss_parallel_enabled(parallel_dims, job_config))
+        apply_tp(model, parallel_dims.submesh("tp"), loss_parallel_enabled(parallel_dims, job_config))
     experts = []
     if job_config.parallelism.expert_parallel_degree > 1:
         check_ep_supported(model, parallel_dims, job_config)
-        experts = apply_expert_parallel(model, parallel_dims.mesh["ep"].get_group())
+        experts = apply_expert_parallel(model, parallel_dims.submesh("ep").get_group())
         _log_expert_layout(model, parallel_dims)
     apply_ac(
         model,

@@ -71,7 +71,7 @@ def maybe_enable_async_tp(parallel_dims: ParallelDims, job_config: JobConfig, de
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(parallel_dims.mesh["tp"].get_group().group_name)
+    enable_symm_mem_for_group(parallel_dims.submesh("tp").get_group().group_name)
 
 
 def sum_grad_over_tp(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
