@@ -38,7 +38,9 @@ def init_distributed(device: torch.device, timeout_seconds: int, trace_buf_size:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         return 1
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(trace_buf_size))
+    # TORCH_NCCL_TRACE_BUFFER_SIZE is the deprecated spelling; a user's setting of either wins.
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
     dist.init_process_group(
         backend=backend_for(device.type),
         timeout=datetime.timedelta(seconds=timeout_seconds),
