@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.components.dataloader import build_validation_dataloader
@@ -271,6 +272,7 @@ class Trainer:
         gc.enable()
 
 
+@record
 def main(argv: list[str] | None = None) -> None:
     """Parse the config and train; always clean up (writers, process group).
 
