@@ -1,9 +1,10 @@
 """What only a CUDA GPU can check: flex_attention's compiled BlockMask path against the exact
 dense path, the bf16 grouped-matmul experts against the loop, the GPU attention kernel under
-op-SAC, and a short bf16 training run. Marked `gpu`; skipped without CUDA. `scripts/gpu_check.sh`
-runs them with `python -m pytest -m gpu tests/gpu`.
+op-SAC, a short bf16 training run and the CUDA memory snapshots. Marked `gpu`; skipped without
+CUDA. `scripts/gpu_check.sh` runs them with `python -m pytest -m gpu tests/gpu`.
 """
 
+import pickle
 from dataclasses import replace
 
 import pytest
@@ -114,3 +115,16 @@ def test_bf16_training_with_op_sac_and_compile_learns(tmp_path):
     records = read_metrics(tmp_path)
     assert records[-1]["loss"] <= 0.6 * records[0]["loss"], records
     assert records[-1]["mfu_pct"] is not None and records[-1]["memory/max_allocated_gib"] > 0
+
+
+def test_memory_snapshots_are_written_at_the_profile_steps_with_the_allocator_history(tmp_path):
+    argv = ["--config", "debug_model.toml", "--training.steps", "4", "--profiling.enable_memory_snapshot",
+            "--profiling.profile_freq", "2", "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    proc = run_trainer(argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = tmp_path / "memory_snapshot"
+    assert sorted(p.name for p in folder.iterdir()) == ["iteration_2", "iteration_4"]
+    with open(folder / "iteration_4" / "rank0_memory_snapshot.pickle", "rb") as f:
+        snapshot = pickle.load(f)
+    assert snapshot["segments"], "no allocator segments recorded"
+    assert any(trace for trace in snapshot["device_traces"]), "no allocation history recorded"
