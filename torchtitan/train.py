@@ -272,7 +272,6 @@ class Trainer:
         gc.enable()
 
 
-@record
 def main(argv: list[str] | None = None) -> None:
     """Parse the config and train; always clean up (writers, process group).
 
@@ -309,4 +308,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # @record writes an uncaught exception where torchrun's summary finds it, so the failing
+    # rank is named with its traceback even when LOG_RANK hides its output.
+    record(main)()
