@@ -195,3 +195,66 @@ def test_last_save_in_hf_then_initial_load_in_hf_gives_the_dcp_weights(tmp_path)
     got, want = _losses(tmp_path / "from_hf")[1], _losses(tmp_path / "from_dcp")[1]
     assert got == want, (got, want)
     assert want < _losses(tmp_path / "dcp_export")[1]  # trained weights, not a fresh init
+
+
+# Expert parallelism: Qwen3 MoE debug model, fp32 so that other layouts match to rounding.
+MOE = ["--config", "qwen3_debug_model_moe.toml", "--training.seq_len", "64", "--training.steps", "10",
+       "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--training.global_batch_size", "8",
+       "--training.mixed_precision_param", "float32",
+       "--checkpoint.enable", "--checkpoint.interval", "5"]  # fmt: skip
+EP_LAYOUTS = {
+    # experts split over "ep", each FSDP-sharded over the 2 ranks holding it (DTensor slices)
+    "FSDP 4 x EP 2": (4, ["--parallelism.expert_parallel_degree", "2"]),
+    # experts split over "ep", nothing else holds them (plain local slices)
+    "EP 2": (2, ["--parallelism.expert_parallel_degree", "2"]),
+    "1 process": (1, []),
+}
+
+
+def _train_moe(folder, layout):
+    nproc, argv = EP_LAYOUTS[layout]
+    local = ["--training.local_batch_size", str(8 // nproc)]
+    proc = run_trainer(MOE + argv + local + ["--job.dump_folder", str(folder)], nproc=nproc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def saved_by_fsdp4_x_ep2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fsdp4_ep2")
+    _train_moe(folder, "FSDP 4 x EP 2")
+    return folder
+
+
+def test_expert_parallel_resume_from_step_5_repeats_steps_6_to_10_bit_for_bit(saved_by_fsdp4_x_ep2, tmp_path):
+    (tmp_path / "checkpoint").mkdir()
+    shutil.copytree(saved_by_fsdp4_x_ep2 / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-5")
+    _train_moe(tmp_path, "FSDP 4 x EP 2")
+    resumed, original = _losses(tmp_path), _losses(saved_by_fsdp4_x_ep2)
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
+    assert all(resumed[s] == original[s] for s in resumed), (resumed, original)
+
+
+@pytest.mark.parametrize("target", ["1 process", "EP 2"])
+def test_expert_parallel_checkpoint_loads_into_another_layout(target, saved_by_fsdp4_x_ep2, tmp_path):
+    """Saved with the experts split over EP and FSDP-sharded: the whole expert weights and
+    their optimizer moments load into one process, and into another expert split."""
+    (tmp_path / "checkpoint").mkdir()
+    shutil.copytree(saved_by_fsdp4_x_ep2 / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-5")
+    proc = _train_moe(tmp_path, target)
+    assert "loaded model, optimizer, lr_scheduler, train_state, dataloader" in proc.stderr
+    got, want = _losses(tmp_path), _losses(saved_by_fsdp4_x_ep2)
+    assert sorted(got) == [6, 7, 8, 9, 10]
+    for step in got:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+
+
+def test_hugging_face_save_with_expert_parallelism_is_refused_on_every_rank(tmp_path):
+    nproc, argv = EP_LAYOUTS["EP 2"]
+    hf = ["--checkpoint.last_save_in_hf", "--training.local_batch_size", "4"]
+    proc = run_trainer(MOE + argv + hf + ["--job.dump_folder", str(tmp_path)], nproc=nproc)
+    assert proc.returncode != 0
+    message = "error: 'checkpoint.initial_load_in_hf' and 'checkpoint.last_save_in_hf' do not support"
+    assert proc.stderr.count(message) == 2
+    assert "exitcode  : 2" in proc.stderr  # each rank's exit code in torchrun's summary
+    assert "ConfigError" not in proc.stderr, proc.stderr[-3000:]  # no rank printed a traceback

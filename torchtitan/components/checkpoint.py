@@ -2,8 +2,9 @@
 
 A checkpoint is the folder `<dump_folder>/<checkpoint.folder>/step-N`, holding:
 
-    model        the model's state dict (FSDP/TP shards as DTensors; resharded on load)
-    optimizer    the optimizer's state dict, keyed by parameter FQN
+    model        the model's state dict (FSDP/TP shards as DTensors; resharded on load;
+                 expert-parallel slices as DTensors of the whole expert weights)
+    optimizer    the optimizer's state dict, keyed by parameter FQN (experts as in model)
     lr_scheduler the scheduler's state dict
     dataloader   each data-parallel rank's loader state, under `dp<rank>`
     train_state  step, tokens seen, the data-parallel layout, and each rank's RNG states
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
+from torchtitan.distributed.expert_parallel import global_expert_view, is_ep_local
 from torchtitan.tools.dtypes import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -88,6 +90,11 @@ def _clean_fqn(name: str) -> str:
     return name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
 
 
+def _is_moment(value) -> bool:
+    """An optimizer state shaped like its parameter (not a scalar such as Adam's step)."""
+    return isinstance(value, torch.Tensor) and value.ndim > 0
+
+
 def complete_steps(folder: Path) -> list[int]:
     """Steps with a complete (visible) checkpoint in `folder`, ascending."""
     if not folder.is_dir():
@@ -132,11 +139,12 @@ class CheckpointManager:
                 "'checkpoint.async_mode' = 'async_with_pinned_mem' stages through pinned host memory "
                 "for an accelerator, but this run is on the CPU; use 'async' or 'disabled'."
             )
-        if c.enable and job_config.parallelism.expert_parallel_degree > 1:
+        if (c.initial_load_in_hf or c.last_save_in_hf) and job_config.parallelism.expert_parallel_degree > 1:
             raise ConfigError(
-                "'checkpoint.enable' with expert_parallel_degree > 1 is not supported yet: expert slices "
-                "are not saved as sharded tensors. Set parallelism.expert_parallel_degree = 1 or "
-                "checkpoint.enable = false."
+                "'checkpoint.initial_load_in_hf' and 'checkpoint.last_save_in_hf' do not support "
+                f"expert_parallel_degree = {job_config.parallelism.expert_parallel_degree} yet; convert "
+                "offline with scripts/checkpoint_conversion/convert_{to,from}_hf.py from a DCP checkpoint, "
+                "which expert-parallel runs save and load."
             )
         if c.create_seed_checkpoint and dist.is_initialized() and dist.get_world_size() > 1:
             raise ConfigError(
@@ -165,10 +173,36 @@ class CheckpointManager:
     def _model_state(self) -> dict:
         return get_model_state_dict(self.model)
 
+    def _optimizer_state(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def _on_disk(self, state: dict) -> dict:
+        """`state` as DCP stores it: expert-parallel tensors (weights and optimizer moments)
+        become DTensor views of the whole expert weights. The views share storage, so a DCP
+        load into the result fills `state` too, which then goes to set_*_state_dict as is."""
+        ep_params = {_clean_fqn(n): p for n, p in self.model.named_parameters() if is_ep_local(p)}
+        if not ep_params:
+            return state
+        out = dict(state)
+        if "model" in state:
+            out["model"] = {
+                k: global_expert_view(v, ep_params[k]) if k in ep_params else v
+                for k, v in state["model"].items()
+            }
+        if "optimizer" in state:
+            per_param = dict(state["optimizer"]["state"])
+            for fqn in per_param.keys() & ep_params.keys():
+                param = ep_params[fqn]
+                per_param[fqn] = {
+                    k: global_expert_view(v, param) if _is_moment(v) else v for k, v in per_param[fqn].items()
+                }
+            out["optimizer"] = {**state["optimizer"], "state": per_param}
+        return out
+
     def _full_state(self, train_state: TrainState) -> dict:
         return {
             "model": self._model_state(),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "optimizer": self._optimizer_state(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "dataloader": {f"dp{self.dp_rank}": self.dataloader.state_dict()},
             "train_state": {
@@ -197,9 +231,9 @@ class CheckpointManager:
             self._save_hf(self.folder / f"step-{step}-hf")
             return
         if last and c.last_save_model_only:
-            state = {"model": self._export_model_state()}
+            state = self._on_disk({"model": self._export_model_state()})
         else:
-            state = self._full_state(train_state)
+            state = self._on_disk(self._full_state(train_state))
         final = self.folder / f"step-{step}"
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         if _rank() == 0:
@@ -320,7 +354,7 @@ class CheckpointManager:
         if "model" in wanted:
             state["model"] = self._model_state()
         if "optimizer" in wanted:
-            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+            state["optimizer"] = self._optimizer_state()
         if "lr_scheduler" in wanted:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         if "train_state" in wanted:
@@ -328,7 +362,7 @@ class CheckpointManager:
             rng_key = f"train_state.rng.rank{_rank()}"
             if any(k.startswith(rng_key) for k in metadata.state_dict_metadata):
                 state["train_state"]["rng"] = {f"rank{_rank()}": _rng_state(self.device)}
-        dcp.load(state, checkpoint_id=str(folder))
+        dcp.load(self._on_disk(state), checkpoint_id=str(folder))
         if "model" in state:
             set_model_state_dict(self.model, state["model"])
         if "optimizer" in state:
@@ -403,8 +437,8 @@ class CheckpointManager:
             return
         state = {"model": self._model_state()}
         if not c.initial_load_model_only:
-            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-        dcp.load(state, checkpoint_id=str(path))
+            state["optimizer"] = self._optimizer_state()
+        dcp.load(self._on_disk(state), checkpoint_id=str(path))
         set_model_state_dict(self.model, state["model"])
         if "optimizer" in state:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])

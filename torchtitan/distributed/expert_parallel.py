@@ -5,7 +5,7 @@ The EP group is the "ep" dim of the mesh, borrowed from the FSDP shard group (se
 `data_parallel.apply_fsdp` shards those experts over them (or, when there is only one such
 rank, leaves the experts alone).
 
-`apply_expert_parallel(model, ep_group)` shards every `moe.experts` (a `GroupedExperts`) along
+`apply_expert_parallel(model, ep_mesh)` shards every `moe.experts` (a `GroupedExperts`) along
 its expert dim and installs forward pre/post hooks on it, so `MoE` keeps calling
 `self.experts(x_sorted, num_tokens_per_expert)` unchanged:
 
@@ -20,6 +20,10 @@ slice's gradient sums the contributions of the ep ranks that sent it tokens; the
 the way back, with FSDP's mean over the ranks holding the same slice, makes it the data-parallel
 mean like every other gradient.
 
+Checkpoints see each expert weight whole: `global_expert_view` wraps this rank's slice (and
+its optimizer moments) as a DTensor over all experts, so DCP saves and reshards them like any
+other sharded tensor.
+
 Pitfall: one path only, autograd-aware (`all_to_all_single_autograd`). The split sizes are
 exchanged with a functional all_to_all_single and read on the host once per call through a
 device-to-host copy; op-SAC saves both, so a recompute neither communicates nor syncs for them.
@@ -29,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
@@ -92,12 +98,14 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def shard_experts_(experts: nn.Module, ep_group: dist.ProcessGroup) -> None:
+def shard_experts_(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Keep this rank's `num_experts / ep` experts of w1/w2/w3 as plain local Parameters.
 
     Works on meta (before `to_empty`) and on materialized weights. Each kept Parameter is
-    marked: `_ep_local = True`, `_ep_group`, `_ep_full_shape` and `_ep_slice` (rows of dim 0).
+    marked: `_ep_local = True`, `_ep_mesh` (1-D "ep"), `_ep_group`, `_ep_full_shape` and
+    `_ep_slice` (rows of dim 0).
     """
+    ep_group = ep_mesh.get_group()
     ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     if experts.num_experts % ep:
         raise ValueError(f"num_experts = {experts.num_experts} is not divisible by ep = {ep}")
@@ -109,7 +117,8 @@ def shard_experts_(experts: nn.Module, ep_group: dist.ProcessGroup) -> None:
         with torch.no_grad():
             kept = full[rows].clone() if full.device.type != "meta" else full[rows].detach()
         setattr(experts, name, nn.Parameter(kept.contiguous(), requires_grad=full.requires_grad))
-        marks[name] = {"_ep_local": True, "_ep_group": ep_group, "_ep_full_shape": tuple(full.shape)}
+        marks[name] = {"_ep_local": True, "_ep_mesh": ep_mesh, "_ep_group": ep_group}
+        marks[name]["_ep_full_shape"] = tuple(full.shape)
         marks[name]["_ep_slice"] = rows
     experts.num_experts = local
     experts._ep_marks = marks
@@ -136,8 +145,8 @@ def _mark_params(experts: nn.Module) -> None:
             setattr(getattr(experts, name), key, value)
 
 
-def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup) -> list[nn.Module]:
-    """Shard and hook every `MoE.experts` of `model.layers` over `ep_group`, in place.
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
+    """Shard and hook every `MoE.experts` of `model.layers` over the 1-D `ep_mesh`, in place.
 
     Call before activation checkpointing and compile wrap the blocks.
 
@@ -152,8 +161,8 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup) -> list
             if not isinstance(module, MoE):
                 continue
             experts = module.experts
-            shard_experts_(experts, ep_group)
-            hooks = experts._ep_hooks = _ExpertParallelHooks(ep_group)
+            shard_experts_(experts, ep_mesh)
+            hooks = experts._ep_hooks = _ExpertParallelHooks(ep_mesh.get_group())
             experts.register_forward_pre_hook(hooks.dispatch)
             experts.register_forward_hook(hooks.combine)
             sharded.append(experts)
@@ -162,3 +171,24 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup) -> list
 
 def is_ep_local(param: torch.Tensor) -> bool:
     return getattr(param, "_ep_local", False)
+
+
+def global_expert_view(value: torch.Tensor, param: torch.Tensor) -> DTensor:
+    """`value` (this rank's part of the expert-parallel `param`, or of a state shaped like it)
+    as a DTensor of the whole `param._ep_full_shape`, sharing `value`'s storage.
+
+    A plain slice is `Shard(0)` over "ep". An FSDP-sharded one (a DTensor over the ranks holding
+    the same experts) is `Shard(0)` over "ep" then its own `Shard(0)`: FSDP splits the rows of
+    this rank's slice further, which is what DTensor's left-to-right sharding means. Writing
+    into the view (DCP load) writes into `value`.
+    """
+    shape = torch.Size(param._ep_full_shape)
+    stride = torch.empty(shape, device="meta").stride()
+    if isinstance(value, DTensor):
+        if tuple(value.placements) != (Shard(0),):
+            raise ValueError(f"expected FSDP's Shard(0) on expert weights, got {value.placements}")
+        mesh = DeviceMesh._concatenate([param._ep_mesh, value.device_mesh])
+        placements, local = (Shard(0), Shard(0)), value.to_local()
+    else:
+        mesh, placements, local = param._ep_mesh, (Shard(0),), value
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)

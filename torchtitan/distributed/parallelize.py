@@ -68,7 +68,7 @@ def parallelize_decoder(
     experts = []
     if job_config.parallelism.expert_parallel_degree > 1:
         check_ep_supported(model, parallel_dims, job_config)
-        experts = apply_expert_parallel(model, parallel_dims.submesh("ep").get_group())
+        experts = apply_expert_parallel(model, parallel_dims.submesh("ep"))
         _log_expert_layout(model, parallel_dims)
     apply_ac(
         model,
