@@ -32,11 +32,12 @@ def test_fsdp_on_two_processes_matches_one_process_with_the_same_global_batch(tm
 
 def test_debug_config_trains_and_loss_falls(tmp_path):
     dump = tmp_path / "debug"
-    steps = ["--training.steps", "20", "--metrics.log_freq", "1", "--job.dump_folder", str(dump)]
+    steps = ["--training.steps", "20", "--training.seq_len", "128", "--metrics.log_freq", "1",
+             "--job.dump_folder", str(dump)]  # fmt: skip
     proc = run_trainer(CONFIG + steps)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(dump)
     first, last = records[0]["loss"], records[-1]["loss"]
-    print(f"deepseek_v3_debug_model.toml, 20 steps: loss {first:.3f} -> {last:.3f}")
+    print(f"deepseek_v3_debug_model.toml, 20 steps of seq_len 128: loss {first:.3f} -> {last:.3f}")
     assert records[-1]["step"] == 20
     assert last <= 0.7 * first, (first, last)
