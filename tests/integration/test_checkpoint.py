@@ -9,8 +9,10 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.conftest import PROJECT_ROOT, read_metrics, run_trainer
+from torchtitan.components.hf_io import load_hf
 
 pytestmark = pytest.mark.integration
 
@@ -211,10 +213,10 @@ EP_LAYOUTS = {
 }
 
 
-def _train_moe(folder, layout):
+def _train_moe(folder, layout, extra=()):
     nproc, argv = EP_LAYOUTS[layout]
     local = ["--training.local_batch_size", str(8 // nproc)]
-    proc = run_trainer(MOE + argv + local + ["--job.dump_folder", str(folder)], nproc=nproc)
+    proc = run_trainer(MOE + argv + local + list(extra) + ["--job.dump_folder", str(folder)], nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -249,12 +251,36 @@ def test_expert_parallel_checkpoint_loads_into_another_layout(target, saved_by_f
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
 
 
-def test_hugging_face_save_with_expert_parallelism_is_refused_on_every_rank(tmp_path):
-    nproc, argv = EP_LAYOUTS["EP 2"]
-    hf = ["--checkpoint.last_save_in_hf", "--training.local_batch_size", "4"]
-    proc = run_trainer(MOE + argv + hf + ["--job.dump_folder", str(tmp_path)], nproc=nproc)
-    assert proc.returncode != 0
-    message = "error: 'checkpoint.initial_load_in_hf' and 'checkpoint.last_save_in_hf' do not support"
-    assert proc.stderr.count(message) == 2
-    assert "exitcode  : 2" in proc.stderr  # each rank's exit code in torchrun's summary
-    assert "ConfigError" not in proc.stderr, proc.stderr[-3000:]  # no rank printed a traceback
+# Seed 1 and a vanishing learning rate: the export holds (to ~1e-12) the seed-1 initial weights,
+# which differ from the default seed's, and every layout exports the same numbers.
+HF_EXPORT = ["--training.seed", "1", "--optimizer.lr", "1e-12", "--training.steps", "2",
+             "--checkpoint.interval", "100", "--checkpoint.last_save_in_hf"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def moe_hf_export_of_one_process(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("moe_hf_one_process")
+    _train_moe(folder, "1 process", HF_EXPORT)
+    return folder
+
+
+def test_hf_export_under_expert_parallelism_holds_every_expert(moe_hf_export_of_one_process, tmp_path):
+    _train_moe(tmp_path, "FSDP 4 x EP 2", HF_EXPORT)
+    got = load_hf(tmp_path / "checkpoint" / "step-2-hf")
+    want = load_hf(moe_hf_export_of_one_process / "checkpoint" / "step-2-hf")
+    assert got.keys() == want.keys() and any(".experts.7." in k for k in got)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-9, msg=key)
+
+
+@pytest.mark.parametrize("layout", ["EP 2", "FSDP 4 x EP 2"])
+def test_initial_load_in_hf_under_expert_parallelism_starts_from_those_weights(
+    layout, moe_hf_export_of_one_process, tmp_path
+):
+    """Default seed, weights from the seed-1 export: the first loss is the seed-1 run's."""
+    exported = moe_hf_export_of_one_process / "checkpoint" / "step-2-hf"
+    start = ["--training.steps", "1", "--checkpoint.folder", "fresh", "--checkpoint.initial_load_in_hf",
+             "--checkpoint.initial_load_path", str(exported)]  # fmt: skip
+    _train_moe(tmp_path, layout, start)
+    got, want = _losses(tmp_path)[1], _losses(moe_hf_export_of_one_process)[1]
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
-from torchtitan.distributed.expert_parallel import global_expert_view, is_ep_local
+from torchtitan.distributed.expert_parallel import full_expert_tensor, global_expert_view, is_ep_local
 from torchtitan.tools.dtypes import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -139,13 +139,6 @@ class CheckpointManager:
                 "'checkpoint.async_mode' = 'async_with_pinned_mem' stages through pinned host memory "
                 "for an accelerator, but this run is on the CPU; use 'async' or 'disabled'."
             )
-        if (c.initial_load_in_hf or c.last_save_in_hf) and job_config.parallelism.expert_parallel_degree > 1:
-            raise ConfigError(
-                "'checkpoint.initial_load_in_hf' and 'checkpoint.last_save_in_hf' do not support "
-                f"expert_parallel_degree = {job_config.parallelism.expert_parallel_degree} yet; convert "
-                "offline with scripts/checkpoint_conversion/convert_{to,from}_hf.py from a DCP checkpoint, "
-                "which expert-parallel runs save and load."
-            )
         if c.create_seed_checkpoint and dist.is_initialized() and dist.get_world_size() > 1:
             raise ConfigError(
                 "'checkpoint.create_seed_checkpoint' = true writes the initial weights from one process; "
@@ -176,11 +169,15 @@ class CheckpointManager:
     def _optimizer_state(self) -> dict:
         return get_optimizer_state_dict(self.model, self.optimizer)
 
+    def _ep_params(self) -> dict[str, torch.nn.Parameter]:
+        """The expert-parallel parameters by state-dict FQN, in the same order on every rank."""
+        return {_clean_fqn(n): p for n, p in self.model.named_parameters() if is_ep_local(p)}
+
     def _on_disk(self, state: dict) -> dict:
         """`state` as DCP stores it: expert-parallel tensors (weights and optimizer moments)
         become DTensor views of the whole expert weights. The views share storage, so a DCP
         load into the result fills `state` too, which then goes to set_*_state_dict as is."""
-        ep_params = {_clean_fqn(n): p for n, p in self.model.named_parameters() if is_ep_local(p)}
+        ep_params = self._ep_params()
         if not ep_params:
             return state
         out = dict(state)
@@ -293,6 +290,14 @@ class CheckpointManager:
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_model_state_dict(self.model, options=options)
+        # full_state_dict gathers FSDP and TP shards, not expert-parallel slices: gather those
+        # one tensor at a time (every rank takes part), keeping them on rank 0.
+        sharded = self._model_state()
+        for fqn, param in self._ep_params().items():
+            whole = full_expert_tensor(sharded[fqn], param)
+            if _rank() == 0:
+                full[fqn] = whole.cpu()
+            del whole
         if _rank() == 0:
             # Parameters in export_dtype; buffers (e.g. the fp32 expert bias) keep theirs.
             dtype = TORCH_DTYPES[self.config.export_dtype]
@@ -428,6 +433,8 @@ class CheckpointManager:
 
             hf_state = load_hf(path)
             model_state = self.hf_adapter.from_hf(hf_state)
+            for fqn, param in self._ep_params().items():
+                model_state[fqn] = model_state[fqn][param._ep_slice]  # this rank's experts
             set_model_state_dict(
                 self.model,
                 model_state,

@@ -192,3 +192,12 @@ def global_expert_view(value: torch.Tensor, param: torch.Tensor) -> DTensor:
     else:
         mesh, placements, local = param._ep_mesh, (Shard(0),), value
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def full_expert_tensor(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The whole expert weight (every expert) from this rank's part `value` of `param`, on
+    every rank: gathered over the experts' FSDP ranks (if sharded), then over "ep". A
+    collective: every rank calls it, for the same parameters in the same order."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return DTensor.from_local(value, param._ep_mesh, (Shard(0),), run_check=False).full_tensor()
