@@ -179,9 +179,9 @@ def test_memory_held_after_each_step_is_flat_over_20_steps(ep_worker_report, ac)
     held = ep_worker_report["modes"][ac]["held_after_step"]
     assert len(held) == LEAK_STEPS
     # From step 2 on nothing may accumulate. A buffer of an in-flight gloo collective is now and
-    # then still alive at the check, so one step may show one extra tensor; a leak would grow
-    # by several tensors every step and never come back down.
-    steady = held[1]
+    # then still alive at the check (at any step, the second included), so a step may show one
+    # extra tensor; a leak would grow by several tensors every step and never come back down.
+    steady = min(held[1:])
     assert min(held[-5:]) == steady, held
     assert all(count - steady[0] <= 1 for count, _ in held[1:]), held
     assert ep_worker_report["modes"][ac]["pending_contexts"] == 0
