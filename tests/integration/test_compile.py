@@ -1,7 +1,8 @@
 """torch.compile of MoE blocks does not change the numbers: 5 training steps of the Qwen3 MoE
 debug model (2 blocks, CPU fp32, inductor) compiled equal eager, under full AC and op-SAC, with
 `compile.capture_scalar_outputs` off (the checkpointed MoE block falls back to eager, with a
-warning) and on (the block compiles as one graph)."""
+warning) and on (the block compiles as one graph, also with the sequence aux loss on). Torch
+releases known to fail that combination are refused."""
 
 import logging
 from dataclasses import replace
@@ -11,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from torchtitan.config.manager import parse_args
+from torchtitan.components.compile import check_compile_supported
+from torchtitan.config.manager import ConfigError, parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.moe import load_balance_step, pop_aux_loss
 from torchtitan.models.qwen3 import qwen3_flavors
@@ -25,12 +27,17 @@ AC = {"full": [_MODE, "full"], "selective op": [_MODE, "selective", _OPTION, "op
 STEPS, SEQ_LEN = 5, 64
 
 
-def _train(ac: str, compile_argv: list[str]) -> tuple[list[float], list[float]]:
+def _model_args(aux_loss_coeff: float = 0.0):
+    args = qwen3_flavors["debugmodel_moe"]
+    return replace(args, n_layers=2, moe_args=replace(args.moe_args, seq_aux_loss_coeff=aux_loss_coeff))
+
+
+def _train(ac: str, compile_argv: list[str], aux_loss_coeff: float = 0.0) -> tuple[list[float], list[float]]:
     """(losses, load imbalance) of 5 AdamW steps on one fixed batch (so that the loss falls)."""
     argv = ["--config", "qwen3_debug_model_moe.toml", "--training.seq_len", str(SEQ_LEN)]
     cfg = parse_args(argv + AC[ac] + compile_argv, env={})
     with torch.device("meta"):
-        model = Qwen3Model(replace(qwen3_flavors["debugmodel_moe"], n_layers=2).update_from_config(cfg))
+        model = Qwen3Model(_model_args(aux_loss_coeff).update_from_config(cfg))
     parallelize_qwen3(model, ParallelDims(1, 1, 1, 1), cfg, torch.device("cpu"))
     model.to_empty(device="cpu")
     torch.manual_seed(0)
@@ -45,7 +52,7 @@ def _train(ac: str, compile_argv: list[str]) -> tuple[list[float], list[float]]:
         aux = pop_aux_loss(model)
         (loss if aux is None else loss + aux).backward()
         optimizer.step()
-        imbalance.append(load_balance_step(model, None))
+        imbalance.append(load_balance_step(model, None)["moe_imbalance"].item())
         losses.append(loss.item())
     return losses, imbalance
 
@@ -73,3 +80,29 @@ def test_compiled_moe_training_equals_eager(eager, ac, capture, caplog):
     torch.testing.assert_close(losses, want_losses, rtol=1e-4, atol=0)
     # The routing counts (a side effect of forward) are taken once per step, as in eager.
     assert imbalance == pytest.approx(want_imbalance, rel=1e-6)
+
+
+def test_compiled_moe_with_the_sequence_aux_loss_is_one_graph_under_op_sac_and_equals_eager():
+    want_losses, want_imbalance = _train("selective op", [], aux_loss_coeff=0.01)
+    torch._dynamo.reset()
+    counters.clear()
+    argv = ["--compile.enable", "--compile.capture_scalar_outputs"]
+    losses, imbalance = _train("selective op", argv, aux_loss_coeff=0.01)
+    # Setting `aux_loss` inside the checkpointed block is traced, not a graph break.
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+    torch.testing.assert_close(losses, want_losses, rtol=1e-4, atol=0)
+    assert imbalance == pytest.approx(want_imbalance, rel=1e-6)
+
+
+@pytest.mark.parametrize("ac_mode", ["full", "selective", "memory_budget"])
+def test_capture_scalar_outputs_with_ac_on_moe_blocks_is_refused_before_torch_2_12(ac_mode):
+    argv = ["--config", "qwen3_debug_model_moe.toml", "--compile.enable", "--compile.capture_scalar_outputs",
+            "--activation_checkpoint.mode", ac_mode]  # fmt: skip
+    cfg = parse_args(argv, env={})
+    with torch.device("meta"):
+        model = Qwen3Model(_model_args().update_from_config(cfg))
+    with pytest.raises(ConfigError, match=r"capture_scalar_outputs.*torch 2\.11\.0\+cu130.*torch >= 2\.12"):
+        check_compile_supported(model, cfg, torch_version="2.11.0+cu130")
+    check_compile_supported(model, cfg, torch_version="2.12.0")
+    cfg.activation_checkpoint.mode = "none"
+    check_compile_supported(model, cfg, torch_version="2.11.0")

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import ConfigError
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.grouped_mm import probe_grouped_mm_for_compile
 
@@ -20,6 +21,32 @@ def _has_moe(block: nn.Module) -> bool:
     return any(hasattr(module, "moe") for module in block.modules())
 
 
+# Before this release inductor fails on a checkpointed MoE block traced with
+# capture_scalar_outputs (unbacked-symbol errors under full, op-SAC and memory_budget AC);
+# checked on 2.11, fixed in 2.12.
+_FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS = (2, 12)
+
+
+def _torch_release(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_compile_supported(model: nn.Module, job_config: JobConfig, torch_version: str = torch.__version__):
+    """Refuse compile settings that this torch is known to get wrong (ConfigError, exit code 2)."""
+    c, ac = job_config.compile, job_config.activation_checkpoint
+    if not (c.capture_scalar_outputs and ac.mode != "none" and _has_moe(model)):
+        return
+    if _torch_release(torch_version) < _FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS:
+        need = ".".join(map(str, _FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS))
+        raise ConfigError(
+            f"'compile.capture_scalar_outputs' = true with 'activation_checkpoint.mode' = '{ac.mode}' "
+            f"on MoE blocks fails inside inductor in torch {torch_version}. Set "
+            f"compile.capture_scalar_outputs = false (the MoE blocks then fall back where they read "
+            f"counts on the host), or use torch >= {need}."
+        )
+
+
 def apply_compile(model: nn.Module, job_config: JobConfig, device: torch.device) -> None:
     """Compile each block of `model.layers` in place (after AC wrapping, before FSDP).
 
@@ -29,8 +56,14 @@ def apply_compile(model: nn.Module, job_config: JobConfig, device: torch.device)
     reads of split sizes) break the graph unless `compile.capture_scalar_outputs` lets
     dynamo trace them.
     """
+    check_compile_supported(model, job_config)
     capture = job_config.compile.capture_scalar_outputs
     torch._dynamo.config.capture_scalar_outputs = capture
+    # An MoE forward adds its routed counts and sets its aux loss once per step, and skips both
+    # in an AC recompute (`moe._in_backward`). This flag lets dynamo trace those writes inside
+    # a checkpointed block with that same meaning; without it they break the graph and the
+    # whole checkpointed block runs eagerly.
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     t = job_config.training
     grouped = probe_grouped_mm_for_compile(
         device, {TORCH_DTYPES[t.dtype], TORCH_DTYPES[t.mixed_precision_param]}

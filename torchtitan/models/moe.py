@@ -307,7 +307,8 @@ class MoE(nn.Module):
         if not _in_backward():
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
-            self.aux_loss = aux
+            if aux is not None:  # no Python attribute write, so no side effect for dynamo, by default
+                self.aux_loss = aux
         routed = self._run_experts(tokens, selected, counts)
         # Weighting in fp32 keeps bf16 rounding out of the sum over the k experts.
         out = (routed.view(-1, self.args.top_k, dim).float() * top_scores.unsqueeze(-1)).sum(dim=1)
