@@ -239,35 +239,30 @@ class _FSDPMemTracker(_Pausable, FSDPMemTracker):
     pass
 
 
-class _PauseTracker:
-    """Reusable context pausing a tracker; stands in for DTensor's sharding-propagation lock.
+@contextlib.contextmanager
+def tracking(tracker: _Pausable):
+    """Enter `tracker`, with DTensor's shape propagation left untracked.
 
     DTensor derives an op's output shape by running the op on global-shape fake tensors in the
     active fake mode. MemTracker skips those only when that mode differs from its own; under our
     FakeTensorMode it is the same one, so without this they would count as allocations (grad
     clipping alone would "hold" an unsharded fp32 copy of every gradient).
     """
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
 
-    def __init__(self, tracker: _Pausable):
-        self.tracker = tracker
+    def propagate_untracked(self, op_schema):
+        tracker.paused += 1
+        try:
+            return propagate(self, op_schema)
+        finally:
+            tracker.paused -= 1
 
-    def __enter__(self):
-        self.tracker.paused += 1
-
-    def __exit__(self, *exc):
-        self.tracker.paused -= 1
-
-
-@contextlib.contextmanager
-def tracking(tracker: MemTracker):
-    """Enter `tracker`, with DTensor's shape propagation left untracked."""
-    saved = ShardingPropagator._fake_mode_lock
-    ShardingPropagator._fake_mode_lock = _PauseTracker(tracker)
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate_untracked
     try:
         with tracker:
             yield tracker
     finally:
-        ShardingPropagator._fake_mode_lock = saved
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
 
 
 def make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) -> MemTracker:
