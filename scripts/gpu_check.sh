@@ -9,24 +9,26 @@
 #
 #   scripts/gpu_check.sh [--quick]     # --quick: step 3 on the debug model at seq_len 2048
 #
-# Needs the project installed (`pip install -e .`); writes logs under ${GPU_CHECK_DIR:-/tmp/gpu_check}.
+# Needs the project importable (`pip install -e .`, or PYTHONPATH holding the repo and its
+# dependencies); runs $PYTHON (default python3); writes logs under ${GPU_CHECK_DIR:-/tmp/gpu_check}.
 # Exit code: 0 when every step passed, else the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${GPU_CHECK_DIR:-/tmp/gpu_check}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+py="${PYTHON:-python3}"
 
-if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check.sh needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)." >&2
     exit 2
 fi
-python -c "import torch; print('torch', torch.__version__, 'on', torch.cuda.get_device_name(0))"
+"$py" -c "import torch; print('torch', torch.__version__, 'on', torch.cuda.get_device_name(0))"
 failed=0
 start=$SECONDS
 
 echo "== 1. GPU-marked tests"
-if ! python -m pytest -q -m gpu tests/gpu 2>&1 | tee "$out/gpu_tests.log"; then
+if ! "$py" -m pytest -q -m gpu tests/gpu 2>&1 | tee "$out/gpu_tests.log"; then
     failed=$((failed + 1))
 fi
 
@@ -40,9 +42,9 @@ for config in debug_model_flex_attn qwen3_debug_model_flex_attn deepseek_v3_debu
         esac
         dump="$out/$config-$ac"
         rm -rf "$dump"
-        if python -m torchtitan.train --config "$config.toml" --training.steps 10 --metrics.log_freq 1 \
+        if "$py" -m torchtitan.train --config "$config.toml" --training.steps 10 --metrics.log_freq 1 \
             "${ac_args[@]}" --job.dump_folder "$dump" > "$dump.log" 2>&1; then
-            python - "$dump/metrics.jsonl" "$config" "$ac" >> "$out/flex.md" <<'EOF'
+            "$py" - "$dump/metrics.jsonl" "$config" "$ac" >> "$out/flex.md" <<'EOF'
 import json, sys
 records = [json.loads(line) for line in open(sys.argv[1])]
 first, last = records[0], records[-1]
@@ -64,7 +66,7 @@ else
     # Llama 3 1B on the bundled corpus and tokenizer (nothing to download), bf16 autocast.
     bench=(--config debug_model.toml --flavor 1B --seq-len 8192 --batch 1 --steps 8 --warmup 3)
 fi
-if ! python benchmarks/ac_modes_trainer.py "${bench[@]}" -- --training.mixed_precision_param bfloat16 \
+if ! "$py" benchmarks/ac_modes_trainer.py "${bench[@]}" -- --training.mixed_precision_param bfloat16 \
     2>&1 | tee "$out/ac_modes.md"; then
     failed=$((failed + 1))
 fi
