@@ -8,7 +8,22 @@ from pathlib import Path
 
 import pytest
 
+from torchtitan.components.compile import compiles_checkpointed_scalars
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+# torch < 2.12 refuses compile.capture_scalar_outputs with AC on MoE blocks (inductor fails there).
+needs_checkpointed_scalar_capture = pytest.mark.skipif(
+    not compiles_checkpointed_scalars(), reason="this torch refuses capture_scalar_outputs with AC on MoE"
+)
+
+
+def python_path(*first: str | Path) -> str:
+    """PYTHONPATH for a child process: `first`, the repo, then whatever the caller already had
+    (on a node without network the dependencies may come from PYTHONPATH alone)."""
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    return os.pathsep.join([*map(str, first), str(PROJECT_ROOT), *inherited])
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -39,7 +54,7 @@ def run_trainer(args: list[str], nproc: int = 1, timeout: int = 600, env: dict |
             "-m",
             "torchtitan.train",
         ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", "PYTHONPATH": str(PROJECT_ROOT),
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", "PYTHONPATH": python_path(),
                 **(env or {})}  # fmt: skip
     return subprocess.run(
         cmd + args, cwd=PROJECT_ROOT, env=full_env, capture_output=True, text=True, timeout=timeout

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import PROJECT_ROOT, read_metrics, run_trainer
+from tests.conftest import PROJECT_ROOT, python_path, read_metrics, run_trainer
 from torchtitan.components.hf_io import load_hf
 
 pytestmark = pytest.mark.integration
@@ -152,7 +152,7 @@ def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
         "--job.dump_folder",
         str(tmp_path),
     ]
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     proc = subprocess.Popen([sys.executable, "-m", "torchtitan.train", *argv], cwd=PROJECT_ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     deadline = time.time() + 120

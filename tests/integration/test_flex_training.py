@@ -8,7 +8,7 @@ that the model learns.
 
 import pytest
 
-from tests.conftest import read_metrics, run_trainer
+from tests.conftest import needs_checkpointed_scalar_capture, read_metrics, run_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -76,6 +76,7 @@ def test_compiled_training_equals_eager(config, runs):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a, b)
 
 
+@needs_checkpointed_scalar_capture
 def test_moe_flex_flavor_with_compile_checkpoints_attention_and_moe_separately(tmp_path):
     """flex + op-SAC + compile on MoE blocks: two SAC regions per block (the AC module's rule)."""
     dump = tmp_path / "moe_flex"

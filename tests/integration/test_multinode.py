@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import PROJECT_ROOT, read_metrics, run_trainer
+from tests.conftest import PROJECT_ROOT, python_path, read_metrics, run_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +29,7 @@ def _node(node_rank: int, port: int, dump) -> subprocess.Popen:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                 "--node_rank", str(node_rank), "--rdzv_id", "twonodes", "--rdzv_backend", "c10d",
                 "--rdzv_endpoint", f"localhost:{port}"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
     cmd = launcher + ["-m", "torchtitan.train", *ARGS, *CHECKPOINT_AT_3, "--job.dump_folder", str(dump)]
     return subprocess.Popen(
         cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import PROJECT_ROOT
+from tests.conftest import PROJECT_ROOT, python_path
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +54,7 @@ def test_log_rank_shows_only_the_chosen_ranks_output(tmp_path):
 
 def test_a_failing_rank_is_named_with_its_error_when_its_output_is_hidden(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(FAULT_INJECTION)
-    proc = _run_train_sh(tmp_path, {"FAIL_RANK": "1", "PYTHONPATH": str(tmp_path)})
+    proc = _run_train_sh(tmp_path, {"FAIL_RANK": "1", "PYTHONPATH": python_path(tmp_path)})
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert _ranks_shown(output) == {"0"}, "LOG_RANK defaults to rank 0"

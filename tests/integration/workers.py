@@ -5,16 +5,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
+from tests.conftest import PROJECT_ROOT, python_path
 from torchtitan.config.manager import parse_args
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.parallelize import parallelize_llama
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SEQ_LEN = 64
 AC_MODES = {
     "none": ("none", "2"),
@@ -48,7 +47,7 @@ def run_worker(name: str, nproc: int = 2) -> dict:
     script = PROJECT_ROOT / "tests" / "integration" / f"{name}.py"
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
     cmd = launcher + ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", str(script)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

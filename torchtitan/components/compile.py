@@ -27,9 +27,10 @@ def _has_moe(block: nn.Module) -> bool:
 _FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS = (2, 12)
 
 
-def _torch_release(version: str) -> tuple[int, int]:
-    major, minor = version.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
+def compiles_checkpointed_scalars(torch_version: str = torch.__version__) -> bool:
+    """Whether this torch compiles checkpointed MoE blocks with capture_scalar_outputs."""
+    major, minor = torch_version.split("+")[0].split(".")[:2]
+    return (int(major), int(minor)) >= _FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS
 
 
 def check_compile_supported(model: nn.Module, job_config: JobConfig, torch_version: str = torch.__version__):
@@ -37,7 +38,7 @@ def check_compile_supported(model: nn.Module, job_config: JobConfig, torch_versi
     c, ac = job_config.compile, job_config.activation_checkpoint
     if not (c.capture_scalar_outputs and ac.mode != "none" and _has_moe(model)):
         return
-    if _torch_release(torch_version) < _FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS:
+    if not compiles_checkpointed_scalars(torch_version):
         need = ".".join(map(str, _FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS))
         raise ConfigError(
             f"'compile.capture_scalar_outputs' = true with 'activation_checkpoint.mode' = '{ac.mode}' "
