@@ -27,12 +27,12 @@ fi
 failed=0
 start=$SECONDS
 
-echo "== 1. GPU-marked tests"
+echo "== 1. GPU-marked tests (at $((SECONDS - start)) s)"
 if ! "$py" -m pytest -q -m gpu tests/gpu 2>&1 | tee "$out/gpu_tests.log"; then
     failed=$((failed + 1))
 fi
 
-echo "== 2. flex-attention debug configs: op-SAC + compile, then full AC (10 steps each)"
+echo "== 2. flex-attention debug configs: op-SAC + compile, then full AC (10 steps each; at $((SECONDS - start)) s)"
 printf "| config | AC | first loss | last loss | tokens/s | peak GiB |\n|---|---|---|---|---|---|\n" > "$out/flex.md"
 for config in debug_model_flex_attn qwen3_debug_model_flex_attn deepseek_v3_debug_model_flex_attn; do
     for ac in op_sac_compile full; do
@@ -59,7 +59,7 @@ EOF
 done
 cat "$out/flex.md"
 
-echo "== 3. AC modes through the trainer"
+echo "== 3. AC modes through the trainer (at $((SECONDS - start)) s)"
 if [[ "${1:-}" == "--quick" ]]; then
     bench=(--config debug_model.toml --seq-len 2048 --batch 4 --steps 8 --warmup 3)
 else
