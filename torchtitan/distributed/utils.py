@@ -96,16 +96,18 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     added to the rest.
     """
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params if not getattr(p, "_ep_local", False)]
+    shared = [p for p in params if not getattr(p, "_ep_local", False)]
     ep_params = [p for p in params if getattr(p, "_ep_local", False)]
-    norm = _norm64(grads)
+    norm = _norm64([p.grad for p in shared])
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     if ep_params:
         norm = (norm.square() + _ep_square_sum(ep_params, norm.device)).sqrt()
     norm = norm.float()
     if max_norm > 0:
-        for group in (grads, [p.grad for p in ep_params]):
+        # clip_grads_with_norm_ takes the parameters and scales their .grad; EP parameters live
+        # on another mesh (or none), so each kind gets its own foreach call.
+        for group in (shared, ep_params):
             if group:
                 torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm

@@ -1,0 +1,36 @@
+"""Gradient clipping: the global 2-norm, accumulated in float64."""
+
+import pytest
+import torch
+
+from torchtitan.distributed.utils import clip_grad_norm_
+
+
+def _params_with_grads(seed: int = 0) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in [(64, 32), (32,), (7, 5, 3)]]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator)
+    return params
+
+
+def _float64_norm(params) -> float:
+    return torch.cat([p.grad.double().flatten() for p in params]).norm().item()
+
+
+def test_returns_the_global_norm_before_clipping_and_clips_to_max_norm():
+    params = _params_with_grads()
+    want = _float64_norm(params)
+    norm = clip_grad_norm_(params, max_norm=1.0)
+    assert norm.dtype == torch.float32
+    assert norm.item() == pytest.approx(want, rel=1e-6)
+    assert _float64_norm(params) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_max_norm_zero_only_measures():
+    params = _params_with_grads()
+    before = [p.grad.clone() for p in params]
+    clip_grad_norm_(params, max_norm=0.0)
+    for p, grad in zip(params, before):
+        assert torch.equal(p.grad, grad)
+
