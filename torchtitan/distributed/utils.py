@@ -117,7 +117,12 @@ def _norm64(grads: list[torch.Tensor]) -> torch.Tensor:
     """2-norm of `grads` together, accumulated in float64 (0 for none)."""
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+    try:
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+    except (RuntimeError, TypeError):
+        # torch 2.14's DTensor rule for _foreach_norm reads the dtype argument as a dim and
+        # fails before any collective, on every rank alike; per-tensor norms take another rule.
+        norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) for g in grads]
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
