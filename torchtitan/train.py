@@ -301,6 +301,10 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if trainer is not None:
             trainer.close()
+            # Free the model (a DDP reducer's threads among it) while its process group is
+            # alive: destroyed later, at interpreter exit, DDP sometimes aborted the process.
+            trainer = None
+            gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
     if exit_code:
