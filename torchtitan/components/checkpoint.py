@@ -103,6 +103,32 @@ def complete_steps(folder: Path) -> list[int]:
     return sorted(steps)
 
 
+def saved_keys(folder: Path) -> set[str]:
+    """The top-level state keys (model, optimizer, ...) a DCP checkpoint folder holds."""
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    return {key.split(".")[0] for key in metadata.state_dict_metadata}
+
+
+def resumable_steps(folder: Path) -> list[int]:
+    """Complete checkpoints that hold a training state (not model-only exports), ascending."""
+    return [s for s in complete_steps(folder) if "train_state" in saved_keys(folder / f"step-{s}")]
+
+
+def prune_checkpoints(folder: Path, keep: int) -> None:
+    """Delete all but the `keep` newest complete checkpoints (`keep <= 0` keeps all).
+
+    The newest resumable checkpoint always stays, even when `keep` newer model-only exports
+    (`last_save_model_only`) would push it out: a run extended later resumes from it.
+    """
+    if keep <= 0:
+        return
+    steps = complete_steps(folder)
+    kept = set(steps[-keep:]) | set(resumable_steps(folder)[-1:])
+    for step in steps:
+        if step not in kept:
+            shutil.rmtree(folder / f"step-{step}", ignore_errors=True)
+
+
 class CheckpointManager:
     """Saves and resumes the training state under `[checkpoint]`.
 
@@ -279,11 +305,7 @@ class CheckpointManager:
         logger.info(f"Saved checkpoint {final} in {time.perf_counter() - start:.1f}s")
 
     def _keep_latest(self) -> None:
-        k = self.config.keep_latest_k
-        if k <= 0:
-            return
-        for step in complete_steps(self.folder)[:-k]:
-            shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
+        prune_checkpoints(self.folder, self.config.keep_latest_k)
 
     def _save_hf(self, folder: Path) -> None:
         from torchtitan.components.hf_io import save_hf
@@ -325,15 +347,10 @@ class CheckpointManager:
                     f"(complete: {steps or 'none'}); choose one of those, or -1 for the newest."
                 )
             return c.load_step
-        resumable = [s for s in steps if "train_state" in self._saved_keys(self.folder / f"step-{s}")]
+        resumable = resumable_steps(self.folder)
         if resumable:
             return resumable[-1]
         return steps[-1] if steps else None
-
-    @staticmethod
-    def _saved_keys(folder: Path) -> set[str]:
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-        return {key.split(".")[0] for key in metadata.state_dict_metadata}
 
     def load(self, train_state: TrainState) -> bool:
         """Restore the newest checkpoint (or `initial_load_path`) in place; True when one was read."""
@@ -351,7 +368,7 @@ class CheckpointManager:
     def _load_full(self, folder: Path, train_state: TrainState) -> None:
         excluded = set(self.config.exclude_from_loading)
         metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-        saved = self._saved_keys(folder)
+        saved = saved_keys(folder)
         wanted = [k for k in STATE_KEYS if k not in excluded and k in saved]
         if "model" not in saved:
             raise ConfigError(f"checkpoint {folder} holds no model state; it cannot be resumed from.")

@@ -167,7 +167,9 @@ class Checkpoint:
     enable: bool = opt(False, "save and resume distributed checkpoints")
     folder: str = opt("checkpoint", "checkpoint folder under dump_folder")
     interval: int = opt(500, "save every this many steps", min=1)
-    keep_latest_k: int = opt(10, "keep this many newest checkpoints; 0 keeps all", min=0)
+    keep_latest_k: int = opt(
+        10, "keep this many newest checkpoints (and always the newest resumable one); 0 keeps all", min=0
+    )
     load_step: int = opt(-1, "resume from this step; -1 = newest")
     exclude_from_loading: list[str] = opt([], "state keys not to load on resume")
     last_save_model_only: bool = opt(True, "final save holds the model only")
