@@ -81,6 +81,8 @@ class Trainer:
         self.validator = self._build_validator(dp_rank, dp_degree)
         self.metrics = MetricsProcessor(cfg, self.device, self.flops_per_token, self.rank == 0, self.rank)
         self.step = 0
+        self.first_step = 1  # of this run; later when it resumes from a checkpoint
+        self.lr = cfg.optimizer.lr
         self.step_metrics: dict[str, torch.Tensor] = {}
         self.stop_requested = False
         self.train_state = TrainState()
@@ -181,6 +183,8 @@ class Trainer:
             )
         grad_norm = dist_utils.clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm)
         self.optimizer.step()
+        # Read before the scheduler advances: the log line reports the lr this step used.
+        self.lr = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()
         if self.spec.post_optimizer_step_fn is not None:
             self.step_metrics = self.spec.post_optimizer_step_fn(self.model, self.parallel_dims.dp_group())
@@ -190,10 +194,10 @@ class Trainer:
         global_loss = dist_utils.all_reduce_mean(loss.item(), self.device)
         dist_utils.finite_or_raise(global_loss, self.step)
         steps_left = self.job_config.training.steps - self.step
-        eta = (time.perf_counter() - started) / self.step * steps_left
+        steps_done = self.step - self.first_step + 1  # in this run: a resumed run starts later
+        eta = (time.perf_counter() - started) / steps_done * steps_left
         extra = {name: value.item() for name, value in self.step_metrics.items()}
-        lr = self.lr_scheduler.get_last_lr()[0]
-        self.metrics.log(self.step, global_loss, grad_norm.item(), lr, eta, extra=extra)
+        self.metrics.log(self.step, global_loss, grad_norm.item(), self.lr, eta, extra=extra)
 
     def _validate(self) -> None:
         autocast = autocast_context(self.job_config, self.parallel_dims, self.device)
@@ -212,6 +216,7 @@ class Trainer:
             return
         if self.checkpointer.load(self.train_state):
             self.step = self.train_state.step
+        self.first_step = self.step + 1
         data_iter = iter(self.dataloader)
         gc.disable()
         started = time.perf_counter()
@@ -226,7 +231,10 @@ class Trainer:
         except torch.OutOfMemoryError:
             self.memory_snapshotter.on_oom()
             raise
-        logger.info(f"Training finished after {self.step} steps in {time.perf_counter() - started:.1f}s")
+        logger.info(
+            f"Training finished at step {self.step}: {self.step - self.first_step + 1} steps in "
+            f"{time.perf_counter() - started:.1f}s"
+        )
 
     def _train_steps(self, data_iter, started: float, profiler) -> None:
         cfg = self.job_config
@@ -240,16 +248,19 @@ class Trainer:
                 gc.collect(1)
             loss, grad_norm, data_seconds = self.train_step(data_iter)
             self.metrics.count(self.tokens_per_device_per_step, data_seconds)
-            if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+            first = self.step == self.first_step
+            if first or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
                 self._log(loss, grad_norm, started)
-            if self.step == 1:
+            if first:
                 dist_utils.set_collective_timeout(cfg.comm.train_timeout_seconds)
             if self.validator and (self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps):
-                self._validate()
+                with self.metrics.paused():
+                    self._validate()
             self.train_state.step = self.step
             self.train_state.tokens_seen += self.tokens_per_device_per_step * self.parallel_dims.world_size
             if self.checkpointer.should_save(self.step, cfg.training.steps):
-                self.checkpointer.save(self.train_state, last=self.step == cfg.training.steps)
+                with self.metrics.paused():
+                    self.checkpointer.save(self.train_state, last=self.step == cfg.training.steps)
             profiler.step()
             self.memory_snapshotter.after_step(self.step)
 

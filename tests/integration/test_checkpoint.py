@@ -129,6 +129,12 @@ def test_excluded_dataloader_restarts_the_data_but_keeps_the_weights(uninterrupt
     assert resumed[6] != original[6]  # step 6 now sees the first batch again
 
 
+def test_a_resumed_run_logs_its_own_first_step_and_counts_only_its_own_steps(uninterrupted, tmp_path):
+    proc = _resume_from_step_5(uninterrupted, tmp_path, extra=["--metrics.log_freq", "4"])
+    assert sorted(_losses(tmp_path)) == [6, 8, 10]  # first of this run, every 4th, last
+    assert "Training finished at step 10: 5 steps in" in proc.stderr
+
+
 def test_unknown_exclude_entry_is_refused_with_exit_code_2(tmp_path):
     proc = run_trainer(
         BASE + ["--checkpoint.exclude_from_loading", "optimiser", "--job.dump_folder", str(tmp_path)]

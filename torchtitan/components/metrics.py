@@ -1,5 +1,6 @@
 """Step metrics: one log line, one metrics.jsonl record, TensorBoard and W&B scalars."""
 
+import contextlib
 import json
 import logging
 import time
@@ -90,7 +91,21 @@ class MetricsProcessor:
     def reset_window(self) -> None:
         self.window_start = time.perf_counter()
         self.tokens, self.data_seconds, self.steps = 0, 0.0, 0
+        self.paused_seconds = 0.0
         reset_peak_memory(self.device)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave the time spent inside out of the current window.
+
+        For validation and checkpoint saves between steps: counted, they would lower the tps,
+        TFLOPs and MFU of whichever window they fall in, though no training happened.
+        """
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_seconds += time.perf_counter() - start
 
     def count(self, tokens: int, data_seconds: float) -> None:
         """Record one step's local tokens and data-loading time."""
@@ -108,7 +123,7 @@ class MetricsProcessor:
         extra: dict | None = None,
     ) -> dict:
         """Write one record for `step` (from every rank's own counts) and start a new window."""
-        elapsed = time.perf_counter() - self.window_start
+        elapsed = time.perf_counter() - self.window_start - self.paused_seconds
         tps = self.tokens / elapsed if elapsed > 0 else 0.0
         tflops = self.flops_per_token * tps / 1e12
         record = {

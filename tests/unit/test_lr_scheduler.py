@@ -1,0 +1,113 @@
+"""The warmup-stable-decay learning-rate schedule, as the optimizer sees it step by step."""
+
+import pytest
+import torch
+
+from torchtitan.components.lr_scheduler import build_lr_scheduler, lr_factor
+from torchtitan.config.manager import parse_args
+
+PEAK = 1e-3
+
+
+def _config(args: list[str]):
+    """A config whose schedule keys are the defaults unless `args` sets them (the default
+    config file, the Llama 3 debug model, has its own schedule)."""
+    defaults = ["--lr_scheduler.decay_ratio", "none", "--lr_scheduler.decay_type", "linear",
+                "--lr_scheduler.min_lr_factor", "0"]  # fmt: skip
+    return parse_args(["--optimizer.lr", str(PEAK), *defaults, *args], env={})
+
+
+def _lrs_used(args: list[str]) -> list[float]:
+    """The lr of every optimizer step of a run, read the way the trainer reads it."""
+    cfg = _config(args)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=cfg.optimizer.lr)
+    scheduler = build_lr_scheduler(optimizer, cfg)
+    used = []
+    for _ in range(cfg.training.steps):
+        optimizer.step()
+        used.append(optimizer.param_groups[0]["lr"])
+        assert scheduler.get_last_lr()[0] == used[-1]  # what the trainer logs
+        scheduler.step()
+    return used
+
+
+def test_warmup_rises_linearly_and_reaches_the_peak_on_the_first_step_after_it():
+    args = ["--training.steps", "10", "--lr_scheduler.warmup_steps", "3", "--lr_scheduler.decay_ratio", "0.5"]
+    lrs = _lrs_used(args)
+    assert lrs[:4] == pytest.approx([PEAK / 4, 2 * PEAK / 4, 3 * PEAK / 4, PEAK])
+
+
+def test_linear_decay_ends_at_min_lr_factor_on_the_last_step():
+    args = [
+        "--training.steps",
+        "10",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--lr_scheduler.min_lr_factor",
+        "0.1",
+    ]
+    lrs = _lrs_used(args)
+    assert lrs[-1] == pytest.approx(0.1 * PEAK)
+    decay = lrs[2:]
+    steps = [b - a for a, b in zip(decay, decay[1:])]
+    assert steps == pytest.approx([steps[0]] * len(steps))
+    assert steps[0] < 0
+
+
+def test_decay_ratio_keeps_the_peak_through_the_stable_phase():
+    lrs = _lrs_used(
+        ["--training.steps", "12", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0.5"]
+    )
+    # 10 steps after warmup, half of them stable: steps 3 to 7 at the peak.
+    assert lrs[2:7] == pytest.approx([PEAK] * 5)
+    assert lrs[7] < PEAK
+    assert lrs[-1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_decay_ratio_zero_never_decays():
+    lrs = _lrs_used(
+        ["--training.steps", "6", "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0"]
+    )
+    assert lrs[1:] == pytest.approx([PEAK] * 5)
+
+
+@pytest.mark.parametrize("decay_type, halfway", [("linear", 0.5), ("sqrt", 1 - 0.5**0.5), ("cosine", 0.5)])
+def test_decay_shapes_at_their_midpoint_and_quarter(decay_type, halfway):
+    factor = lambda step: lr_factor(step, 0, 0, 100, decay_type, min_factor=0.2)  # noqa: E731
+    assert factor(50) == pytest.approx(0.2 + 0.8 * halfway)
+    quarter = {"linear": 0.75, "sqrt": 0.5, "cosine": 0.5 * (1 + 2**-0.5)}[decay_type]
+    assert factor(25) == pytest.approx(0.2 + 0.8 * quarter)
+    assert factor(100) == pytest.approx(0.2)
+
+
+def test_warmup_longer_than_the_run_is_cut_to_the_run():
+    lrs = _lrs_used(["--training.steps", "4", "--lr_scheduler.warmup_steps", "100"])
+    assert lrs == pytest.approx([PEAK * k / 5 for k in range(1, 5)])
+
+
+def test_a_scheduler_restored_from_its_state_continues_the_same_schedule():
+    cfg = _config(["--training.steps", "10", "--lr_scheduler.warmup_steps", "3"])
+
+    def fresh():
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=PEAK)
+        return optimizer, build_lr_scheduler(optimizer, cfg)
+
+    optimizer, scheduler = fresh()
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    state = scheduler.state_dict()
+    want = []
+    for _ in range(6):
+        want.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+
+    optimizer, resumed = fresh()
+    resumed.load_state_dict(state)
+    got = []
+    for _ in range(6):
+        got.append(resumed.get_last_lr()[0])
+        optimizer.step()
+        resumed.step()
+    assert got == pytest.approx(want)

@@ -1,0 +1,69 @@
+"""Throughput accounting of the metrics window, on a fake clock."""
+
+import types
+
+import pytest
+import torch
+
+from torchtitan.components import metrics as metrics_module
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.config.manager import parse_args
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(metrics_module, "time", types.SimpleNamespace(perf_counter=fake.perf_counter))
+    return fake
+
+
+def _processor(tmp_path) -> MetricsProcessor:
+    cfg = parse_args(["--job.dump_folder", str(tmp_path)], env={})
+    return MetricsProcessor(cfg, torch.device("cpu"), flops_per_token=6e9, is_writer=True)
+
+
+def test_tps_counts_the_tokens_over_the_training_time_of_the_window(tmp_path, clock):
+    metrics = _processor(tmp_path)
+    clock.now = 4.0
+    metrics.count(tokens=1000, data_seconds=0.4)
+    clock.now = 8.0
+    metrics.count(tokens=1000, data_seconds=0.4)
+    record = metrics.log(step=2, loss=1.0, grad_norm=1.0, lr=1e-3)
+    assert record["tps"] == pytest.approx(250.0)
+    assert record["tflops"] == pytest.approx(250.0 * 6e9 / 1e12)
+    assert record["step_seconds"] == pytest.approx(4.0)
+    assert record["data_loading_pct"] == pytest.approx(10.0)
+
+
+def test_paused_time_is_left_out_of_tps_and_step_time(tmp_path, clock):
+    metrics = _processor(tmp_path)
+    clock.now = 4.0
+    metrics.count(tokens=1000, data_seconds=0.0)
+    with metrics.paused():  # e.g. validation
+        clock.now = 34.0
+    clock.now = 38.0
+    metrics.count(tokens=1000, data_seconds=0.0)
+    with metrics.paused():  # e.g. a checkpoint save
+        clock.now = 48.0
+    record = metrics.log(step=2, loss=1.0, grad_norm=1.0, lr=1e-3)
+    assert record["tps"] == pytest.approx(250.0)
+    assert record["step_seconds"] == pytest.approx(4.0)
+
+
+def test_a_pause_counts_only_in_the_window_it_fell_in(tmp_path, clock):
+    metrics = _processor(tmp_path)
+    with metrics.paused():
+        clock.now = 100.0
+    metrics.log(step=1, loss=1.0, grad_norm=1.0, lr=1e-3)
+    clock.now = 110.0
+    metrics.count(tokens=1000, data_seconds=0.0)
+    record = metrics.log(step=2, loss=1.0, grad_norm=1.0, lr=1e-3)
+    assert record["tps"] == pytest.approx(100.0)
