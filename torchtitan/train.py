@@ -28,6 +28,7 @@ from torchtitan.components.validate import Validator
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError, format_help, parse_args, to_toml
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
 from torchtitan.protocols.train_spec import get_train_spec
@@ -167,7 +168,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         total_loss = torch.zeros((), device=self.device)
         data_seconds = 0.0
-        for _ in range(self.accum_steps):
+        for micro_batch in range(self.accum_steps):
+            last = micro_batch == self.accum_steps - 1
+            set_gradient_sync(self.model, self.parallel_dims, sync=last)
             start = time.perf_counter()
             inputs, labels = self._next_batch(data_iter)
             data_seconds += time.perf_counter() - start

@@ -16,8 +16,9 @@ SMALL = ["--training.seq_len", "64", "--training.steps", "5", "--metrics.log_fre
 GLOBAL_BATCH = 4
 
 
-def _run(tmp_path, name, nproc, dp, extra=()) -> list[dict]:
-    local = ["--training.local_batch_size", str(GLOBAL_BATCH // dp)]
+def _run(tmp_path, name, nproc, split, extra=()) -> list[dict]:
+    """Train with the global batch split `split` ways (data-parallel degree x micro-batches)."""
+    local = ["--training.local_batch_size", str(GLOBAL_BATCH // split)]
     proc = run_trainer(SMALL + local + list(extra) + ["--job.dump_folder", str(tmp_path / name)], nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_metrics(tmp_path / name)
@@ -43,13 +44,17 @@ LAYOUTS = {
     "hsdp2x2": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2"]),
     "ddp2": (2, 2, ["--parallelism.data_parallel_replicate_degree", "2",
                     "--parallelism.data_parallel_shard_degree", "1"]),
+    # Local batch 1 on 2 replicas: 2 micro-batches per step, gradients reduced on the last.
+    "ddp2_accumulating": (2, 4, ["--parallelism.data_parallel_replicate_degree", "2",
+                                 "--parallelism.data_parallel_shard_degree", "1",
+                                 "--training.global_batch_size", str(GLOBAL_BATCH)]),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process_losses_and_grad_norms(layout, single_process, tmp_path):
-    nproc, dp, extra = LAYOUTS[layout]
-    _assert_matches(_run(tmp_path, layout, nproc, dp, extra), single_process)
+    nproc, split, extra = LAYOUTS[layout]
+    _assert_matches(_run(tmp_path, layout, nproc, split, extra), single_process)
 
 
 _AC = "--activation_checkpoint."
@@ -85,3 +90,14 @@ def test_op_sac_does_not_recommunicate_tensor_parallel_collectives():
         full["backward"] == none["backward"] + none["forward"] - 2
     )  # the root's embedding/output are not recomputed
     assert op_sac["backward"] == none["backward"]
+
+
+def test_accumulated_micro_batches_reduce_across_replicas_once_per_step():
+    report = run_worker("grad_sync_worker", nproc=4)
+    # After the first micro-batch, nothing has crossed the replicas yet.
+    assert report["ddp4"]["after_first"] == "local"
+    assert report["hsdp2x2"]["after_first"] == "held"
+    # One all-reduce per FSDP unit (six blocks and the root) for the step, not per micro-batch.
+    assert report["hsdp2x2"]["all_reduces"] == 6 + 1
+    for layout in ("ddp4", "hsdp2x2"):
+        assert report[layout]["max_rel_error"] < 1e-5, (layout, report[layout])

@@ -84,6 +84,23 @@ def apply_ddp(model: nn.Module, parallel_dims: ParallelDims) -> None:
     replicate(model, device_mesh=parallel_dims.submesh("dp_replicate"), bucket_cap_mb=100)
 
 
+def set_gradient_sync(model: nn.Module, parallel_dims: ParallelDims, sync: bool) -> None:
+    """Whether the next backward reduces gradients across data-parallel replicas.
+
+    With gradient accumulation only the last micro-batch of a step needs to. DDP then
+    all-reduces the summed local gradients once per step instead of once per micro-batch, and
+    HSDP skips its all-reduce across replicas (the reduce-scatter within a replica still runs
+    every micro-batch, so gradients stay sharded). Plain FSDP is left alone: skipping its
+    reduce-scatter would hold unsharded gradients, trading memory for communication.
+
+    Pitfall: call it before the forward, not just before backward; DDP reads it there.
+    """
+    if parallel_dims.fsdp_enabled and parallel_dims.dp_replicate > 1:
+        model.set_requires_all_reduce(sync)
+    elif parallel_dims.ddp_enabled:
+        model.set_requires_gradient_sync(sync)
+
+
 def apply_data_parallel(
     model: nn.Module,
     parallel_dims: ParallelDims,
