@@ -264,6 +264,8 @@ class Trainer:
             if self.checkpointer.should_save(self.step, cfg.training.steps):
                 with self.metrics.paused():
                     self.checkpointer.save(self.train_state, last=self.step == cfg.training.steps)
+            else:
+                self.checkpointer.poll()
             profiler.step()
             self.memory_snapshotter.after_step(self.step)
 

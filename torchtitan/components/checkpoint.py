@@ -283,25 +283,41 @@ class CheckpointManager:
         dtype = TORCH_DTYPES[self.config.export_dtype]
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in self._model_state().items()}
 
+    def poll(self) -> None:
+        """Make a pending async save visible as soon as it has finished; call once per step.
+
+        Without it a finished save stayed `.partial` until the next save, so a run killed in
+        between resumed from one interval earlier than it had written.
+        """
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
     def wait(self) -> None:
-        """Finish a pending async save (and make it visible)."""
+        """Finish a pending async save (blocking until written) and make it visible.
+
+        Needs no barrier: DCP returns from a save on any rank only after the coordinator has
+        gathered every rank's writes and written the metadata, so when this rank's future is
+        done the checkpoint is whole, and rank 0 renames it while the others train on.
+        """
         if self.pending is None:
             return
         future, partial, final, start = self.pending
         self.pending = None
         future.result()
-        self._publish(partial, final, start)
+        self._publish(partial, final, start, collective=False)
 
-    def _publish(self, partial: Path, final: Path, start: float) -> None:
+    def _publish(self, partial: Path, final: Path, start: float, collective: bool = True) -> None:
         crash_step = os.environ.get(CRASH_DURING_SAVE_ENV)
         if crash_step is not None and final.name == f"step-{crash_step}":
             os._exit(17)
-        _barrier()
+        if collective:
+            _barrier()
         if _rank() == 0:
             shutil.rmtree(final, ignore_errors=True)
             partial.rename(final)
             self._keep_latest()
-        _barrier()
+        if collective:
+            _barrier()
         logger.info(f"Saved checkpoint {final} in {time.perf_counter() - start:.1f}s")
 
     def _keep_latest(self) -> None:

@@ -1,0 +1,87 @@
+"""Checkpoint folders: which survive keep_latest_k, and when an async save becomes visible."""
+
+import time
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torchtitan.components.checkpoint import CheckpointManager, complete_steps, prune_checkpoints
+from torchtitan.config.manager import parse_args
+
+
+def _save(folder, step: int, resumable: bool = True, suffix: str = "") -> None:
+    state = {"model": {"weight": torch.full((2,), float(step))}}
+    if resumable:
+        state["train_state"] = {"step": step}
+    dcp.save(state, checkpoint_id=str(folder / f"step-{step}{suffix}"))
+
+
+def test_keeps_the_k_newest_checkpoints(tmp_path):
+    for step in (2, 4, 6, 8):
+        _save(tmp_path, step)
+    prune_checkpoints(tmp_path, keep=2)
+    assert complete_steps(tmp_path) == [6, 8]
+
+
+def test_a_model_only_final_save_does_not_push_out_the_last_resumable_checkpoint(tmp_path):
+    for step in (2, 4):
+        _save(tmp_path, step)
+    _save(tmp_path, 5, resumable=False)  # last_save_model_only
+    prune_checkpoints(tmp_path, keep=1)
+    assert complete_steps(tmp_path) == [4, 5]
+
+
+def test_zero_keeps_every_checkpoint(tmp_path):
+    for step in (2, 4, 6):
+        _save(tmp_path, step)
+    prune_checkpoints(tmp_path, keep=0)
+    assert complete_steps(tmp_path) == [2, 4, 6]
+
+
+def test_an_unfinished_save_is_neither_counted_nor_removed(tmp_path):
+    for step in (2, 4):
+        _save(tmp_path, step)
+    (tmp_path / "step-6.partial").mkdir()
+    prune_checkpoints(tmp_path, keep=1)
+    assert complete_steps(tmp_path) == [4]
+    assert (tmp_path / "step-6.partial").is_dir()
+
+
+class FakeFuture:
+    """An async save's future that finishes when the test says so."""
+
+    def __init__(self):
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def result(self) -> None:
+        assert self.finished, "wait() would block here"
+
+
+def _manager_with_pending_save(tmp_path, step: int) -> tuple[CheckpointManager, FakeFuture]:
+    cfg = parse_args(["--job.dump_folder", str(tmp_path), "--checkpoint.enable",
+                      "--checkpoint.async_mode", "async"], env={})  # fmt: skip
+    manager = CheckpointManager(
+        cfg, None, None, None, None, dp_rank=0, dp_degree=1, device=torch.device("cpu")
+    )
+    _save(manager.folder, step, suffix=".partial")  # what dcp.async_save has written
+    future = FakeFuture()
+    final = manager.folder / f"step-{step}"
+    manager.pending = (future, final.with_name(f"step-{step}.partial"), final, time.perf_counter())
+    return manager, future
+
+
+def test_an_async_save_stays_invisible_while_it_is_being_written(tmp_path):
+    manager, _ = _manager_with_pending_save(tmp_path, step=5)
+    manager.poll()
+    assert complete_steps(manager.folder) == []
+
+
+def test_a_finished_async_save_becomes_visible_at_the_next_poll(tmp_path):
+    manager, future = _manager_with_pending_save(tmp_path, step=5)
+    future.finished = True
+    manager.poll()
+    assert complete_steps(manager.folder) == [5]
+    assert manager.pending is None
