@@ -4,6 +4,7 @@ Run as `python -m torchtitan.train [--config NAME_OR_PATH] [--section.key value 
 or under torchrun. The same code runs on CUDA (nccl) and on the CPU (gloo).
 """
 
+import datetime
 import gc
 import logging
 import signal
@@ -86,6 +87,7 @@ class Trainer:
         self.lr = cfg.optimizer.lr
         self.step_metrics: dict[str, torch.Tensor] = {}
         self.stop_requested = False
+        self.stop_group = self._build_stop_group()
         self.train_state = TrainState()
         self.checkpointer = CheckpointManager(
             cfg, self.model, self.optimizer, self.lr_scheduler, self.dataloader, dp_rank=dp_rank,
@@ -269,13 +271,24 @@ class Trainer:
             profiler.step()
             self.memory_snapshotter.after_step(self.step)
 
+    def _build_stop_group(self):
+        """A gloo group for agreeing on SIGTERM (see `_stop_agreed`); None when not needed."""
+        if not (self.job_config.checkpoint.enable and dist.is_initialized()):
+            return None
+        timeout = datetime.timedelta(seconds=self.job_config.comm.init_timeout_seconds)
+        return dist.new_group(backend="gloo", timeout=timeout)
+
     def _stop_agreed(self) -> bool:
         """Whether to stop now. With checkpointing every rank must stop at the same step to save
-        it, so the ranks agree (one tiny all-reduce per step); otherwise each rank's signal."""
-        if not (self.job_config.checkpoint.enable and dist.is_initialized()):
+        it, so the ranks agree (one tiny all-reduce per step); otherwise each rank's signal.
+
+        The flag is a CPU tensor on a gloo group: on the accelerator, reading the result back
+        would wait for the whole previous step to finish every step, stalling the host's run-ahead.
+        """
+        if self.stop_group is None:
             return self.stop_requested
-        flag = torch.tensor(float(self.stop_requested), device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor(float(self.stop_requested))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.stop_group)
         return bool(flag.item())
 
     def request_stop(self, signum, frame) -> None:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,6 +170,35 @@ def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
     assert proc.returncode == 143, output[-2000:]
     stopped_at = max(_losses(tmp_path))
     assert _steps(tmp_path) == [f"step-{stopped_at}"], output[-2000:]
+
+
+def _worker_pid(launcher_pid: int, local_rank: int) -> int | None:
+    """The pid of torchrun's worker with LOCAL_RANK `local_rank`, once it has started."""
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    for pid in children:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"LOCAL_RANK={local_rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(tmp_path):
+    argv = BASE + ["--training.local_batch_size", "4", "--training.steps", "100000",
+                   "--checkpoint.interval", "100000", "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend",
+                "c10d", "--rdzv_endpoint", "localhost:0", "-m", "torchtitan.train"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(launcher + argv, cwd=PROJECT_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.time() + 120
+    while not (tmp_path / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    os.kill(_worker_pid(proc.pid, local_rank=1), signal.SIGTERM)  # rank 0 gets no signal
+    output, _ = proc.communicate(timeout=120)
+    stopped_at = max(_losses(tmp_path))
+    assert output.count(f"Stopped by SIGTERM after step {stopped_at}") == 2, output[-3000:]  # both ranks
+    assert _steps(tmp_path) == [f"step-{stopped_at}"], output[-3000:]
+    assert "exitcode  : 143" in output  # torchrun's summary of the workers
 
 
 def test_seed_checkpoint_gives_any_layout_the_same_start(tmp_path):
