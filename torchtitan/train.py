@@ -225,6 +225,7 @@ class Trainer:
         data_iter = iter(self.dataloader)
         gc.disable()
         started = time.perf_counter()
+        self.metrics.reset_window()  # the first step's throughput leaves out setup and loading
         logger.info(
             f"Training {cfg.training.steps} steps: global batch "
             f"{cfg.training.local_batch_size * self.parallel_dims.dp_degree * self.accum_steps} x "
