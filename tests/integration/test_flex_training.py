@@ -65,6 +65,7 @@ def test_flex_config_trains_on_two_processes_and_loss_falls(config, mode, runs):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_op_sac_and_full_ac_train_alike(config, runs):
     op_sac, full = runs(config, "op-SAC")[1], runs(config, "full")[1]
+    assert len(op_sac) == len(full) == STEPS
     for a, b in zip(op_sac, full):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
 
@@ -72,6 +73,7 @@ def test_op_sac_and_full_ac_train_alike(config, runs):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_compiled_training_equals_eager(config, runs):
     eager, compiled = runs(config, "op-SAC")[1], runs(config, "op-SAC + compile")[1]
+    assert len(compiled) == len(eager) == STEPS
     for a, b in zip(compiled, eager):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a, b)
 

@@ -65,8 +65,9 @@ def test_tensor_parallel_2_gives_every_gradient_of_one_process():
     # only, so each gradient is compared directly.
     errors = run_worker("test_qwen3_training")
     assert {"layers.0.attention.q_norm.weight", "layers.5.attention.k_norm.weight"} <= errors.keys()
-    worst = max(errors, key=errors.get)
-    assert errors[worst] < 1e-5, (worst, errors[worst])
+    # Written so that a NaN error (which max() may pass over) fails too.
+    bad = {name: error for name, error in errors.items() if not error < 1e-5}
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("config", ["qwen3_debug_model.toml", "qwen3_debug_model_moe.toml"])

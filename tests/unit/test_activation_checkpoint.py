@@ -307,6 +307,9 @@ def test_flex_with_op_sac_and_no_compile_puts_attention_under_full_ac(caplog, mo
     assert "Checkpoint" not in type(block).__name__
     assert "Checkpoint" in type(block.attention).__name__
     assert "Checkpoint" in type(block.feed_forward).__name__
+    # Full AC has no selective policy (context_fn); op-SAC keeps its own on the feed-forward.
+    assert "context_fn" not in block.attention.checkpoint_fn.keywords
+    assert "context_fn" in block.feed_forward.checkpoint_fn.keywords
     assert block.attention._checkpoint_wrapped_module.wq is not None
     warnings = [r.message for r in caplog.records if "flex_attention" in r.message]
     assert len(warnings) == 1 and "compile off" in warnings[0]
@@ -337,7 +340,9 @@ def test_flex_with_compile_and_dense_blocks_wraps_whole_blocks():
     with torch.device("meta"):
         model = Transformer(DEBUG_ARGS)
     apply_ac(model, OP_SAC, use_flex_attn=True, model_compile_enabled=True)
-    assert len(_wrapped(model)) == 6
+    blocks = list(model.layers.values())
+    assert len(blocks) == 6 and all(_is_checkpointed(block) for block in blocks)
+    assert all("context_fn" in block.checkpoint_fn.keywords for block in blocks)
 
 
 # ----- every model, and the one-module rule ------------------------------------------------

@@ -87,8 +87,10 @@ def test_help_lists_every_option_with_its_default():
     text = format_help()
     for section, table in JobConfig().to_dict().items():
         for key, value in table.items():
-            assert f"--{section}.{key} (" in text
-            assert f"default {value!r}" in text
+            option = f"--{section}.{key} ("
+            assert option in text
+            line = text.split(option, 1)[1].split("\n", 1)[0]
+            assert line.endswith(f"default {value!r})"), (section, key, line)
 
 
 def _error(argv, env=None) -> str:

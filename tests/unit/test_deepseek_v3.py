@@ -167,6 +167,8 @@ def test_init_is_a_function_of_the_seed_and_wo_shrinks_with_depth():
     a, b = _init(_meta_model(_tiny_args())), _init(_meta_model(_tiny_args()))
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa, pb), name
+    other = _init(_meta_model(_tiny_args()), seed=1)
+    assert not torch.equal(a.tok_embeddings.weight, other.tok_embeddings.weight)
     assert a.layers["2"].attention.wo.weight.std() < a.layers["0"].attention.wo.weight.std()
     assert torch.equal(a.layers["0"].attention.kv_norm.weight, torch.ones(16))
 

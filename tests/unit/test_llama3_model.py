@@ -33,14 +33,14 @@ def test_tied_flavors_have_no_output_projection():
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(1.236e9, rel=0.005)
 
 
-def _tiny(**overrides) -> Transformer:
+def _tiny(seed: int = 0, **overrides) -> Transformer:
     args = TransformerModelArgs(
         dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16, **overrides
     )
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model.init_weights()
     return model
 
@@ -54,9 +54,10 @@ def test_meta_model_initializes_in_place_to_finite_weights():
 
 
 def test_init_is_a_function_of_the_seed():
-    a, b = _tiny(), _tiny()
+    a, b, other = _tiny(), _tiny(), _tiny(seed=1)
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa, pb), name
+    assert not torch.equal(a.tok_embeddings.weight, other.tok_embeddings.weight)
 
 
 def test_output_projection_init_shrinks_with_depth():

@@ -12,6 +12,7 @@ from torchtitan.models.qwen3 import qwen3_flavors
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+from torchtitan.models.rope import apply_rope
 
 # Source: the config.json of each Hugging Face repo Qwen/Qwen3-<size> (hidden_size,
 # num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
@@ -103,14 +104,14 @@ def test_qk_norm_is_one_rmsnorm_over_head_dim_per_block():
     assert dropped == 36 * 2 * 128
 
 
-def _tiny(**overrides) -> Qwen3Model:
+def _tiny(seed: int = 0, **overrides) -> Qwen3Model:
     args = Qwen3ModelArgs(
         dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=64, vocab_size=64,
         max_seq_len=16, **overrides,
     )  # fmt: skip
     model = _meta_model(args)
     model.to_empty(device="cpu")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model.init_weights()
     return model
 
@@ -121,11 +122,16 @@ def test_qk_norm_normalizes_every_query_and_key_head_before_rope():
     attention = model.layers["0"].attention
     for name in ("q_norm", "k_norm"):
         getattr(attention, name).register_forward_hook(lambda m, i, o, name=name: seen.update({name: o}))
+    attention.register_forward_pre_hook(lambda m, args: seen.update(rope=args[1]))
+    attention.sdpa.register_forward_pre_hook(lambda m, args: seen.update(q=args[0], k=args[1]))
     model(torch.randint(0, 64, (2, 16)))
     assert seen["q_norm"].shape == (2, 16, 4, 16) and seen["k_norm"].shape == (2, 16, 2, 16)
-    for out in seen.values():  # unit weights: every head vector has RMS 1
-        rms = out.pow(2).mean(-1).sqrt()
+    for name in ("q_norm", "k_norm"):  # unit weights: every head vector has RMS 1
+        rms = seen[name].pow(2).mean(-1).sqrt()
         assert torch.allclose(rms, torch.ones_like(rms), atol=1e-3)
+    # Attention sees the normalized heads rotated: the norm comes first, then RoPE.
+    for name, normed in (("q", seen["q_norm"]), ("k", seen["k_norm"])):
+        torch.testing.assert_close(seen[name], apply_rope(normed, seen["rope"]).transpose(1, 2))
 
 
 def test_meta_model_initializes_in_place_to_finite_weights():
@@ -144,6 +150,8 @@ def test_init_is_a_function_of_the_seed(tied):
     assert [n for n, _ in a.named_parameters()] == [n for n, _ in b.named_parameters()]
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa, pb), name
+    other = _tiny(seed=1, tie_word_embeddings=tied)
+    assert not torch.equal(a.tok_embeddings.weight, other.tok_embeddings.weight)
 
 
 def test_output_projection_init_shrinks_with_depth():
@@ -248,6 +256,8 @@ def test_moe_debug_model_ac_keeps_loss_gradients_and_routing_counts(ac_mode, opt
     ref_loss, ref_grads, ref_counts = step(_moe_debug_model("none"))
     loss, grads, counts = step(_moe_debug_model(ac_mode, option))
     assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
     assert all(torch.equal(grads[name], grad) for name, grad in ref_grads.items())
     # Recompute neither re-counts tokens nor routes differently.
+    assert len(counts) == len(ref_counts) == qwen3_flavors["debugmodel_moe"].n_layers  # every block
     assert all(torch.equal(a, b) for a, b in zip(counts, ref_counts))
