@@ -118,6 +118,14 @@ def test_unknown_section_lists_valid_sections(tmp_path):
     assert "[trainning]" in message and "Did you mean 'training'" in message
 
 
+def test_an_upstream_torchtitan_section_is_named_as_not_built(tmp_path):
+    copied = tmp_path / "upstream.toml"
+    copied.write_text("[float8]\nenable_fsdp_float8_all_gather = true\n")
+    message = _error(["--config", str(copied)])
+    assert "[float8]" in message and "float8 training" in message and "remove the section" in message
+    assert "Did you mean" not in message
+
+
 def test_wrong_type_names_key_value_and_expected_type(tmp_path):
     message = _error(["--training.steps", "ten"])
     assert "training.steps" in message and "'ten'" in message and "int" in message

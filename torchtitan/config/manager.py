@@ -28,6 +28,15 @@ NOT_BUILT_YET = {
     "parallelism.context_parallel_degree": "context parallelism",
     "parallelism.pipeline_parallel_degree": "pipeline parallelism",
 }
+# Sections of upstream torchtitan's config with no counterpart here, and what they configure.
+UPSTREAM_ONLY_SECTIONS = {
+    "float8": "float8 training",
+    "mx": "MX (microscaling) training",
+    "quantize": "quantized training",
+    "fault_tolerance": "TorchFT fault tolerance",
+    "experimental": "experimental model modules",
+    "memory_estimation": "memory estimation inside the trainer (use ./run_memory_estimation.sh instead)",
+}
 
 
 class ConfigError(ValueError):
@@ -92,6 +101,11 @@ def _closest(name: str, choices) -> str:
 
 def _unknown_key_error(where: str, section: str | None, key: str) -> ConfigError:
     sections = _sections()
+    if section in UPSTREAM_ONLY_SECTIONS:
+        return ConfigError(
+            f"section [{section}] in {where} configures {UPSTREAM_ONLY_SECTIONS[section]} in upstream "
+            "torchtitan, which this trainer does not build; remove the section."
+        )
     if section is None or section not in sections:
         name = section if section is not None else key
         return ConfigError(
