@@ -110,6 +110,16 @@ def test_ep2_with_two_micro_batches_matches_one_process(tmp_path, tmp_path_facto
     _assert_same_metrics(records, _single_process("qwen3 moe", tmp_path_factory), "2 micro-batches")
 
 
+@pytest.mark.full_matrix
+def test_hsdp_with_ep_and_two_micro_batches_matches_one_process(tmp_path):
+    """HSDP exchanges gradients across replicas on the last micro-batch only; the experts,
+    FSDP-sharded across the replicas, accumulate like everything else."""
+    single = _run(tmp_path, "single", 1, AC["none"] + ["--training.local_batch_size", "8"])
+    accumulate = ["--training.local_batch_size", "1", "--training.global_batch_size", "8"]
+    records = _run(tmp_path, "hsdp_ep", 4, LAYOUTS["HSDP 2 x 2, EP 2"][1] + AC["none"] + accumulate)
+    _assert_same_metrics(records, single, "HSDP 2 x 2, EP 2, 2 micro-batches")
+
+
 @pytest.mark.parametrize(
     "argv, match",
     [(["--parallelism.data_parallel_shard_degree", "3"], "does not divide data_parallel_shard_degree 3"),
