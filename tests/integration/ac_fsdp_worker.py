@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.integration.workers import AC_MODES, SEQ_LEN, build_debug_model
+from tests.integration.workers import AC_MODES, SEQ_LEN, build_debug_model, shut_down
 from torchtitan.distributed.parallel_dims import ParallelDims
 
 
@@ -50,7 +50,7 @@ def main():
         }
     if rank == 0:
         print(json.dumps(report))
-    dist.destroy_process_group()
+    shut_down()
 
 
 if __name__ == "__main__":

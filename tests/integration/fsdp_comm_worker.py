@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.integration.workers import build_debug_model
+from tests.integration.workers import build_debug_model, shut_down
 from torchtitan.distributed.parallel_dims import ParallelDims
 
 MODES = ("none", "full", "selective op")
@@ -50,7 +50,7 @@ def main():
     report = {mode: one_step(parallel_dims, mode) for mode in MODES}
     if dist.get_rank() == 0:
         print(json.dumps(report))
-    dist.destroy_process_group()
+    shut_down()
 
 
 if __name__ == "__main__":

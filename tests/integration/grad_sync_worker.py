@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tests.integration.workers import build_debug_model
+from tests.integration.workers import build_debug_model, shut_down
 from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.parallel_dims import ParallelDims
 
@@ -92,7 +92,7 @@ def main():
     report = {layout: one_step(layout, tokens) for layout in LAYOUTS}
     if dist.get_rank() == 0:
         print(json.dumps(report))
-    dist.destroy_process_group()
+    shut_down()
 
 
 if __name__ == "__main__":

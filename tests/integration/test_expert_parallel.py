@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import read_metrics, run_trainer
-from tests.integration.workers import run_worker
+from tests.integration.workers import run_worker, shut_down
 from torchtitan.config.manager import ConfigError, parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.qwen3 import qwen3_flavors
@@ -307,7 +307,8 @@ def _worker() -> None:
     )
     if dist.get_rank() == 0:
         print(json.dumps(report))
-    dist.destroy_process_group()
+    del model, experts
+    shut_down()
 
 
 if __name__ == "__main__":

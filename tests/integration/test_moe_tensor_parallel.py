@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from tests.conftest import read_metrics, run_trainer
-from tests.integration.workers import run_worker
+from tests.integration.workers import run_worker, shut_down
 from torchtitan.config.manager import ConfigError, parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
@@ -99,7 +99,7 @@ def _worker() -> None:
             report[label][ac] = {"loss_error": abs(loss - reference[0]), "params": len(grads), "worst": worst}
     if dist.get_rank() == 0:
         print(json.dumps(report))
-    dist.destroy_process_group()
+    shut_down()
 
 
 SMALL = ["--training.seq_len", "64", "--training.steps", "5", "--metrics.log_freq", "1",

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.conftest import read_metrics, run_trainer
-from tests.integration.workers import run_worker
+from tests.integration.workers import run_worker, shut_down
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
@@ -114,7 +114,7 @@ def _worker() -> None:
     errors = {n: ((tp[n] - g).norm() / g.norm()).item() for n, g in plain.items()}
     if dist.get_rank() == 0:
         print(json.dumps(errors))
-    dist.destroy_process_group()
+    shut_down()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.integration.workers import build_debug_model
+from tests.integration.workers import build_debug_model, shut_down
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
@@ -53,7 +53,7 @@ def main():
     report = {mode: count(parallel_dims, mode) for mode in MODES}
     if dist.get_rank() == 0:
         print(json.dumps(report))
-    dist.destroy_process_group()
+    shut_down()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """What the torchrun worker scripts share: building the debug model through Llama 3's
 parallelize.py for a given AC mode, and launching a worker from a test."""
 
+import gc
 import json
 import os
 import subprocess
 import sys
 
 import torch
+import torch.distributed as dist
 
 from tests.conftest import PROJECT_ROOT, python_path
 from torchtitan.config.manager import parse_args
@@ -40,6 +42,16 @@ def build_debug_model(parallel_dims, ac_mode: str, extra_args: tuple = ()) -> to
     torch.manual_seed(0)
     model.init_weights()
     return model
+
+
+def shut_down() -> None:
+    """End a worker's distributed work: free what still refers to collective work (models,
+    autograd graphs), wait for every rank, then destroy the process groups. Objects left for
+    interpreter exit sometimes made gloo abort the process ('terminate called without an
+    active exception'), after the worker had printed its report."""
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_worker(name: str, nproc: int = 2) -> dict:
