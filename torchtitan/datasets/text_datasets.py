@@ -78,10 +78,12 @@ def resolve_local_source(dataset: str, dataset_path: str | None, key: str) -> li
 class PackedTokenDataset(IterableDataset):
     """Fixed windows of one token stream, dealt to data-parallel ranks batch by batch.
 
-    The rank's k-th sample is global window `(k // B) * B * D + rank * B + k % B` (B = local
-    batch, D = dp degree), taken modulo the window count: micro-batch i of every rank
-    together is global windows [i*B*D, (i+1)*B*D). Windows overlap by one token so every
-    token after the first is a label exactly once per epoch.
+    The rank's k-th sample is global window `offset + (k // B) * B * D + rank * B + k % B`
+    (B = local batch, D = dp degree), taken modulo the window count: micro-batch i of every
+    rank together is global windows offset + [i*B*D, (i+1)*B*D). Windows overlap by one token
+    so every token after the first is a label exactly once per epoch. `offset` is the number
+    of global windows a run resumed under another layout had already consumed (see
+    `state_continuing`); it is 0 otherwise.
 
     Args:
         tokens: 1-D token ids (a memmap is fine; it is never copied whole).
@@ -112,28 +114,64 @@ class PackedTokenDataset(IterableDataset):
                 "smaller training.seq_len / local_batch_size."
             )
         self.sample_index = 0
+        self.window_offset = 0
 
     def global_window(self, sample_index: int) -> int:
         b, d = self.local_batch_size, self.dp_degree
-        return (sample_index // b) * b * d + self.dp_rank * b + sample_index % b
+        return self.window_offset + (sample_index // b) * b * d + self.dp_rank * b + sample_index % b
 
     def __iter__(self):
         per_pass = (self.num_windows // (self.local_batch_size * self.dp_degree)) * self.local_batch_size
         while self.infinite or self.sample_index < per_pass:
-            g = self.global_window(self.sample_index)
-            epoch, window = divmod(g, self.num_windows)
-            if window == 0 and epoch > 0 and self.dp_rank == 0:
-                logger.info(f"dataset '{self.name}' starts epoch {epoch + 1}")
+            self._log_new_epoch()
+            window = self.global_window(self.sample_index) % self.num_windows
             start = window * self.seq_len
             chunk = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
             self.sample_index += 1
             yield chunk[:-1], chunk[1:]
 
+    def _log_new_epoch(self) -> None:
+        b, d, k = self.local_batch_size, self.dp_degree, self.sample_index
+        if self.dp_rank != 0 or k % b:
+            return
+        first = self.window_offset + (k // b) * b * d  # of this global micro-batch
+        epoch = (first + b * d - 1) // self.num_windows
+        if epoch > 0 and epoch > (first - 1) // self.num_windows:
+            logger.info(f"dataset '{self.name}' starts epoch {epoch + 1}")
+
     def state_dict(self) -> dict:
-        return {"sample_index": self.sample_index}
+        return {
+            "sample_index": self.sample_index,
+            "window_offset": self.window_offset,
+            "seq_len": self.seq_len,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.sample_index = state["sample_index"]
+        self.window_offset = state.get("window_offset", 0)  # absent before resharding existed
+
+    def state_continuing(self, saved: dict, saved_batch: int, saved_dp: int) -> dict:
+        """The state that takes up where a run with another layout stopped.
+
+        Args:
+            saved: that run's dataset state (any rank's: all hold the same global position).
+            saved_batch, saved_dp: its local batch size and data-parallel degree.
+
+        Returns a state whose `window_offset` is the global windows that run consumed, so this
+        layout reads the next one on. A changed `seq_len` cuts the stream into other windows;
+        the position then moves to the first new window that starts at or after the first
+        unread token, which skips less than one window.
+        """
+        b = saved_batch
+        consumed = saved.get("window_offset", 0) + (saved["sample_index"] // b) * b * saved_dp
+        saved_seq_len = saved.get("seq_len", self.seq_len)
+        if saved_seq_len != self.seq_len:
+            saved_windows = (len(self.tokens) - 1) // saved_seq_len
+            epoch, window = divmod(consumed, saved_windows)
+            first_unread_token = window * saved_seq_len
+            new_window = min(-(-first_unread_token // self.seq_len), self.num_windows)  # ceil
+            consumed = epoch * self.num_windows + new_window
+        return {"sample_index": 0, "window_offset": consumed, "seq_len": self.seq_len}
 
 
 class StreamingTokenDataset(IterableDataset):
@@ -173,6 +211,9 @@ class StreamingTokenDataset(IterableDataset):
         return {"data": self.data.state_dict(), "buffer": list(self.buffer), "epoch": self.epoch}
 
     def load_state_dict(self, state: dict) -> None:
+        # datasets applies a saved position only while its epoch equals the saved one; without
+        # this a run resumed in a later pass would restart that pass from document 0.
+        self.data.set_epoch(state["epoch"])
         self.data.load_state_dict(state["data"])
         self.buffer, self.epoch = list(state["buffer"]), state["epoch"]
 
