@@ -4,6 +4,7 @@ Run as `python -m torchtitan.train [--config NAME_OR_PATH] [--section.key value 
 or under torchrun. The same code runs on CUDA (nccl) and on the CPU (gloo).
 """
 
+import dataclasses
 import datetime
 import gc
 import logging
@@ -141,13 +142,15 @@ class Trainer:
 
     def _hf_adapter(self):
         """The model's Hugging Face state-dict adapter (None if it has none), built from the
-        published flavor rather than the run's args, so an exported config.json keeps the
-        flavor's context length."""
+        run's args (attention overrides included, so an export that HF would run with another
+        mask is refused) but with the published flavor's context length, which an exported
+        config.json keeps rather than the training seq_len."""
         adapter = self.spec.state_dict_adapter
         if adapter is None:
             return None
         flavor = self.spec.get_flavor(self.job_config.model.flavor)
-        return adapter(flavor, self.job_config.model.hf_assets_path)
+        args = dataclasses.replace(self.model_args, max_seq_len=flavor.max_seq_len)
+        return adapter(args, self.job_config.model.hf_assets_path)
 
     def _build_validator(self, dp_rank: int, dp_degree: int) -> Validator | None:
         if not self.job_config.validation.enable:

@@ -145,6 +145,16 @@ def test_unknown_exclude_entry_is_refused_with_exit_code_2(tmp_path):
     assert "'checkpoint.exclude_from_loading'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_an_hf_export_of_a_mask_hf_cannot_run_is_refused_before_training(tmp_path):
+    # The trainer builds the adapter from this run's attention keys, not the flavor's.
+    argv = ["--model.attn_backend", "flex", "--model.attn_mask_type", "sliding_window",
+            "--checkpoint.last_save_in_hf", "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    proc = run_trainer(BASE + argv)
+    assert proc.returncode == 2 and "'checkpoint.last_save_in_hf' = true" in proc.stderr, proc.stderr[-2000:]
+    assert "sliding_window" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "checkpoint").exists()
+
+
 def test_load_step_without_that_checkpoint_is_refused(uninterrupted, tmp_path):
     shutil.copytree(uninterrupted / "checkpoint", tmp_path / "checkpoint")
     proc = run_trainer(BASE + ["--checkpoint.load_step", "7", "--job.dump_folder", str(tmp_path)])

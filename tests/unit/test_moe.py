@@ -187,6 +187,21 @@ def test_sequence_aux_loss_matches_the_per_sequence_formula_and_reaches_the_gate
     assert moe.router.gate.weight.grad.abs().sum() > 0
 
 
+def test_an_eval_forward_neither_counts_tokens_nor_sets_the_aux_loss():
+    # Validation runs the model in eval mode between steps; its tokens must not steer the
+    # next expert-bias update, nor its aux loss reach the next backward.
+    moe = _moe(seq_aux_loss_coeff=0.01)
+    moe.train()
+    moe(_tokens(2, 10, DIM))
+    counted, aux = moe.tokens_per_expert.clone(), moe.aux_loss
+    moe.eval()
+    with torch.no_grad():
+        moe(_tokens(4, 10, DIM, seed=3))
+    assert counted.sum().item() == 2 * 10 * 2
+    assert torch.equal(moe.tokens_per_expert, counted)
+    assert moe.aux_loss is aux
+
+
 def test_aux_loss_is_none_when_its_coefficient_is_zero():
     moe = _moe()
     moe(_tokens(1, 4, DIM))

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -181,11 +182,31 @@ class CheckpointManager:
                 f"model '{job_config.model.name}' has no Hugging Face state-dict adapter, so "
                 "'checkpoint.initial_load_in_hf' and 'checkpoint.last_save_in_hf' cannot be used."
             )
+        if c.enable and c.last_save_in_hf and self.hf_adapter is not None:
+            self._check_exportable()
+        if c.initial_load_path and not c.enable:
+            raise ConfigError(
+                f"'checkpoint.initial_load_path' = '{c.initial_load_path}' is read only with "
+                "checkpoint.enable = true; set it (this run's checkpoints then go to "
+                f"'{self.folder}')."
+            )
         if c.initial_load_in_hf and not c.initial_load_path:
             raise ConfigError(
                 "'checkpoint.initial_load_in_hf' = true needs 'checkpoint.initial_load_path', the folder "
                 "with the Hugging Face safetensors."
             )
+
+    def _check_exportable(self) -> None:
+        """Refuse at startup, not after the last step, a run whose final HF export would fail."""
+        from torchtitan.protocols.state_dict_adapter import HFConfigError
+
+        try:
+            self.hf_adapter.hf_config()
+        except HFConfigError as error:
+            raise ConfigError(
+                f"'checkpoint.last_save_in_hf' = true, but this model cannot be exported: {error} "
+                "Set it to false (the final checkpoint is then DCP)."
+            ) from None
 
     # ----- state ------------------------------------------------------------------------
 
@@ -280,8 +301,14 @@ class CheckpointManager:
         self._publish(partial, final, start)
 
     def _export_model_state(self) -> dict:
+        return self._in_export_dtype(self._model_state())
+
+    def _in_export_dtype(self, state: dict) -> dict:
+        """Floating parameters in `export_dtype`; buffers (e.g. the fp32 expert bias, whose
+        rounding would move routing) keep theirs."""
         dtype = TORCH_DTYPES[self.config.export_dtype]
-        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in self._model_state().items()}
+        buffers = {_clean_fqn(name) for name, _ in self.model.named_buffers()}
+        return {k: v.to(dtype) if v.is_floating_point() and k not in buffers else v for k, v in state.items()}
 
     def poll(self) -> None:
         """Make a pending async save visible as soon as it has finished; call once per step.
@@ -337,11 +364,16 @@ class CheckpointManager:
                 full[fqn] = whole.cpu()
             del whole
         if _rank() == 0:
-            # Parameters in export_dtype; buffers (e.g. the fp32 expert bias) keep theirs.
+            # Written aside and renamed, like the DCP saves: a crash leaves no half export, and
+            # an older export of another shard count leaves no stale shards.
+            partial = folder.with_name(folder.name + PARTIAL_SUFFIX)
+            shutil.rmtree(partial, ignore_errors=True)
             dtype = TORCH_DTYPES[self.config.export_dtype]
-            buffers = {_clean_fqn(name) for name, _ in self.model.named_buffers()}
-            full = {k: v if k in buffers else v.to(dtype) for k, v in full.items()}
-            save_hf(self.hf_adapter.to_hf(full), self.hf_adapter.hf_config(dtype), folder)
+            save_hf(
+                self.hf_adapter.to_hf(self._in_export_dtype(full)), self.hf_adapter.hf_config(dtype), partial
+            )
+            shutil.rmtree(folder, ignore_errors=True)
+            partial.rename(folder)
             logger.info(f"Saved the model as Hugging Face safetensors in {folder}")
         _barrier()
 
@@ -400,7 +432,10 @@ class CheckpointManager:
             rng_key = f"train_state.rng.rank{_rank()}"
             if any(k.startswith(rng_key) for k in metadata.state_dict_metadata):
                 state["train_state"]["rng"] = {f"rank{_rank()}": _rng_state(self.device)}
-        dcp.load(self._on_disk(state), checkpoint_id=str(folder))
+        on_disk = self._on_disk(state)
+        if "model" in on_disk:
+            self._check_fits(folder, on_disk["model"], "checkpoint.folder")
+        dcp.load(on_disk, checkpoint_id=str(folder))
         if "model" in state:
             set_model_state_dict(self.model, state["model"])
         if "optimizer" in state:
@@ -410,7 +445,7 @@ class CheckpointManager:
         if "train_state" in state:
             self._restore_train_state(state["train_state"], train_state)
             if "dataloader" in wanted:
-                self._load_dataloader(folder, metadata, state["train_state"])
+                self._load_dataloader(folder, state["train_state"])
         logger.info(
             f"Resumed from checkpoint {folder} (step {train_state.step}); loaded {', '.join(state)}"
             + (", dataloader" if "dataloader" in wanted and "train_state" in state else "")
@@ -424,37 +459,42 @@ class CheckpointManager:
         if rng is not None and int(saved["dp_degree"]) == self.dp_degree:
             _set_rng_state(rng, self.device)
 
-    def _load_dataloader(self, folder: Path, metadata, saved_train_state: dict) -> None:
-        saved_dp, saved_batch = (
-            int(saved_train_state["dp_degree"]),
-            int(saved_train_state["local_batch_size"]),
-        )
-        if saved_dp == self.dp_degree:
-            state = {"dataloader": {f"dp{self.dp_rank}": self.dataloader.state_dict()}}
-            dcp.load(state, checkpoint_id=str(folder))
-            self.dataloader.load_state_dict(state["dataloader"][f"dp{self.dp_rank}"])
-            return
+    def _load_dataloader(self, folder: Path, saved_train_state: dict) -> None:
+        saved_dp = int(saved_train_state["dp_degree"])
+        saved_batch = int(saved_train_state["local_batch_size"])
         dataset = self.dataloader.dataset
-        if not hasattr(dataset, "sample_index"):
+        packed = hasattr(dataset, "state_continuing")
+        own_slot = f"dp{self.dp_rank}" if saved_dp == self.dp_degree else "dp0"
+        state = {"dataloader": {own_slot: self.dataloader.state_dict()}}
+        # Partial: keys added to the dataset state since a checkpoint was written keep this
+        # run's values, which are the right defaults for it.
+        dcp.load(state, checkpoint_id=str(folder), planner=DefaultLoadPlanner(allow_partial_load=True))
+        loader_state = state["dataloader"][own_slot]
+        same_layout = saved_dp == self.dp_degree and (
+            not packed
+            or (saved_batch, loader_state["dataset_state"].get("seq_len", dataset.seq_len))
+            == (dataset.local_batch_size, dataset.seq_len)
+        )
+        if same_layout:
+            self.dataloader.load_state_dict(loader_state)
+            return
+        if not packed:
             raise ConfigError(
                 f"checkpoint {folder} was saved with data-parallel degree {saved_dp} and this run has "
                 f"{self.dp_degree}: a streaming dataset's position cannot move between layouts. Add "
                 "'dataloader' to checkpoint.exclude_from_loading to restart the data stream."
             )
-        state = {"dataloader": {"dp0": self.dataloader.state_dict()}}
-        dcp.load(state, checkpoint_id=str(folder))
-        loader_state = state["dataloader"]["dp0"]
-        # Packed datasets deal global batches: the number consumed is layout-independent, and
-        # this rank's position follows from it. (The loader applies the dataset state when
-        # its iterator is created, so the state itself is rewritten.)
-        global_batches = loader_state["dataset_state"]["sample_index"] // saved_batch
-        loader_state["dataset_state"]["sample_index"] = (
-            global_batches * self.job_config.training.local_batch_size
+        # Packed datasets deal global windows in order, so the number consumed is
+        # layout-independent and this layout continues from it. (The loader applies the
+        # dataset state when its iterator is created, so the saved state itself is rewritten.)
+        loader_state["dataset_state"] = dataset.state_continuing(
+            loader_state["dataset_state"], saved_batch, saved_dp
         )
         self.dataloader.load_state_dict(loader_state)
         logger.info(
-            f"Data position moved from data-parallel degree {saved_dp} to {self.dp_degree}: "
-            f"{global_batches} global batches consumed"
+            f"Data position carried over from data-parallel degree {saved_dp} x local batch {saved_batch} "
+            f"to {self.dp_degree} x {dataset.local_batch_size}: "
+            f"{loader_state['dataset_state']['window_offset']} windows consumed"
         )
 
     def _load_initial(self, path: Path) -> None:
@@ -462,15 +502,9 @@ class CheckpointManager:
         if not path.exists():
             raise ConfigError(f"'checkpoint.initial_load_path' = '{path}' does not exist.")
         if c.initial_load_in_hf:
-            from torchtitan.components.hf_io import load_hf
-
-            hf_state = load_hf(path)
-            model_state = self.hf_adapter.from_hf(hf_state)
-            for fqn, param in self._ep_params().items():
-                model_state[fqn] = model_state[fqn][param._ep_slice]  # this rank's experts
             set_model_state_dict(
                 self.model,
-                model_state,
+                self._hf_model_state(path),
                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False),
             )
             logger.info(f"Initialized the model from Hugging Face safetensors in {path}")
@@ -478,11 +512,52 @@ class CheckpointManager:
         state = {"model": self._model_state()}
         if not c.initial_load_model_only:
             state["optimizer"] = self._optimizer_state()
-        dcp.load(self._on_disk(state), checkpoint_id=str(path))
+        on_disk = self._on_disk(state)
+        self._check_fits(path, on_disk["model"], "checkpoint.initial_load_path")
+        dcp.load(on_disk, checkpoint_id=str(path))
         set_model_state_dict(self.model, state["model"])
         if "optimizer" in state:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         logger.info(f"Initialized the model from checkpoint {path}")
+
+    def _hf_model_state(self, path: Path) -> dict[str, torch.Tensor]:
+        """The model state of the HF checkpoint in `path`, this rank's experts sliced out.
+
+        Raises ConfigError unless it holds every tensor of this model in its shape: without
+        the check, a missing key would silently keep its random initialization.
+        """
+        from torchtitan.components.hf_io import load_hf
+        from torchtitan.protocols.state_dict_adapter import StateDictMismatchError, describe_mismatch
+
+        model = self.job_config.model
+        not_this = (
+            f"'checkpoint.initial_load_path' = '{path}' is not a {model.name} {model.flavor} checkpoint"
+        )
+        fix = "Set model.name and model.flavor to the checkpoint's, or load another checkpoint."
+        try:
+            state = self.hf_adapter.from_hf(load_hf(path))
+        except (StateDictMismatchError, FileNotFoundError) as error:
+            raise ConfigError(f"{not_this}: {error}. {fix}") from None
+        for fqn, param in self._ep_params().items():
+            if fqn in state:
+                state[fqn] = state[fqn][param._ep_slice]  # this rank's experts
+        expected = {k: v.shape for k, v in self._model_state().items()}
+        if mismatch := describe_mismatch(expected, {k: v.shape for k, v in state.items()}):
+            raise ConfigError(f"{not_this}: {mismatch}. {fix}")
+        return state
+
+    def _check_fits(self, folder: Path, model_on_disk: dict, key: str) -> None:
+        """Raise ConfigError naming the tensors when the DCP checkpoint in `folder` does not hold
+        this model (another model or flavor), instead of DCP's traceback."""
+        from torchtitan.protocols.state_dict_adapter import describe_mismatch
+
+        saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        saved_shapes = {k[len("model.") :]: m.size for k, m in saved.items() if k.startswith("model.")}
+        if mismatch := describe_mismatch({k: v.shape for k, v in model_on_disk.items()}, saved_shapes):
+            raise ConfigError(
+                f"{key}: checkpoint {folder} was saved from another model ({mismatch}). Use the "
+                f"model.flavor it was saved with, or point {key} elsewhere."
+            )
 
     def close(self) -> None:
         self.wait()

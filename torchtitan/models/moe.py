@@ -294,8 +294,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Mix experts over `x` [batch, seq, dim]; returns [batch, seq, dim] in x's dtype.
 
-        Side effects, skipped in an activation-checkpoint recompute so that they happen once
-        per step: adds the routed counts to `tokens_per_expert`; sets `aux_loss`.
+        Side effects, in training mode only (validation must not steer the load balancing)
+        and skipped in an activation-checkpoint recompute so that they happen once per step:
+        adds the routed counts to `tokens_per_expert`; sets `aux_loss`.
         """
         batch, seq_len, dim = x.shape
         tokens = x.reshape(-1, dim)
@@ -304,7 +305,7 @@ class MoE(nn.Module):
         top_scores, selected, counts, *scores = self.router(tokens, bias, return_scores=want_aux)
         # Computed in recompute too: skipping it would change the number of saved tensors.
         aux = self._sequence_aux_loss(scores[0], selected, batch) if want_aux else None
-        if not _in_backward():
+        if self.training and not _in_backward():
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
             if aux is not None:  # no Python attribute write, so no side effect for dynamo, by default

@@ -1,0 +1,137 @@
+"""Checkpoints that do not fit the model are refused with a message, never half-loaded; exports
+keep buffers in their dtype and replace an older export whole."""
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torchtitan.components.checkpoint import CheckpointManager, TrainState
+from torchtitan.components.hf_io import INDEX_FILE, load_hf, save_hf
+from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.protocols.train_spec import get_train_spec
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _model(name: str = "llama3", flavor: str = "debugmodel", seed: int = 0):
+    spec = get_train_spec(name)
+    args = spec.get_flavor(flavor)
+    torch.manual_seed(seed)
+    model = spec.build_meta_model(args, torch.float32)
+    model.to_empty(device="cpu")
+    model.init_weights(buffer_device=torch.device("cpu"))
+    return model, spec.state_dict_adapter(args)
+
+
+def _manager(tmp_path, argv: list[str], model=None, adapter=None) -> CheckpointManager:
+    cfg = parse_args(["--job.dump_folder", str(tmp_path), *argv], env={})
+    return CheckpointManager(
+        cfg, model, None, None, None, dp_rank=0, dp_degree=1, device=torch.device("cpu"), hf_adapter=adapter
+    )
+
+
+def _export(model, adapter, folder) -> None:
+    save_hf(adapter.to_hf(model.state_dict()), adapter.hf_config(), folder)
+
+
+def _hf_loading_manager(tmp_path, hf_folder, model, adapter) -> CheckpointManager:
+    argv = [
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path",
+        str(hf_folder),
+    ]
+    return _manager(tmp_path / "run", argv, model, adapter)
+
+
+def test_an_hf_checkpoint_missing_a_tensor_is_refused_naming_it(tmp_path):
+    model, adapter = _model()
+    _export(model, adapter, tmp_path / "hf")
+    shards = load_hf(tmp_path / "hf")
+    del shards["model.layers.3.self_attn.q_proj.weight"]
+    save_hf(shards, adapter.hf_config(), tmp_path / "hf_missing")
+    target, _ = _model(seed=1)
+    manager = _hf_loading_manager(tmp_path, tmp_path / "hf_missing", target, adapter)
+
+    with pytest.raises(ConfigError, match=r"missing keys: layers\.3\.attention\.wq\.weight"):
+        manager.load(TrainState())
+
+
+def test_a_whole_hf_checkpoint_loads_every_tensor(tmp_path):
+    model, adapter = _model()
+    _export(model, adapter, tmp_path / "hf")
+    target, _ = _model(seed=1)
+    assert not torch.equal(target.tok_embeddings.weight, model.tok_embeddings.weight)
+
+    assert _hf_loading_manager(tmp_path, tmp_path / "hf", target, adapter).load(TrainState())
+
+    for (name, got), want in zip(target.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
+
+
+def test_an_hf_checkpoint_of_another_model_is_refused_naming_the_flavor_key(tmp_path):
+    qwen, qwen_adapter = _model("qwen3")
+    _export(qwen, qwen_adapter, tmp_path / "hf_qwen3")
+    llama, llama_adapter = _model()
+    manager = _hf_loading_manager(tmp_path, tmp_path / "hf_qwen3", llama, llama_adapter)
+
+    with pytest.raises(ConfigError, match=r"is not a llama3 debugmodel checkpoint.*model\.flavor"):
+        manager.load(TrainState())
+
+
+def test_a_dcp_checkpoint_of_another_model_is_refused_naming_a_wrong_shape(tmp_path):
+    qwen, _ = _model("qwen3")
+    folder = tmp_path / "run" / "checkpoint" / "step-0"
+    dcp.save({"model": qwen.state_dict()}, checkpoint_id=str(folder))
+    llama, _ = _model()
+    manager = _manager(tmp_path / "run", ["--checkpoint.enable"], llama)
+
+    with pytest.raises(
+        ConfigError, match=r"checkpoint\.folder: .*step-0 was saved from another model.*wrong shapes"
+    ):
+        manager.load(TrainState())
+
+
+def test_initial_load_path_without_checkpointing_enabled_is_refused(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"'checkpoint.initial_load_path' = '/x' is read only with checkpoint.enable"
+    ):
+        _manager(tmp_path, ["--checkpoint.initial_load_path", "/x"])
+
+
+def test_a_final_hf_export_that_cannot_be_written_is_refused_at_startup(tmp_path):
+    spec = get_train_spec("llama3")
+    flavor = spec.get_flavor("debugmodel")
+    sliding = type(flavor)(**{**flavor.__dict__, "attn_backend": "flex", "attn_mask_type": "sliding_window"})
+    argv = ["--checkpoint.enable", "--checkpoint.last_save_in_hf"]
+
+    with pytest.raises(
+        ConfigError, match=r"'checkpoint.last_save_in_hf' = true.*sliding_window.*Set it to false"
+    ):
+        _manager(tmp_path, argv, adapter=spec.state_dict_adapter(sliding))
+
+
+def test_a_model_only_export_keeps_buffers_in_their_dtype(tmp_path):
+    model, _ = _model("qwen3", "debugmodel_moe")
+    manager = _manager(tmp_path, ["--checkpoint.enable", "--checkpoint.export_dtype", "bfloat16"], model)
+
+    exported = manager._export_model_state()
+
+    assert exported["layers.0.moe.expert_bias"].dtype == torch.float32
+    assert exported["layers.0.moe.router.gate.weight"].dtype == torch.bfloat16
+
+
+def test_an_hf_export_replaces_an_older_one_without_leaving_its_shards(tmp_path):
+    model, adapter = _model()
+    folder = tmp_path / "checkpoint" / "step-5-hf"
+    save_hf(adapter.to_hf(model.state_dict()), adapter.hf_config(), folder, max_shard_bytes=1)
+    old_shards = len(list(folder.glob("*.safetensors")))
+    manager = _manager(tmp_path, ["--checkpoint.enable", "--checkpoint.last_save_in_hf"], model, adapter)
+
+    manager._save_hf(folder)
+
+    assert old_shards > 1
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [INDEX_FILE, "config.json", "model-00001-of-00001.safetensors"]
+    )
+    assert not folder.with_name("step-5-hf.partial").exists()
