@@ -186,3 +186,15 @@ def test_hub_dataset_state_resumes_mid_stream(monkeypatch, tmp_path, tokenizer):
     _take(partial, 3)
     restarted.load_state_dict(partial.state_dict())
     assert all(torch.equal(a[0], b[0]) for a, b in zip(_take(restarted, 3), samples[3:]))
+
+
+def test_hub_dataset_resumed_after_a_full_pass_continues_the_second_pass(monkeypatch, tmp_path, tokenizer):
+    _fake_hub(monkeypatch, tmp_path, [f"text {i} " * 7 for i in range(6)])  # about 16 samples a pass
+    uninterrupted = _take(build_text_dataset("some/hub-set", None, tokenizer, 8, 0, 1, 1, infinite=True), 26)
+    partial = build_text_dataset("some/hub-set", None, tokenizer, 8, 0, 1, 1, infinite=True)
+    _take(partial, 20)
+    state = partial.state_dict()
+    assert state["epoch"] == 1
+    resumed = build_text_dataset("some/hub-set", None, tokenizer, 8, 0, 1, 1, infinite=True)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(_take(resumed, 6), uninterrupted[20:]))

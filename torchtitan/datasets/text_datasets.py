@@ -173,6 +173,9 @@ class StreamingTokenDataset(IterableDataset):
         return {"data": self.data.state_dict(), "buffer": list(self.buffer), "epoch": self.epoch}
 
     def load_state_dict(self, state: dict) -> None:
+        # datasets applies a saved position only while its epoch equals the saved one; without
+        # this a run resumed in a later pass would restart that pass from document 0.
+        self.data.set_epoch(state["epoch"])
         self.data.load_state_dict(state["data"])
         self.buffer, self.epoch = list(state["buffer"]), state["epoch"]
 
