@@ -31,6 +31,56 @@ def test_missing_tokenizer_names_the_key(tmp_path):
         HuggingFaceTokenizer(str(tmp_path))
 
 
+def _word_tokenizer(folder, config: dict | None) -> HuggingFaceTokenizer:
+    """A two-word tokenizer whose special tokens include every BOS/EOS candidate kind,
+    with `config` as its tokenizer_config.json (none when None)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1, "world": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "</s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return HuggingFaceTokenizer(str(folder))
+
+
+def _name(tokenizer, token_id):
+    return None if token_id is None else tokenizer.decode([token_id])
+
+
+def test_null_bos_token_in_tokenizer_config_means_no_bos(tmp_path):
+    tok = _word_tokenizer(tmp_path, {"bos_token": None, "eos_token": "<|im_end|>"})
+    assert tok.bos_id is None
+    assert tok.encode("hello world") == [1, 2, tok.eos_id]
+
+
+def test_add_bos_token_false_means_no_bos_even_when_a_bos_token_is_named(tmp_path):
+    tok = _word_tokenizer(tmp_path, {"add_bos_token": False, "bos_token": "<s>", "eos_token": "</s>"})
+    assert tok.bos_id is None
+
+
+def test_tokens_named_in_tokenizer_config_win_over_candidate_names(tmp_path):
+    tok = _word_tokenizer(tmp_path, {"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>"})
+    assert (_name(tok, tok.bos_id), _name(tok, tok.eos_id)) == ("<|im_start|>", "<|im_end|>")
+
+
+def test_candidate_names_are_used_only_for_keys_tokenizer_config_lacks(tmp_path):
+    tok = _word_tokenizer(tmp_path, {"eos_token": "<|im_end|>"})
+    assert (_name(tok, tok.bos_id), _name(tok, tok.eos_id)) == ("<s>", "<|im_end|>")
+
+
+def test_candidate_names_are_used_without_tokenizer_config(tmp_path):
+    tok = _word_tokenizer(tmp_path, None)
+    assert (_name(tok, tok.bos_id), _name(tok, tok.eos_id)) == ("<s>", "</s>")
+
+
+def test_tokenizer_config_naming_a_token_outside_the_vocab_names_file_key_and_token(tmp_path):
+    with pytest.raises(ConfigError, match=r"tokenizer_config.json sets 'eos_token' = '<\|eot_id\|>'"):
+        _word_tokenizer(tmp_path, {"bos_token": "<s>", "eos_token": "<|eot_id|>"})
+
+
 def _take(dataset, n):
     it = iter(dataset)
     return [next(it) for _ in range(n)]
