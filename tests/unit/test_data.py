@@ -172,6 +172,25 @@ def test_token_cache_is_built_once_and_rebuilt_when_the_file_changes(tmp_path, t
     assert len(calls) == 2 and len(list((tmp_path / "cache").glob("*.tmp"))) == 0
 
 
+def test_token_cache_is_rebuilt_when_tokenizer_config_changes_the_eos(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"text": "hello world"}) + "\n")
+    first = _word_tokenizer(tmp_path / "tok", {"bos_token": None, "eos_token": "<|im_end|>"})
+    token_cache.load_or_build([data], first, lambda: iter(["hello world"]))
+    second = _word_tokenizer(tmp_path / "tok", {"bos_token": None, "eos_token": "<|endoftext|>"})
+    tokens = token_cache.load_or_build([data], second, lambda: iter(["hello world"]))
+    assert np.asarray(tokens).tolist() == [1, 2, second.eos_id]
+
+
+def test_token_cache_key_changes_with_the_cache_format(tmp_path, tokenizer, monkeypatch):
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"text": "one"}) + "\n")
+    before = token_cache.cache_key([data], tokenizer)
+    monkeypatch.setattr(token_cache, "CACHE_FORMAT", token_cache.CACHE_FORMAT + 1)
+    assert token_cache.cache_key([data], tokenizer) != before
+
+
 def test_records_without_text_field_name_the_columns(tmp_path, tokenizer):
     (tmp_path / "d.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
     with pytest.raises(ConfigError, match="no 'text' column"):
