@@ -1,6 +1,8 @@
 """Data: tokenizer, token cache, packing, rank slicing, resumable state, local formats."""
 
 import json
+import os
+import stat
 
 import numpy as np
 import pytest
@@ -189,6 +191,20 @@ def test_token_cache_key_changes_with_the_cache_format(tmp_path, tokenizer, monk
     before = token_cache.cache_key([data], tokenizer)
     monkeypatch.setattr(token_cache, "CACHE_FORMAT", token_cache.CACHE_FORMAT + 1)
     assert token_cache.cache_key([data], tokenizer) != before
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)], ids=["umask-022", "umask-027"])
+def test_token_cache_file_gets_the_mode_the_umask_allows(umask, mode, tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"text": "one"}) + "\n")
+    old_mask = os.umask(umask)
+    try:
+        token_cache.load_or_build([data], tokenizer, lambda: iter(["one"]))
+    finally:
+        os.umask(old_mask)
+    (cached,) = (tmp_path / "cache").glob("*.bin")
+    assert stat.S_IMODE(cached.stat().st_mode) == mode
 
 
 def test_records_without_text_field_name_the_columns(tmp_path, tokenizer):

@@ -8,7 +8,7 @@ cache behind.
 
 import hashlib
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +40,10 @@ def cache_key(files: list[Path], tokenizer) -> str:
 
 def _write_tokens(path: Path, documents, tokenizer) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(8)}.tmp")
+    # Not mkstemp: its 0600 would make a shared TORCHTITAN_CACHE_DIR unreadable to other users.
+    # Mode 0666 here gets the umask applied by the kernel, as any file the user creates does.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as out:
             batch = []
@@ -52,7 +55,7 @@ def _write_tokens(path: Path, documents, tokenizer) -> None:
             _flush(out, batch, tokenizer)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
