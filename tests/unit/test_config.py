@@ -173,6 +173,12 @@ def test_unbuilt_feature_is_refused_not_ignored():
     assert "context parallelism" in _error(["--parallelism.context_parallel_degree", "2"])
 
 
+@pytest.mark.parametrize("steps", ["0", "-2"])
+def test_validation_steps_other_than_positive_or_minus_one_are_refused(steps):
+    message = _error(["--validation.steps", steps])
+    assert f"'validation.steps' = {steps}" in message and "-1 for the whole split" in message
+
+
 def test_shipped_bare_config_names_are_unique():
     names = [p.name for p in SHIPPED]
     assert len(names) == len(set(names))

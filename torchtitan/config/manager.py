@@ -317,6 +317,7 @@ def _check_consistency(config: JobConfig) -> None:
             "would upcast bf16 weights; set mixed_precision_param to 'bfloat16'."
         )
     _check_expert_parallel(p)
+    _check_validation(config.validation, t)
     if config.compile.enable:
         unknown = sorted(set(config.compile.components) - {"model", "loss"})
         if unknown:
@@ -324,6 +325,14 @@ def _check_consistency(config: JobConfig) -> None:
                 f"'compile.components' = {config.compile.components} contains {unknown}; "
                 "valid components are 'model' and 'loss'."
             )
+
+
+def _check_validation(v, t) -> None:
+    if v.steps == 0 or v.steps < -1:
+        raise ConfigError(
+            f"'validation.steps' = {v.steps} is invalid: use a positive number of batches or -1 "
+            "for the whole split."
+        )
 
 
 def _check_expert_parallel(p) -> None:
