@@ -333,6 +333,14 @@ def _check_validation(v, t) -> None:
             f"'validation.steps' = {v.steps} is invalid: use a positive number of batches or -1 "
             "for the whole split."
         )
+    # Only an enabled validation runs the model at validation.seq_len, so a disabled section
+    # may keep the 2048 default under a shorter training.seq_len.
+    if v.enable and v.seq_len > t.seq_len:
+        raise ConfigError(
+            f"'validation.seq_len' = {v.seq_len} exceeds 'training.seq_len' = {t.seq_len}: the "
+            f"model's RoPE table covers only training.seq_len positions. Set validation.seq_len "
+            f"to at most {t.seq_len}."
+        )
 
 
 def _check_expert_parallel(p) -> None:
