@@ -130,8 +130,18 @@ def test_validation_pass_is_finite_and_uses_whole_global_batches():
 
 
 def test_too_small_dataset_is_a_clear_error():
-    with pytest.raises(ConfigError, match="too few"):
+    with pytest.raises(ConfigError, match="too few .* smaller training.seq_len / training.local_batch_size"):
         PackedTokenDataset(np.arange(15, dtype=np.uint32), 10, 0, 2, 2)
+
+
+def test_too_small_validation_dataset_names_the_validation_keys(tmp_path, tokenizer):
+    (tmp_path / "v.jsonl").write_text(json.dumps({"text": "one two"}) + "\n")
+    with pytest.raises(ConfigError) as info:
+        build_text_dataset(
+            "unused", str(tmp_path / "v.jsonl"), tokenizer, 64, 0, 1, 2, False, key="validation.dataset"
+        )
+    assert "smaller validation.seq_len / validation.local_batch_size" in str(info.value)
+    assert "training." not in str(info.value)
 
 
 def _write_corpus(folder, kind: str, docs: list[str]):

@@ -88,6 +88,7 @@ class PackedTokenDataset(IterableDataset):
         seq_len: tokens per input; each window holds seq_len + 1.
         infinite: loop over epochs (training) or stop after one pass of whole global
             batches (validation).
+        section: the config section ("training" or "validation") whose keys errors name.
     """
 
     def __init__(
@@ -99,6 +100,7 @@ class PackedTokenDataset(IterableDataset):
         local_batch_size: int,
         infinite: bool = True,
         name: str = "dataset",
+        section: str = "training",
     ):
         super().__init__()
         self.tokens, self.seq_len, self.name = tokens, seq_len, name
@@ -109,7 +111,7 @@ class PackedTokenDataset(IterableDataset):
             raise ConfigError(
                 f"dataset '{name}' has {len(tokens)} tokens: too few for one global batch of "
                 f"{local_batch_size * dp_degree} x {seq_len + 1}; use a larger dataset or a "
-                "smaller training.seq_len / local_batch_size."
+                f"smaller {section}.seq_len / {section}.local_batch_size."
             )
         self.sample_index = 0
 
@@ -201,5 +203,5 @@ def build_text_dataset(
             )
         return StreamingTokenDataset(dataset, tokenizer, seq_len, dp_rank, dp_degree)
     tokens = token_cache.load_or_build(files, tokenizer, lambda: read_local_documents(files))
-    name = dataset_path or dataset
-    return PackedTokenDataset(tokens, seq_len, dp_rank, dp_degree, local_batch_size, infinite, name)
+    name, section = dataset_path or dataset, key.removesuffix(".dataset")
+    return PackedTokenDataset(tokens, seq_len, dp_rank, dp_degree, local_batch_size, infinite, name, section)
