@@ -244,12 +244,12 @@ def test_stateful_dataloader_round_trips_its_position(tokenizer):
     assert torch.equal(next(iter(again))[0], expected)
 
 
-def _fake_hub(monkeypatch, tmp_path, docs):
-    """Serve `docs` as a streaming hub dataset, without network."""
+def _fake_hub(monkeypatch, tmp_path, docs, column="text"):
+    """Serve `docs` (under `column`) as a streaming hub dataset, without network."""
     import datasets
 
     data = tmp_path / "hub.jsonl"
-    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    data.write_text("".join(json.dumps({column: d}) + "\n" for d in docs))
     real = datasets.load_dataset
     seen = []
 
@@ -293,3 +293,24 @@ def test_hub_dataset_resumed_after_a_full_pass_continues_the_second_pass(monkeyp
     resumed = build_text_dataset("some/hub-set", None, tokenizer, 8, 0, 1, 1, infinite=True)
     resumed.load_state_dict(state)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(_take(resumed, 6), uninterrupted[20:]))
+
+
+def test_hub_dataset_without_text_column_is_a_config_error(monkeypatch, tmp_path, tokenizer):
+    _fake_hub(monkeypatch, tmp_path, ["def f(): pass"], column="content")
+    with pytest.raises(ConfigError) as info:
+        build_text_dataset("org/code-set", None, tokenizer, 8, 0, 1, 1, infinite=True)
+    message = str(info.value)
+    assert "'training.dataset' = 'org/code-set'" in message and "no 'text' column" in message
+    assert "['content']" in message and "training.dataset_path" in message
+
+
+def test_hub_stream_without_declared_features_is_checked_on_its_first_record(monkeypatch, tokenizer):
+    import datasets
+
+    def records():
+        yield {"content": "def f(): pass"}
+
+    stream = datasets.IterableDataset.from_generator(records)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: stream)
+    with pytest.raises(ConfigError, match=r"no 'text' column \(columns: \['content'\]\)"):
+        build_text_dataset("org/code-set", None, tokenizer, 8, 0, 1, 1, infinite=True)

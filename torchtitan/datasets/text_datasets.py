@@ -46,13 +46,9 @@ def local_files(dataset_path: str, key: str) -> list[Path]:
     return files
 
 
-def _text_column(dataset, source: str) -> str:
-    if "text" in dataset.column_names:
-        return "text"
-    raise ConfigError(
-        f"dataset '{source}' has no 'text' column (columns: {dataset.column_names}); "
-        "store each document's text under the key 'text'."
-    )
+def _require_text_column(columns: list[str], where: str, fix: str) -> None:
+    if "text" not in columns:
+        raise ConfigError(f"{where} has no 'text' column (columns: {columns}); {fix}.")
 
 
 def read_local_documents(files: list[Path]):
@@ -61,9 +57,10 @@ def read_local_documents(files: list[Path]):
 
     builder = _BUILDER_BY_SUFFIX[files[0].suffix]
     ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
-    column = _text_column(ds, str(files[0].parent))
+    where = f"dataset '{files[0].parent}'"
+    _require_text_column(ds.column_names, where, "store each document's text under the key 'text'")
     for record in ds:
-        yield record[column]
+        yield record["text"]
 
 
 def resolve_local_source(dataset: str, dataset_path: str | None, key: str) -> list[Path] | None:
@@ -138,6 +135,11 @@ class PackedTokenDataset(IterableDataset):
         self.sample_index = state["sample_index"]
 
 
+def _stream_columns(ds) -> list[str]:
+    # A stream without declared features has no column_names; its first record tells.
+    return ds.column_names or list(next(iter(ds), {}))
+
+
 class StreamingTokenDataset(IterableDataset):
     """A Hugging Face hub dataset, streamed, sharded by rank, tokenized and packed on the fly."""
 
@@ -154,6 +156,12 @@ class StreamingTokenDataset(IterableDataset):
                 f"cannot open 'training.dataset' = '{name}' from the Hugging Face hub ({e}). "
                 "Use 'smoke', or set training.dataset_path to local files."
             ) from None
+        _require_text_column(
+            _stream_columns(ds),
+            f"'training.dataset' = '{name}' (streamed from the hub)",
+            "choose a dataset with one, or save this one locally with a 'text' field and set "
+            "training.dataset_path",
+        )
         self.data = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_degree)
         self.name, self.tokenizer, self.seq_len = name, tokenizer, seq_len
         self.buffer: list[int] = []
