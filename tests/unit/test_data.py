@@ -148,8 +148,9 @@ def _write_corpus(folder, kind: str, docs: list[str]):
     folder.mkdir(parents=True, exist_ok=True)
     if kind == "jsonl":
         (folder / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    elif kind == "txt":
-        (folder / "a.txt").write_text("\n".join(docs) + "\n")
+    elif kind == "txt":  # a .txt file is one document
+        for i, d in enumerate(docs):
+            (folder / f"doc{i}.txt").write_text(d)
     elif kind == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -164,6 +165,13 @@ def test_local_files_are_tokenized_with_bos_and_eos_per_document(kind, tmp_path,
     ds = build_text_dataset("unused", str(tmp_path / "data"), tokenizer, 4, 0, 1, 1, infinite=True)
     expected = [t for d in docs for t in tokenizer.encode(d)]
     assert np.asarray(ds.tokens).tolist() == expected
+
+
+def test_a_txt_file_is_one_document_line_breaks_and_blank_lines_included(tmp_path, tokenizer):
+    article = "First paragraph,\nwrapped.\n\nSecond paragraph.\n"
+    (tmp_path / "article.txt").write_text(article)
+    ds = build_text_dataset("unused", str(tmp_path / "article.txt"), tokenizer, 4, 0, 1, 1, infinite=True)
+    assert np.asarray(ds.tokens).tolist() == tokenizer.encode(article)
 
 
 def test_token_cache_is_built_once_and_rebuilt_when_the_file_changes(tmp_path, tokenizer, monkeypatch):

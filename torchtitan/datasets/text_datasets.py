@@ -26,6 +26,9 @@ BUNDLED_DATASETS = {
 # Short names for hub datasets: name -> (hub path, dataset config).
 HUB_ALIASES = {"c4": ("allenai/c4", "en")}
 _BUILDER_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+# The text builder's default makes every line a document: hard-wrapped prose would become one
+# BOS/EOS pair per line (and per blank line), and block_causal would mask across lines.
+_BUILDER_OPTIONS = {"text": {"sample_by": "document"}}
 
 
 def local_files(dataset_path: str, key: str) -> list[Path]:
@@ -52,11 +55,13 @@ def _require_text_column(columns: list[str], where: str, fix: str) -> None:
 
 
 def read_local_documents(files: list[Path]):
-    """Yield the 'text' field of every record of `files`, in order, via HF `datasets`."""
+    """Yield the 'text' field of every record of `files`, in order, via HF `datasets`; a .txt
+    file is one record."""
     import datasets
 
     builder = _BUILDER_BY_SUFFIX[files[0].suffix]
-    ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+    options = _BUILDER_OPTIONS.get(builder, {})
+    ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **options)
     where = f"dataset '{files[0].parent}'"
     _require_text_column(ds.column_names, where, "store each document's text under the key 'text'")
     for record in ds:

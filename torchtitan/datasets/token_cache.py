@@ -17,7 +17,7 @@ TOKEN_DTYPE = np.uint32
 _DOCS_PER_BATCH = 1024
 # Bump when the same files and tokenizer would tokenize differently (how documents are read or
 # wrapped), so caches written by older code are not reused.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: a .txt file is one document, no longer one per line
 
 
 def cache_dir() -> Path:
