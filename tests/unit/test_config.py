@@ -173,6 +173,22 @@ def test_unbuilt_feature_is_refused_not_ignored():
     assert "context parallelism" in _error(["--parallelism.context_parallel_degree", "2"])
 
 
+def test_validation_seq_len_beyond_training_seq_len_is_refused():
+    message = _error(["--validation.enable", "--validation.seq_len", "512"])  # training.seq_len 256
+    assert "'validation.seq_len' = 512" in message and "'training.seq_len' = 256" in message
+    assert "Set validation.seq_len to at most 256" in message
+
+
+def test_disabled_validation_may_keep_a_seq_len_beyond_training():
+    assert parse_args(["--validation.seq_len", "512"], env={}).validation.seq_len == 512
+
+
+@pytest.mark.parametrize("steps", ["0", "-2"])
+def test_validation_steps_other_than_positive_or_minus_one_are_refused(steps):
+    message = _error(["--validation.steps", steps])
+    assert f"'validation.steps' = {steps}" in message and "-1 for the whole split" in message
+
+
 def test_shipped_bare_config_names_are_unique():
     names = [p.name for p in SHIPPED]
     assert len(names) == len(set(names))

@@ -1,6 +1,8 @@
 """Data: tokenizer, token cache, packing, rank slicing, resumable state, local formats."""
 
 import json
+import os
+import stat
 
 import numpy as np
 import pytest
@@ -29,6 +31,56 @@ def test_bundled_tokenizer_adds_bos_and_eos_and_round_trips(tokenizer):
 def test_missing_tokenizer_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match="model.hf_assets_path"):
         HuggingFaceTokenizer(str(tmp_path))
+
+
+def _word_tokenizer(folder, config: dict | None) -> HuggingFaceTokenizer:
+    """A two-word tokenizer whose special tokens include every BOS/EOS candidate kind,
+    with `config` as its tokenizer_config.json (none when None)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1, "world": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "</s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return HuggingFaceTokenizer(str(folder))
+
+
+def _name(tokenizer, token_id):
+    return None if token_id is None else tokenizer.decode([token_id])
+
+
+def test_null_bos_token_in_tokenizer_config_means_no_bos(tmp_path):
+    tok = _word_tokenizer(tmp_path, {"bos_token": None, "eos_token": "<|im_end|>"})
+    assert tok.bos_id is None
+    assert tok.encode("hello world") == [1, 2, tok.eos_id]
+
+
+def test_add_bos_token_false_means_no_bos_even_when_a_bos_token_is_named(tmp_path):
+    tok = _word_tokenizer(tmp_path, {"add_bos_token": False, "bos_token": "<s>", "eos_token": "</s>"})
+    assert tok.bos_id is None
+
+
+def test_tokens_named_in_tokenizer_config_win_over_candidate_names(tmp_path):
+    tok = _word_tokenizer(tmp_path, {"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>"})
+    assert (_name(tok, tok.bos_id), _name(tok, tok.eos_id)) == ("<|im_start|>", "<|im_end|>")
+
+
+def test_candidate_names_are_used_only_for_keys_tokenizer_config_lacks(tmp_path):
+    tok = _word_tokenizer(tmp_path, {"eos_token": "<|im_end|>"})
+    assert (_name(tok, tok.bos_id), _name(tok, tok.eos_id)) == ("<s>", "<|im_end|>")
+
+
+def test_candidate_names_are_used_without_tokenizer_config(tmp_path):
+    tok = _word_tokenizer(tmp_path, None)
+    assert (_name(tok, tok.bos_id), _name(tok, tok.eos_id)) == ("<s>", "</s>")
+
+
+def test_tokenizer_config_naming_a_token_outside_the_vocab_names_file_key_and_token(tmp_path):
+    with pytest.raises(ConfigError, match=r"tokenizer_config.json sets 'eos_token' = '<\|eot_id\|>'"):
+        _word_tokenizer(tmp_path, {"bos_token": "<s>", "eos_token": "<|eot_id|>"})
 
 
 def _take(dataset, n):
@@ -78,16 +130,27 @@ def test_validation_pass_is_finite_and_uses_whole_global_batches():
 
 
 def test_too_small_dataset_is_a_clear_error():
-    with pytest.raises(ConfigError, match="too few"):
+    with pytest.raises(ConfigError, match="too few .* smaller training.seq_len / training.local_batch_size"):
         PackedTokenDataset(np.arange(15, dtype=np.uint32), 10, 0, 2, 2)
+
+
+def test_too_small_validation_dataset_names_the_validation_keys(tmp_path, tokenizer):
+    (tmp_path / "v.jsonl").write_text(json.dumps({"text": "one two"}) + "\n")
+    with pytest.raises(ConfigError) as info:
+        build_text_dataset(
+            "unused", str(tmp_path / "v.jsonl"), tokenizer, 64, 0, 1, 2, False, key="validation.dataset"
+        )
+    assert "smaller validation.seq_len / validation.local_batch_size" in str(info.value)
+    assert "training." not in str(info.value)
 
 
 def _write_corpus(folder, kind: str, docs: list[str]):
     folder.mkdir(parents=True, exist_ok=True)
     if kind == "jsonl":
         (folder / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    elif kind == "txt":
-        (folder / "a.txt").write_text("\n".join(docs) + "\n")
+    elif kind == "txt":  # a .txt file is one document
+        for i, d in enumerate(docs):
+            (folder / f"doc{i}.txt").write_text(d)
     elif kind == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -102,6 +165,13 @@ def test_local_files_are_tokenized_with_bos_and_eos_per_document(kind, tmp_path,
     ds = build_text_dataset("unused", str(tmp_path / "data"), tokenizer, 4, 0, 1, 1, infinite=True)
     expected = [t for d in docs for t in tokenizer.encode(d)]
     assert np.asarray(ds.tokens).tolist() == expected
+
+
+def test_a_txt_file_is_one_document_line_breaks_and_blank_lines_included(tmp_path, tokenizer):
+    article = "First paragraph,\nwrapped.\n\nSecond paragraph.\n"
+    (tmp_path / "article.txt").write_text(article)
+    ds = build_text_dataset("unused", str(tmp_path / "article.txt"), tokenizer, 4, 0, 1, 1, infinite=True)
+    assert np.asarray(ds.tokens).tolist() == tokenizer.encode(article)
 
 
 def test_token_cache_is_built_once_and_rebuilt_when_the_file_changes(tmp_path, tokenizer, monkeypatch):
@@ -120,6 +190,39 @@ def test_token_cache_is_built_once_and_rebuilt_when_the_file_changes(tmp_path, t
     data.write_text(json.dumps({"text": "one two three"}) + "\n")
     token_cache.load_or_build([data], tokenizer, read)
     assert len(calls) == 2 and len(list((tmp_path / "cache").glob("*.tmp"))) == 0
+
+
+def test_token_cache_is_rebuilt_when_tokenizer_config_changes_the_eos(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"text": "hello world"}) + "\n")
+    first = _word_tokenizer(tmp_path / "tok", {"bos_token": None, "eos_token": "<|im_end|>"})
+    token_cache.load_or_build([data], first, lambda: iter(["hello world"]))
+    second = _word_tokenizer(tmp_path / "tok", {"bos_token": None, "eos_token": "<|endoftext|>"})
+    tokens = token_cache.load_or_build([data], second, lambda: iter(["hello world"]))
+    assert np.asarray(tokens).tolist() == [1, 2, second.eos_id]
+
+
+def test_token_cache_key_changes_with_the_cache_format(tmp_path, tokenizer, monkeypatch):
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"text": "one"}) + "\n")
+    before = token_cache.cache_key([data], tokenizer)
+    monkeypatch.setattr(token_cache, "CACHE_FORMAT", token_cache.CACHE_FORMAT + 1)
+    assert token_cache.cache_key([data], tokenizer) != before
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)], ids=["umask-022", "umask-027"])
+def test_token_cache_file_gets_the_mode_the_umask_allows(umask, mode, tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"text": "one"}) + "\n")
+    old_mask = os.umask(umask)
+    try:
+        token_cache.load_or_build([data], tokenizer, lambda: iter(["one"]))
+    finally:
+        os.umask(old_mask)
+    (cached,) = (tmp_path / "cache").glob("*.bin")
+    assert stat.S_IMODE(cached.stat().st_mode) == mode
 
 
 def test_records_without_text_field_name_the_columns(tmp_path, tokenizer):
@@ -149,12 +252,12 @@ def test_stateful_dataloader_round_trips_its_position(tokenizer):
     assert torch.equal(next(iter(again))[0], expected)
 
 
-def _fake_hub(monkeypatch, tmp_path, docs):
-    """Serve `docs` as a streaming hub dataset, without network."""
+def _fake_hub(monkeypatch, tmp_path, docs, column="text"):
+    """Serve `docs` (under `column`) as a streaming hub dataset, without network."""
     import datasets
 
     data = tmp_path / "hub.jsonl"
-    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    data.write_text("".join(json.dumps({column: d}) + "\n" for d in docs))
     real = datasets.load_dataset
     seen = []
 
@@ -186,3 +289,36 @@ def test_hub_dataset_state_resumes_mid_stream(monkeypatch, tmp_path, tokenizer):
     _take(partial, 3)
     restarted.load_state_dict(partial.state_dict())
     assert all(torch.equal(a[0], b[0]) for a, b in zip(_take(restarted, 3), samples[3:]))
+
+
+def test_hub_dataset_resumed_after_a_full_pass_continues_the_second_pass(monkeypatch, tmp_path, tokenizer):
+    _fake_hub(monkeypatch, tmp_path, [f"text {i} " * 7 for i in range(6)])  # about 16 samples a pass
+    uninterrupted = _take(build_text_dataset("some/hub-set", None, tokenizer, 8, 0, 1, 1, infinite=True), 26)
+    partial = build_text_dataset("some/hub-set", None, tokenizer, 8, 0, 1, 1, infinite=True)
+    _take(partial, 20)
+    state = partial.state_dict()
+    assert state["epoch"] == 1
+    resumed = build_text_dataset("some/hub-set", None, tokenizer, 8, 0, 1, 1, infinite=True)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(_take(resumed, 6), uninterrupted[20:]))
+
+
+def test_hub_dataset_without_text_column_is_a_config_error(monkeypatch, tmp_path, tokenizer):
+    _fake_hub(monkeypatch, tmp_path, ["def f(): pass"], column="content")
+    with pytest.raises(ConfigError) as info:
+        build_text_dataset("org/code-set", None, tokenizer, 8, 0, 1, 1, infinite=True)
+    message = str(info.value)
+    assert "'training.dataset' = 'org/code-set'" in message and "no 'text' column" in message
+    assert "['content']" in message and "training.dataset_path" in message
+
+
+def test_hub_stream_without_declared_features_is_checked_on_its_first_record(monkeypatch, tokenizer):
+    import datasets
+
+    def records():
+        yield {"content": "def f(): pass"}
+
+    stream = datasets.IterableDataset.from_generator(records)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: stream)
+    with pytest.raises(ConfigError, match=r"no 'text' column \(columns: \['content'\]\)"):
+        build_text_dataset("org/code-set", None, tokenizer, 8, 0, 1, 1, infinite=True)

@@ -10,7 +10,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
 from torchtitan.tools.paths import resolve_path
 
-# Tried in order when tokenizer_config.json does not name the BOS/EOS tokens.
+# Tried in order when tokenizer_config.json is missing or lacks the bos_token/eos_token key.
 _BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<|im_start|>", "<｜begin▁of▁sentence｜>")
 _EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<|im_end|>", "<｜end▁of▁sentence｜>")
 
@@ -19,12 +19,31 @@ def _token_name(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+def _read_special_tokens(config_file: Path) -> dict[str, str | None]:
+    """The BOS/EOS token names tokenizer_config.json sets, None meaning "no such token".
+
+    A key the file lacks is left out, so only then are candidate names tried: Qwen-style files
+    say `"bos_token": null` precisely because none of their special tokens is a BOS.
+    """
+    if not config_file.is_file():
+        return {}
+    data = json.loads(config_file.read_text())
+    special = {k: _token_name(data[k]) for k in ("bos_token", "eos_token") if k in data}
+    # add_bos_token: false is how a model family says it trains without BOS. add_eos_token is
+    # false even for families that end every document with EOS (HF leaves that to the data
+    # pipeline), and packing needs EOS between documents, so it is not read.
+    if data.get("add_bos_token") is False:
+        special["bos_token"] = None
+    return special
+
+
 class HuggingFaceTokenizer:
     """Encodes text to ids with optional BOS/EOS, and decodes back.
 
     Attributes:
         vocab_size: ids run from 0 to vocab_size - 1 (added tokens included).
-        bos_id, eos_id: None when the tokenizer has no such token.
+        bos_id, eos_id: None when the tokenizer has no such token, or tokenizer_config.json
+            sets it to null (or add_bos_token to false).
         fingerprint: sha256 of tokenizer.json; keys caches of tokenized data.
     """
 
@@ -40,24 +59,26 @@ class HuggingFaceTokenizer:
         self.path = file
         self._tok = Tokenizer.from_file(str(file))
         self.fingerprint = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
-        special = self._read_special_tokens(folder / "tokenizer_config.json")
-        self.bos_id = self._find_id(special.get("bos_token"), _BOS_CANDIDATES)
-        self.eos_id = self._find_id(special.get("eos_token"), _EOS_CANDIDATES)
+        config_file = folder / "tokenizer_config.json"
+        special = _read_special_tokens(config_file)
+        self.bos_id = self._special_id("bos_token", special, _BOS_CANDIDATES, config_file)
+        self.eos_id = self._special_id("eos_token", special, _EOS_CANDIDATES, config_file)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
-    @staticmethod
-    def _read_special_tokens(config_file: Path) -> dict:
-        if not config_file.is_file():
-            return {}
-        data = json.loads(config_file.read_text())
-        return {k: _token_name(data.get(k)) for k in ("bos_token", "eos_token")}
-
-    def _find_id(self, named: str | None, candidates) -> int | None:
-        for token in ([named] if named else []) + list(candidates):
-            token_id = self._tok.token_to_id(token)
-            if token_id is not None:
-                return token_id
-        return None
+    def _special_id(self, key: str, special: dict, candidates, config_file: Path) -> int | None:
+        """The id of the token tokenizer_config.json names under `key` (None for null), or of
+        the first candidate in the vocabulary when the file is missing or lacks the key."""
+        if key not in special:
+            return next((i for i in map(self._tok.token_to_id, candidates) if i is not None), None)
+        if special[key] is None:
+            return None
+        token_id = self._tok.token_to_id(special[key])
+        if token_id is None:
+            raise ConfigError(
+                f"{config_file} sets '{key}' = '{special[key]}', which is not in the vocabulary of "
+                f"{self.path}. Name a token of that vocabulary there, or set '{key}' to null for none."
+            )
+        return token_id
 
     def _wrap(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
         head = [self.bos_id] if bos and self.bos_id is not None else []

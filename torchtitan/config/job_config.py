@@ -78,7 +78,9 @@ class LRScheduler:
 class Training:
     dataset: str = opt("smoke", "dataset name: smoke (bundled), or a Hugging Face hub name")
     dataset_path: str | None = opt(
-        None, "local file or folder (json, jsonl, parquet, txt) instead of the hub"
+        None,
+        "local file or folder instead of the hub: json/jsonl/parquet records with a 'text' field, "
+        "or txt files, each file one document",
     )
     local_batch_size: int = opt(8, "sequences per rank per micro-batch", min=1)
     global_batch_size: int = opt(
@@ -209,11 +211,11 @@ class Comm:
 class Validation:
     enable: bool = opt(False, "evaluate on a held-out split")
     dataset: str = opt("smoke_validation", "validation dataset name")
-    dataset_path: str | None = opt(None, "local validation file or folder")
+    dataset_path: str | None = opt(None, "local validation file or folder, as training.dataset_path")
     local_batch_size: int = opt(8, "validation sequences per rank", min=1)
-    seq_len: int = opt(2048, "validation tokens per sequence", min=1)
+    seq_len: int = opt(2048, "validation tokens per sequence; at most training.seq_len", min=1)
     freq: int = opt(500, "validate every this many steps", min=1)
-    steps: int = opt(-1, "validation batches per run; -1 = the whole split")
+    steps: int = opt(-1, "validation batches per run (>= 1); -1 = the whole split")
 
 
 @dataclass

@@ -317,6 +317,7 @@ def _check_consistency(config: JobConfig) -> None:
             "would upcast bf16 weights; set mixed_precision_param to 'bfloat16'."
         )
     _check_expert_parallel(p)
+    _check_validation(config.validation, t)
     if config.compile.enable:
         unknown = sorted(set(config.compile.components) - {"model", "loss"})
         if unknown:
@@ -324,6 +325,22 @@ def _check_consistency(config: JobConfig) -> None:
                 f"'compile.components' = {config.compile.components} contains {unknown}; "
                 "valid components are 'model' and 'loss'."
             )
+
+
+def _check_validation(v, t) -> None:
+    if v.steps == 0 or v.steps < -1:
+        raise ConfigError(
+            f"'validation.steps' = {v.steps} is invalid: use a positive number of batches or -1 "
+            "for the whole split."
+        )
+    # Only an enabled validation runs the model at validation.seq_len, so a disabled section
+    # may keep the 2048 default under a shorter training.seq_len.
+    if v.enable and v.seq_len > t.seq_len:
+        raise ConfigError(
+            f"'validation.seq_len' = {v.seq_len} exceeds 'training.seq_len' = {t.seq_len}: the "
+            f"model's RoPE table covers only training.seq_len positions. Set validation.seq_len "
+            f"to at most {t.seq_len}."
+        )
 
 
 def _check_expert_parallel(p) -> None:

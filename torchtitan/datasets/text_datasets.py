@@ -26,6 +26,9 @@ BUNDLED_DATASETS = {
 # Short names for hub datasets: name -> (hub path, dataset config).
 HUB_ALIASES = {"c4": ("allenai/c4", "en")}
 _BUILDER_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+# The text builder's default makes every line a document: hard-wrapped prose would become one
+# BOS/EOS pair per line (and per blank line), and block_causal would mask across lines.
+_BUILDER_OPTIONS = {"text": {"sample_by": "document"}}
 
 
 def local_files(dataset_path: str, key: str) -> list[Path]:
@@ -46,24 +49,23 @@ def local_files(dataset_path: str, key: str) -> list[Path]:
     return files
 
 
-def _text_column(dataset, source: str) -> str:
-    if "text" in dataset.column_names:
-        return "text"
-    raise ConfigError(
-        f"dataset '{source}' has no 'text' column (columns: {dataset.column_names}); "
-        "store each document's text under the key 'text'."
-    )
+def _require_text_column(columns: list[str], where: str, fix: str) -> None:
+    if "text" not in columns:
+        raise ConfigError(f"{where} has no 'text' column (columns: {columns}); {fix}.")
 
 
 def read_local_documents(files: list[Path]):
-    """Yield the 'text' field of every record of `files`, in order, via HF `datasets`."""
+    """Yield the 'text' field of every record of `files`, in order, via HF `datasets`; a .txt
+    file is one record."""
     import datasets
 
     builder = _BUILDER_BY_SUFFIX[files[0].suffix]
-    ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
-    column = _text_column(ds, str(files[0].parent))
+    options = _BUILDER_OPTIONS.get(builder, {})
+    ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **options)
+    where = f"dataset '{files[0].parent}'"
+    _require_text_column(ds.column_names, where, "store each document's text under the key 'text'")
     for record in ds:
-        yield record[column]
+        yield record["text"]
 
 
 def resolve_local_source(dataset: str, dataset_path: str | None, key: str) -> list[Path] | None:
@@ -90,6 +92,7 @@ class PackedTokenDataset(IterableDataset):
         seq_len: tokens per input; each window holds seq_len + 1.
         infinite: loop over epochs (training) or stop after one pass of whole global
             batches (validation).
+        section: the config section ("training" or "validation") whose keys errors name.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class PackedTokenDataset(IterableDataset):
         local_batch_size: int,
         infinite: bool = True,
         name: str = "dataset",
+        section: str = "training",
     ):
         super().__init__()
         self.tokens, self.seq_len, self.name = tokens, seq_len, name
@@ -111,7 +115,7 @@ class PackedTokenDataset(IterableDataset):
             raise ConfigError(
                 f"dataset '{name}' has {len(tokens)} tokens: too few for one global batch of "
                 f"{local_batch_size * dp_degree} x {seq_len + 1}; use a larger dataset or a "
-                "smaller training.seq_len / local_batch_size."
+                f"smaller {section}.seq_len / {section}.local_batch_size."
             )
         self.sample_index = 0
         self.window_offset = 0
@@ -174,6 +178,11 @@ class PackedTokenDataset(IterableDataset):
         return {"sample_index": 0, "window_offset": consumed, "seq_len": self.seq_len}
 
 
+def _stream_columns(ds) -> list[str]:
+    # A stream without declared features has no column_names; its first record tells.
+    return ds.column_names or list(next(iter(ds), {}))
+
+
 class StreamingTokenDataset(IterableDataset):
     """A Hugging Face hub dataset, streamed, sharded by rank, tokenized and packed on the fly."""
 
@@ -190,6 +199,12 @@ class StreamingTokenDataset(IterableDataset):
                 f"cannot open 'training.dataset' = '{name}' from the Hugging Face hub ({e}). "
                 "Use 'smoke', or set training.dataset_path to local files."
             ) from None
+        _require_text_column(
+            _stream_columns(ds),
+            f"'training.dataset' = '{name}' (streamed from the hub)",
+            "choose a dataset with one, or save this one locally with a 'text' field and set "
+            "training.dataset_path",
+        )
         self.data = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_degree)
         self.name, self.tokenizer, self.seq_len = name, tokenizer, seq_len
         self.buffer: list[int] = []
@@ -239,5 +254,5 @@ def build_text_dataset(
             )
         return StreamingTokenDataset(dataset, tokenizer, seq_len, dp_rank, dp_degree)
     tokens = token_cache.load_or_build(files, tokenizer, lambda: read_local_documents(files))
-    name = dataset_path or dataset
-    return PackedTokenDataset(tokens, seq_len, dp_rank, dp_degree, local_batch_size, infinite, name)
+    name, section = dataset_path or dataset, key.removesuffix(".dataset")
+    return PackedTokenDataset(tokens, seq_len, dp_rank, dp_degree, local_batch_size, infinite, name, section)

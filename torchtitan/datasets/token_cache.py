@@ -1,19 +1,23 @@
 """Tokenize a local dataset once into a memory-mapped token file, shared by every rank and run.
 
-The file is keyed by the dataset files (path, size, modification time) and the tokenizer's
-fingerprint, so editing either makes a new cache. Writes go to a temporary file renamed into
-place, so concurrent ranks and crashed runs never leave a partial cache behind.
+The file is keyed by the dataset files (path, size, modification time), the tokenizer's
+fingerprint and its BOS/EOS ids, so editing any of them makes a new cache. Writes go to a
+temporary file renamed into place, so concurrent ranks and crashed runs never leave a partial
+cache behind.
 """
 
 import hashlib
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 import numpy as np
 
 TOKEN_DTYPE = np.uint32
 _DOCS_PER_BATCH = 1024
+# Bump when the same files and tokenizer would tokenize differently (how documents are read or
+# wrapped), so caches written by older code are not reused.
+CACHE_FORMAT = 2  # 2: a .txt file is one document, no longer one per line
 
 
 def cache_dir() -> Path:
@@ -22,9 +26,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TORCHTITAN_CACHE_DIR", default))
 
 
-def cache_key(files: list[Path], tokenizer_fingerprint: str) -> str:
-    """A hex key that changes when any file or the tokenizer changes."""
-    h = hashlib.sha256(tokenizer_fingerprint.encode())
+def cache_key(files: list[Path], tokenizer) -> str:
+    """A hex key that changes when any file, the tokenizer or the cache format changes."""
+    # BOS/EOS come from tokenizer_config.json, which the tokenizer.json fingerprint misses.
+    h = hashlib.sha256(
+        f"{CACHE_FORMAT}|{tokenizer.fingerprint}|{tokenizer.bos_id}|{tokenizer.eos_id}".encode()
+    )
     for f in sorted(files):
         stat = f.stat()
         h.update(f"{f.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
@@ -33,7 +40,10 @@ def cache_key(files: list[Path], tokenizer_fingerprint: str) -> str:
 
 def _write_tokens(path: Path, documents, tokenizer) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(8)}.tmp")
+    # Not mkstemp: its 0600 would make a shared TORCHTITAN_CACHE_DIR unreadable to other users.
+    # Mode 0666 here gets the umask applied by the kernel, as any file the user creates does.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as out:
             batch = []
@@ -45,7 +55,7 @@ def _write_tokens(path: Path, documents, tokenizer) -> None:
             _flush(out, batch, tokenizer)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -60,11 +70,11 @@ def load_or_build(files: list[Path], tokenizer, read_documents) -> np.memmap:
 
     Args:
         files: the dataset's files (they key the cache).
-        tokenizer: has `fingerprint` and `encode_batch(texts, bos, eos)`.
+        tokenizer: has `fingerprint`, `bos_id`, `eos_id` and `encode_batch(texts, bos, eos)`.
         read_documents: zero-argument callable yielding document strings in order; called
             only when the cache is missing.
     """
-    path = cache_dir() / f"{cache_key(files, tokenizer.fingerprint)}.bin"
+    path = cache_dir() / f"{cache_key(files, tokenizer)}.bin"
     if not path.exists():
         _write_tokens(path, read_documents(), tokenizer)
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
