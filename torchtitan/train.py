@@ -8,6 +8,7 @@ import dataclasses
 import datetime
 import gc
 import logging
+import os
 import signal
 import sys
 import time
@@ -41,8 +42,15 @@ from torchtitan.tools.logging import init_logger
 logger = logging.getLogger("torchtitan")
 
 
+# A file whose appearance stops the run like SIGTERM does. multinode_trainer.slurm creates it
+# shortly before the time limit: unlike SIGTERM it does not go through torchrun, which kills its
+# workers 30 s after forwarding a signal, too soon for a large model's checkpoint.
+STOP_FILE_ENV = "TORCHTITAN_STOP_FILE"
+
+
 class StopRequested(Exception):
-    """Raised between steps after SIGTERM, so the run ends through the normal cleanup."""
+    """Raised between steps after SIGTERM (or the stop file), so the run ends through the
+    normal cleanup."""
 
 
 class Trainer:
@@ -88,6 +96,8 @@ class Trainer:
         self.lr = cfg.optimizer.lr
         self.step_metrics: dict[str, torch.Tensor] = {}
         self.stop_requested = False
+        self.stop_reason = "another rank's request"
+        self.stop_file = os.environ.get(STOP_FILE_ENV) or None
         self.stop_group = self._build_stop_group()
         self.train_state = TrainState()
         self.checkpointer = CheckpointManager(
@@ -276,8 +286,9 @@ class Trainer:
             self.memory_snapshotter.after_step(self.step)
 
     def _build_stop_group(self):
-        """A gloo group for agreeing on SIGTERM (see `_stop_agreed`); None when not needed."""
-        if not (self.job_config.checkpoint.enable and dist.is_initialized()):
+        """A gloo group for agreeing on a stop (see `_stop_agreed`); None when not needed."""
+        agree = self.job_config.checkpoint.enable or self.stop_file is not None
+        if not (agree and dist.is_initialized()):
             return None
         timeout = datetime.timedelta(seconds=self.job_config.comm.init_timeout_seconds)
         return dist.new_group(backend="gloo", timeout=timeout)
@@ -289,15 +300,25 @@ class Trainer:
         The flag is a CPU tensor on a gloo group: on the accelerator, reading the result back
         would wait for the whole previous step to finish every step, stalling the host's run-ahead.
         """
+        self._check_stop_file()
         if self.stop_group is None:
             return self.stop_requested
         flag = torch.tensor(float(self.stop_requested))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.stop_group)
         return bool(flag.item())
 
+    def _check_stop_file(self) -> None:
+        # Rank 0 alone looks (one stat per step on a shared file system); the others learn of
+        # it through the agreement.
+        if self.stop_file is None or self.stop_requested or (dist.is_initialized() and dist.get_rank() != 0):
+            return
+        if os.path.exists(self.stop_file):
+            logger.warning(f"Found the stop file {self.stop_file}: stopping after the current step")
+            self.stop_requested, self.stop_reason = True, f"stop file {self.stop_file}"
+
     def request_stop(self, signum, frame) -> None:
         logger.warning(f"Received signal {signum}: stopping after the current step")
-        self.stop_requested = True
+        self.stop_requested, self.stop_reason = True, signal.Signals(signum).name
 
     def close(self) -> None:
         self.checkpointer.close()
@@ -309,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the config and train; always clean up (writers, process group).
 
     Exit codes: 0 done, 2 config mistake (one paragraph on stderr, no traceback), 143 stopped
-    by SIGTERM, 130 interrupted.
+    by SIGTERM or the stop file (`TORCHTITAN_STOP_FILE`), 130 interrupted.
     """
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
@@ -326,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         exit_code = 2
     except StopRequested:
-        logger.warning(f"Stopped by SIGTERM after step {trainer.step}")
+        logger.warning(f"Stopped on request ({trainer.stop_reason}) after step {trainer.step}")
         exit_code = 128 + signal.SIGTERM
     except KeyboardInterrupt:
         logger.warning("Interrupted; shutting down")

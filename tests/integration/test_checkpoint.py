@@ -14,6 +14,7 @@ import torch
 
 from tests.conftest import PROJECT_ROOT, python_path, read_metrics, run_trainer
 from torchtitan.components.hf_io import load_hf
+from torchtitan.train import STOP_FILE_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -207,9 +208,33 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint
     os.kill(_worker_pid(proc.pid, local_rank=1), signal.SIGTERM)  # rank 0 gets no signal
     output, _ = proc.communicate(timeout=120)
     stopped_at = max(_losses(tmp_path))
-    assert output.count(f"Stopped by SIGTERM after step {stopped_at}") == 2, output[-3000:]  # both ranks
+    assert f"Stopped on request (SIGTERM) after step {stopped_at}" in output, output[-3000:]
+    assert f"Stopped on request (another rank's request) after step {stopped_at}" in output
     assert _steps(tmp_path) == [f"step-{stopped_at}"], output[-3000:]
     assert "exitcode  : 143" in output  # torchrun's summary of the workers
+
+
+def test_the_stop_file_stops_every_rank_at_the_same_step_even_without_checkpointing(tmp_path):
+    # Only rank 0 looks for the file; rank 1 must learn of it through the agreement, or it
+    # would wait in the next step's collectives for a rank that has left.
+    stop_file = tmp_path / "stop"
+    argv = BASE + ["--training.local_batch_size", "4", "--training.steps", "100000", "--checkpoint.no_enable",
+                   "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend",
+                "c10d", "--rdzv_endpoint", "localhost:0", "-m", "torchtitan.train"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1", STOP_FILE_ENV: str(stop_file)}
+    proc = subprocess.Popen(launcher + argv, cwd=PROJECT_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.time() + 120
+    while not (tmp_path / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    stop_file.touch()
+    output, _ = proc.communicate(timeout=120)
+    stopped_at = max(_losses(tmp_path))
+    assert f"Stopped on request (stop file {stop_file}) after step {stopped_at}" in output, output[-3000:]
+    assert f"Stopped on request (another rank's request) after step {stopped_at}" in output
+    assert output.count("exitcode  : 143") == 2  # torchrun's summary: both workers
+    assert not (tmp_path / "checkpoint").exists()
 
 
 def test_seed_checkpoint_gives_any_layout_the_same_start(tmp_path):

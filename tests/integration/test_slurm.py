@@ -47,19 +47,47 @@ def _wait_for_job(job_id: str, timeout: float = 600) -> str:
     raise TimeoutError(f"SLURM job {job_id} still running after {timeout} s")
 
 
-def test_sbatch_of_the_slurm_script_trains_and_the_job_completes(slurm, tmp_path):
-    env = "ALL,GPUS_PER_NODE=2,OMP_NUM_THREADS=1"
+TRAIN = ["--config", "debug_model.toml", "--training.seq_len", "64", "--training.local_batch_size", "4",
+         "--metrics.log_freq", "1"]  # fmt: skip
+
+
+def _submit(tmp_path, train_args: list[str], env: str = "ALL,GPUS_PER_NODE=2,OMP_NUM_THREADS=1") -> str:
+    """sbatch the script on one node with 2 processes; returns the job id."""
     submit = ["sbatch", "--parsable", "--nodes", "1", "--export", env, "--output", str(tmp_path / "job.out")]
-    train = ["--config", "debug_model.toml", "--training.steps", "10", "--training.seq_len", "64",
-             "--training.local_batch_size", "4", "--metrics.log_freq", "1",
-             "--job.dump_folder", str(tmp_path / "run")]  # fmt: skip
+    train = TRAIN + train_args + ["--job.dump_folder", str(tmp_path / "run")]
     proc = subprocess.run([*submit, "multinode_trainer.slurm", *train], cwd=PROJECT_ROOT, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    job = _wait_for_job(proc.stdout.strip().split(";")[0])
+    return proc.stdout.strip().split(";")[0]
+
+
+def test_sbatch_of_the_slurm_script_trains_and_the_job_completes(slurm, tmp_path):
+    job = _wait_for_job(_submit(tmp_path, ["--training.steps", "10"]))
     output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
     assert "JobState=COMPLETED" in job and "ExitCode=0:0" in job, job + output[-3000:]
     assert "2 process(es) each, rendezvous" in output
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == list(range(1, 11))
     assert records[-1]["loss"] <= 0.8 * records[0]["loss"], records
+
+
+def test_the_time_limit_signal_makes_the_trainers_save_and_stop(slurm, tmp_path):
+    # What --signal=B:USR1@120 does before the time limit: signal the batch script alone.
+    job_id = _submit(tmp_path, ["--training.steps", "100000", "--checkpoint.enable",
+                                "--checkpoint.interval", "100000"])  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "run" / "metrics.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--batch", "--signal", "USR1", job_id], check=True)
+    job = _wait_for_job(job_id, timeout=300)
+    output = (tmp_path / "job.out").read_text()
+    stopped_at = read_metrics(tmp_path / "run")[-1]["step"]
+    assert "asking the trainers to save and stop" in output, job + output[-3000:]
+    assert (
+        f"Stopped on request (stop file {PROJECT_ROOT}/.torchtitan-stop-{job_id}) after step {stopped_at}"
+        in output
+    )
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoint").iterdir())
+    assert checkpoints == [f"step-{stopped_at}"], checkpoints
+    assert "stopped before the time limit" in output and "resubmit the same command" in output
+    assert not (PROJECT_ROOT / f".torchtitan-stop-{job_id}").exists()  # the script cleans up

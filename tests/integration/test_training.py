@@ -127,6 +127,6 @@ def test_sigterm_stops_after_the_current_step_and_cleans_up(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
     assert "Traceback" not in err
-    stopped_at = int(re.search(r"Stopped by SIGTERM after step (\d+)", err).group(1))
+    stopped_at = int(re.search(r"Stopped on request \(SIGTERM\) after step (\d+)", err).group(1))
     steps = [r["step"] for r in read_metrics(dump)]
     assert steps[0] == 1 and steps[-1] == stopped_at  # that step finished and was logged
