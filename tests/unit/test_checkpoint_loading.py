@@ -1,6 +1,8 @@
 """Checkpoints that do not fit the model are refused with a message, never half-loaded; exports
 keep buffers in their dtype and replace an older export whole."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -67,6 +69,29 @@ def test_a_whole_hf_checkpoint_loads_every_tensor(tmp_path):
 
     for (name, got), want in zip(target.state_dict().items(), model.state_dict().values(), strict=True):
         assert torch.equal(got, want), name
+
+
+def test_an_hf_load_reads_one_decoder_layer_at_a_time(tmp_path, monkeypatch):
+    import torchtitan.components.hf_io as hf_io
+
+    model, adapter = _model()
+    _export(model, adapter, tmp_path / "hf")
+    reads = []
+    real_read = hf_io.load_hf_tensors
+    monkeypatch.setattr(
+        hf_io, "load_hf_tensors", lambda layout, keys: reads.append(keys) or real_read(layout, keys)
+    )
+    target, _ = _model(seed=1)
+
+    _hf_loading_manager(tmp_path, tmp_path / "hf", target, adapter).load(TrainState())
+
+    layers_per_read = [
+        {re.search(r"layers\.(\d+)\.", k).group(1) for k in keys if "layers." in k} for keys in reads
+    ]
+    assert len(reads) == 1 + len(model.layers)  # embedding, final norm and output, then each layer
+    assert all(len(layers) <= 1 for layers in layers_per_read), layers_per_read
+    assert sum(len(keys) for keys in reads) == len(load_hf(tmp_path / "hf"))
+    assert torch.equal(target.layers["5"].attention.wq.weight, model.layers["5"].attention.wq.weight)
 
 
 def test_an_hf_checkpoint_of_another_model_is_refused_naming_the_flavor_key(tmp_path):

@@ -41,12 +41,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.expert_parallel import full_expert_tensor, global_expert_view, is_ep_local
+from torchtitan.protocols.state_dict_adapter import StateDictMismatchError, describe_mismatch
 from torchtitan.tools.dtypes import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
+_HF_LOAD_FIX = "Set model.name and model.flavor to the checkpoint's, or load another checkpoint."
 STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 # Test hook: a rank that reads this step from the environment dies after writing its shards and
 # before the checkpoint becomes visible, as a preempted or crashed save would.
@@ -502,11 +504,7 @@ class CheckpointManager:
         if not path.exists():
             raise ConfigError(f"'checkpoint.initial_load_path' = '{path}' does not exist.")
         if c.initial_load_in_hf:
-            set_model_state_dict(
-                self.model,
-                self._hf_model_state(path),
-                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False),
-            )
+            self._load_hf(path)
             logger.info(f"Initialized the model from Hugging Face safetensors in {path}")
             return
         state = {"model": self._model_state()}
@@ -520,37 +518,46 @@ class CheckpointManager:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         logger.info(f"Initialized the model from checkpoint {path}")
 
-    def _hf_model_state(self, path: Path) -> dict[str, torch.Tensor]:
-        """The model state of the HF checkpoint in `path`, this rank's experts sliced out.
+    def _load_hf(self, path: Path) -> None:
+        """Load the HF checkpoint in `path` into the model, one decoder layer at a time.
 
-        Raises ConfigError unless it holds every tensor of this model in its shape: without
-        the check, a missing key would silently keep its random initialization.
+        Every rank reads the tensors it needs whole (each rank keeps its own shards of them),
+        so a layer at a time bounds each rank's host memory by one layer rather than the
+        whole model (140 GB for a 70B model in bf16, per rank). Before any data is read the
+        conversion is checked on the files' headers: a checkpoint that lacks a tensor of this
+        model, or holds one of another shape, is refused with ConfigError, where loading it
+        would silently keep those tensors' random initialization.
         """
-        from torchtitan.components.hf_io import load_hf
-        from torchtitan.protocols.state_dict_adapter import StateDictMismatchError, describe_mismatch
+        from torchtitan.components.hf_io import keys_by_layer, load_hf_tensors, meta_tensors, read_hf_layout
 
-        model = self.job_config.model
-        not_this = (
-            f"'checkpoint.initial_load_path' = '{path}' is not a {model.name} {model.flavor} checkpoint"
-        )
-        fix = "Set model.name and model.flavor to the checkpoint's, or load another checkpoint."
         try:
-            state = self.hf_adapter.from_hf(load_hf(path))
+            layout = read_hf_layout(path)
+            converted = self._own_experts(self.hf_adapter.from_hf(meta_tensors(layout)))
         except (StateDictMismatchError, FileNotFoundError) as error:
-            raise ConfigError(f"{not_this}: {error}. {fix}") from None
+            raise ConfigError(f"{self._not_this_model(path)}: {error}. {_HF_LOAD_FIX}") from None
+        expected = {k: v.shape for k, v in self._model_state().items()}
+        if mismatch := describe_mismatch(expected, {k: v.shape for k, v in converted.items()}):
+            raise ConfigError(f"{self._not_this_model(path)}: {mismatch}. {_HF_LOAD_FIX}")
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        for keys in keys_by_layer(layout):
+            state = self.hf_adapter.from_hf(load_hf_tensors(layout, keys))
+            if state:
+                set_model_state_dict(self.model, self._own_experts(state), options=options)
+
+    def _not_this_model(self, path: Path) -> str:
+        model = self.job_config.model
+        return f"'checkpoint.initial_load_path' = '{path}' is not a {model.name} {model.flavor} checkpoint"
+
+    def _own_experts(self, state: dict) -> dict:
+        """`state` with each expert-parallel weight cut to this rank's experts."""
         for fqn, param in self._ep_params().items():
             if fqn in state:
-                state[fqn] = state[fqn][param._ep_slice]  # this rank's experts
-        expected = {k: v.shape for k, v in self._model_state().items()}
-        if mismatch := describe_mismatch(expected, {k: v.shape for k, v in state.items()}):
-            raise ConfigError(f"{not_this}: {mismatch}. {fix}")
+                state[fqn] = state[fqn][param._ep_slice]
         return state
 
     def _check_fits(self, folder: Path, model_on_disk: dict, key: str) -> None:
         """Raise ConfigError naming the tensors when the DCP checkpoint in `folder` does not hold
         this model (another model or flavor), instead of DCP's traceback."""
-        from torchtitan.protocols.state_dict_adapter import describe_mismatch
-
         saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
         saved_shapes = {k[len("model.") :]: m.size for k, m in saved.items() if k.startswith("model.")}
         if mismatch := describe_mismatch({k: v.shape for k, v in model_on_disk.items()}, saved_shapes):

@@ -6,11 +6,14 @@ to its shard, and ``config.json``.
 """
 
 import json
+import re
+from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -59,26 +62,71 @@ def load_hf(folder: str | Path) -> dict[str, torch.Tensor]:
         FileNotFoundError: no such folder, neither file in it, or a shard the index names is
             missing or lacks a key the index assigns to it.
     """
+    layout = read_hf_layout(folder)
+    return load_hf_tensors(layout, list(layout))
+
+
+def read_hf_layout(folder: str | Path) -> dict[str, Path]:
+    """Every tensor key of an HF checkpoint folder -> the safetensors file that holds it, read
+    from the index and the files' headers only (no tensor data).
+
+    Raises:
+        FileNotFoundError: as `load_hf`.
+    """
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"Hugging Face checkpoint folder '{folder}' does not exist")
     if (folder / INDEX_FILE).is_file():
-        return _load_sharded(folder)
-    if (folder / SINGLE_FILE).is_file():
-        return load_file(folder / SINGLE_FILE)
-    raise FileNotFoundError(f"'{folder}' holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+        weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        layout = {key: folder / shard for key, shard in weight_map.items()}
+    elif (folder / SINGLE_FILE).is_file():
+        with safe_open(folder / SINGLE_FILE, framework="pt") as f:
+            return dict.fromkeys(f.keys(), folder / SINGLE_FILE)
+    else:
+        raise FileNotFoundError(f"'{folder}' holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+    for shard in dict.fromkeys(layout.values()):
+        if not shard.is_file():
+            raise FileNotFoundError(f"shard '{shard.name}', listed in {folder / INDEX_FILE}, is missing")
+        with safe_open(shard, framework="pt") as f:
+            present = set(f.keys())
+        if missing := [key for key, file in layout.items() if file == shard and key not in present]:
+            raise FileNotFoundError(f"keys of {folder / INDEX_FILE} missing from their shards: {missing[:5]}")
+    return layout
 
 
-def _load_sharded(folder: Path) -> dict[str, torch.Tensor]:
-    weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+def meta_tensors(layout: Mapping[str, Path]) -> dict[str, torch.Tensor]:
+    """Meta tensors with the shapes of `layout`'s tensors, to check a conversion without data."""
+    shapes = {}
+    for file, keys in _keys_by_file(layout, list(layout)).items():
+        with safe_open(file, framework="pt") as f:
+            shapes.update({key: f.get_slice(key).get_shape() for key in keys})
+    return {key: torch.empty(shapes[key], device="meta") for key in layout}
+
+
+def load_hf_tensors(layout: Mapping[str, Path], keys: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors `keys` of `layout`, on the CPU, reading nothing else."""
     loaded = {}
-    for shard in dict.fromkeys(weight_map.values()):
-        if not (folder / shard).is_file():
-            raise FileNotFoundError(f"shard '{shard}', listed in {folder / INDEX_FILE}, is missing")
-        loaded.update(load_file(folder / shard))
-    if missing := [key for key in weight_map if key not in loaded]:
-        raise FileNotFoundError(f"keys of {folder / INDEX_FILE} missing from their shards: {missing[:5]}")
-    return {key: loaded[key] for key in weight_map}
+    for file, file_keys in _keys_by_file(layout, keys).items():
+        with safe_open(file, framework="pt") as f:
+            loaded.update({key: f.get_tensor(key) for key in file_keys})
+    return {key: loaded[key] for key in keys}
+
+
+def keys_by_layer(keys) -> list[list[str]]:
+    """`keys` grouped by their `layers.N` index (first the keys outside any layer), so that a
+    checkpoint can be loaded one decoder layer at a time."""
+    groups: dict[int, list[str]] = defaultdict(list)
+    for key in keys:
+        layer = re.search(r"(?:^|\.)layers\.(\d+)\.", key)
+        groups[int(layer.group(1)) if layer else -1].append(key)
+    return [groups[layer] for layer in sorted(groups)]
+
+
+def _keys_by_file(layout: Mapping[str, Path], keys: list[str]) -> dict[Path, list[str]]:
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for key in keys:
+        by_file[layout[key]].append(key)
+    return by_file
 
 
 def _plan_shards(state_dict: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
