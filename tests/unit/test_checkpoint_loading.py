@@ -1,6 +1,8 @@
 """Checkpoints that do not fit the model are refused with a message, never half-loaded; exports
 keep buffers in their dtype and replace an older export whole."""
 
+import json
+import logging
 import re
 
 import pytest
@@ -92,6 +94,34 @@ def test_an_hf_load_reads_one_decoder_layer_at_a_time(tmp_path, monkeypatch):
     assert all(len(layers) <= 1 for layers in layers_per_read), layers_per_read
     assert sum(len(keys) for keys in reads) == len(load_hf(tmp_path / "hf"))
     assert torch.equal(target.layers["5"].attention.wq.weight, model.layers["5"].attention.wq.weight)
+
+
+def test_an_hf_config_with_other_rope_settings_is_named_in_a_warning(tmp_path, caplog):
+    model, adapter = _model()
+    _export(model, adapter, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["rope_theta"] = 1_000_000.0
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 40.0}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    target, _ = _model(seed=1)
+
+    with caplog.at_level(logging.WARNING):
+        _hf_loading_manager(tmp_path, tmp_path / "hf", target, adapter).load(TrainState())
+
+    warning = " ".join(r.message for r in caplog.records if r.levelno == logging.WARNING)
+    assert "rope_theta: checkpoint 1000000.0, this run 500000" in warning, warning
+    assert "rope_scaling: checkpoint {'rope_type': 'yarn', 'factor': 40.0}, this run None" in warning
+
+
+def test_an_hf_config_matching_the_model_gives_no_warning(tmp_path, caplog):
+    model, adapter = _model()
+    _export(model, adapter, tmp_path / "hf")
+    target, _ = _model(seed=1)
+
+    with caplog.at_level(logging.WARNING):
+        _hf_loading_manager(tmp_path, tmp_path / "hf", target, adapter).load(TrainState())
+
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_an_hf_checkpoint_of_another_model_is_refused_naming_the_flavor_key(tmp_path):

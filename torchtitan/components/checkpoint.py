@@ -18,6 +18,7 @@ Pitfalls:
       whose position is global; a streaming dataset's position is refused across layouts.
 """
 
+import json
 import logging
 import os
 import re
@@ -538,11 +539,32 @@ class CheckpointManager:
         expected = {k: v.shape for k, v in self._model_state().items()}
         if mismatch := describe_mismatch(expected, {k: v.shape for k, v in converted.items()}):
             raise ConfigError(f"{self._not_this_model(path)}: {mismatch}. {_HF_LOAD_FIX}")
+        self._warn_on_config_differences(path)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
         for keys in keys_by_layer(layout):
             state = self.hf_adapter.from_hf(load_hf_tensors(layout, keys))
             if state:
                 set_model_state_dict(self.model, self._own_experts(state), options=options)
+
+    def _warn_on_config_differences(self, path: Path) -> None:
+        """Warn when the checkpoint's config.json sets RoPE or norm constants other than this
+        run's: no shape shows it, and the weights then compute something else (e.g. the
+        published DeepSeek-V3's YaRN scaling, which this model does not apply)."""
+        from torchtitan.components.hf_io import CONFIG_FILE
+        from torchtitan.protocols.state_dict_adapter import HFConfigError, hf_config_differences
+
+        if not (path / CONFIG_FILE).is_file():
+            return
+        try:
+            ours = self.hf_adapter.hf_config()
+        except HFConfigError:
+            return  # a model HF cannot express has no comparable config
+        if differences := hf_config_differences(ours, json.loads((path / CONFIG_FILE).read_text())):
+            logger.warning(
+                f"{path / CONFIG_FILE} differs from this run's model in what no tensor shape shows: "
+                f"{'; '.join(differences)}. The weights load, but compute differently than in "
+                "Hugging Face; choose the matching model.flavor if one exists."
+            )
 
     def _not_this_model(self, path: Path) -> str:
         model = self.job_config.model

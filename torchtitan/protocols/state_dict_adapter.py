@@ -8,6 +8,7 @@ published checkpoints use, which transformers 4.x and 5.x both load.
 
 import json
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Mapping
@@ -231,6 +232,29 @@ def describe_mismatch(expected: Mapping[str, torch.Size], actual: Mapping[str, t
         shapes = [f"{key} {tuple(actual[key])} (want {tuple(expected[key])})" for key in wrong]
         problems.append(f"wrong shapes: {name_few(shapes)}")
     return "; ".join(problems) or None
+
+
+# config.json fields that change the numbers without changing any tensor's shape.
+NUMERIC_HF_CONFIG_KEYS = ("rope_theta", "rope_scaling", "rms_norm_eps")
+
+
+def hf_config_differences(ours: Mapping, theirs: Mapping) -> list[str]:
+    """The `NUMERIC_HF_CONFIG_KEYS` on which a checkpoint's config.json (`theirs`) disagrees
+    with this model's (`ours`), each as "key: checkpoint X, this run Y". A key the checkpoint
+    leaves out is not compared (transformers then uses its default)."""
+
+    def same(a, b) -> bool:
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            return all(same(a.get(k), b.get(k)) for k in a.keys() - {"type", "rope_type"})
+        if isinstance(a, int | float) and isinstance(b, int | float):
+            return math.isclose(a, b, rel_tol=1e-6)
+        return a == b
+
+    return [
+        f"{key}: checkpoint {theirs[key]}, this run {ours.get(key)}"
+        for key in NUMERIC_HF_CONFIG_KEYS
+        if key in theirs and not same(ours.get(key), theirs[key])
+    ]
 
 
 def build_state_dict_adapter(
