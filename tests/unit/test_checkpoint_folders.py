@@ -5,7 +5,7 @@ import time
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan.components.checkpoint import CheckpointManager, complete_steps, prune_checkpoints
+from torchtitan.components.checkpoint import CheckpointManager, TrainState, complete_steps, prune_checkpoints
 from torchtitan.config.manager import parse_args
 
 
@@ -85,3 +85,41 @@ def test_a_finished_async_save_becomes_visible_at_the_next_poll(tmp_path):
     manager.poll()
     assert complete_steps(manager.folder) == [5]
     assert manager.pending is None
+
+
+def _manager(tmp_path, *argv: str) -> CheckpointManager:
+    cfg = parse_args(["--job.dump_folder", str(tmp_path), "--checkpoint.enable", *argv], env={})
+    return CheckpointManager(cfg, None, None, None, None, dp_rank=0, dp_degree=1, device=torch.device("cpu"))
+
+
+def _load_folders_only(manager: CheckpointManager) -> list[str]:
+    """What `load` resumes from (the state itself is not read: no model here)."""
+    loaded = []
+    manager._load_full = lambda folder, train_state: loaded.append(folder.name)
+    manager.load(TrainState())
+    return loaded
+
+
+def test_a_rollback_sets_the_newer_checkpoints_aside_so_they_neither_resume_nor_outlive_its_own(tmp_path):
+    manager = _manager(tmp_path, "--checkpoint.load_step", "10")
+    for step in (10, 20, 30):
+        _save(manager.folder, step)
+
+    assert _load_folders_only(manager) == ["step-10"]
+
+    assert complete_steps(manager.folder) == [10]
+    assert sorted(p.name for p in manager.folder.iterdir()) == [
+        "step-10",
+        "step-20.superseded",
+        "step-30.superseded",
+    ]
+
+
+def test_a_plain_resume_keeps_a_newer_model_only_export(tmp_path):
+    manager = _manager(tmp_path)
+    _save(manager.folder, 10)
+    _save(manager.folder, 12, resumable=False)  # last_save_model_only
+
+    assert _load_folders_only(manager) == ["step-10"]
+
+    assert complete_steps(manager.folder) == [10, 12]

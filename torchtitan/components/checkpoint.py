@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
+SUPERSEDED_SUFFIX = ".superseded"
 _HF_LOAD_FIX = "Set model.name and model.flavor to the checkpoint's, or load another checkpoint."
 STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 # Test hook: a rank that reads this step from the environment dies after writing its shards and
@@ -388,20 +389,32 @@ class CheckpointManager:
 
         A model-only final save (`last_save_model_only`) is an export: a later run resumes from
         the full checkpoint before it rather than restarting from step 0 with its weights.
+        Rank 0 chooses and tells the others, so ranks that list the folder differently (a
+        network file system's attribute cache) still load the same step.
         """
+        choice = [self._choose_resume_step() if _rank() == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(choice, src=0)
+        step, error = choice[0]
+        if error:
+            raise ConfigError(error)
+        return step
+
+    def _choose_resume_step(self) -> tuple[int | None, str | None]:
+        """(step, None), or (None, the message of a ConfigError) for a missing `load_step`."""
         c = self.config
         steps = complete_steps(self.folder)
         if c.load_step >= 0:
             if c.load_step not in steps:
-                raise ConfigError(
+                return None, (
                     f"'checkpoint.load_step' = {c.load_step} has no complete checkpoint in {self.folder} "
                     f"(complete: {steps or 'none'}); choose one of those, or -1 for the newest."
                 )
-            return c.load_step
+            return c.load_step, None
         resumable = resumable_steps(self.folder)
         if resumable:
-            return resumable[-1]
-        return steps[-1] if steps else None
+            return resumable[-1], None
+        return (steps[-1] if steps else None), None
 
     def load(self, train_state: TrainState) -> bool:
         """Restore the newest checkpoint (or `initial_load_path`) in place; True when one was read."""
@@ -410,11 +423,29 @@ class CheckpointManager:
         step = self.resume_step()
         if step is not None:
             self._load_full(self.folder / f"step-{step}", train_state)
+            if self.config.load_step >= 0:
+                self._set_aside_newer_than(step)
             return True
         if self.config.initial_load_path:
             self._load_initial(Path(self.config.initial_load_path))
             return True
         return False
+
+    def _set_aside_newer_than(self, step: int) -> None:
+        """After a rollback (`load_step` older than the newest), rename the newer checkpoints to
+        `step-N.superseded`: left in place, the next plain resume would pick the abandoned
+        run's newest and `keep_latest_k` would delete this run's checkpoints before them."""
+        newer = [s for s in complete_steps(self.folder) if s > step]
+        if _rank() == 0 and newer:
+            for s in newer:
+                folder = self.folder / f"step-{s}"
+                shutil.rmtree(folder.with_name(folder.name + SUPERSEDED_SUFFIX), ignore_errors=True)
+                folder.rename(folder.with_name(folder.name + SUPERSEDED_SUFFIX))
+            logger.warning(
+                f"Rolled back to step {step}: set aside the newer checkpoints of steps {newer} as "
+                f"step-N{SUPERSEDED_SUFFIX} in {self.folder} (rename one back to resume from it)"
+            )
+        _barrier()
 
     def _load_full(self, folder: Path, train_state: TrainState) -> None:
         excluded = set(self.config.exclude_from_loading)
