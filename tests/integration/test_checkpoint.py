@@ -46,6 +46,13 @@ def _losses(folder) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(folder)}
 
 
+def _wait_for_a_logged_step(folder, timeout: float = 120) -> None:
+    """Until metrics.jsonl holds a step: a stop requested earlier ends the run before step 1."""
+    deadline = time.time() + timeout
+    while not ((folder / "metrics.jsonl").exists() and _losses(folder)) and time.time() < deadline:
+        time.sleep(0.5)
+
+
 def _steps(folder) -> list[str]:
     return sorted(p.name for p in (folder / "checkpoint").iterdir())
 
@@ -174,9 +181,7 @@ def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
     env = {**os.environ, "PYTHONPATH": python_path()}
     proc = subprocess.Popen([sys.executable, "-m", "torchtitan.train", *argv], cwd=PROJECT_ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    deadline = time.time() + 120
-    while not (tmp_path / "metrics.jsonl").exists() and time.time() < deadline:
-        time.sleep(0.5)
+    _wait_for_a_logged_step(tmp_path)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143, output[-2000:]
@@ -202,9 +207,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint
     env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(launcher + argv, cwd=PROJECT_ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    deadline = time.time() + 120
-    while not (tmp_path / "metrics.jsonl").exists() and time.time() < deadline:
-        time.sleep(0.5)
+    _wait_for_a_logged_step(tmp_path)
     os.kill(_worker_pid(proc.pid, local_rank=1), signal.SIGTERM)  # rank 0 gets no signal
     output, _ = proc.communicate(timeout=120)
     stopped_at = max(_losses(tmp_path))
@@ -225,9 +228,7 @@ def test_the_stop_file_stops_every_rank_at_the_same_step_even_without_checkpoint
     env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1", STOP_FILE_ENV: str(stop_file)}
     proc = subprocess.Popen(launcher + argv, cwd=PROJECT_ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    deadline = time.time() + 120
-    while not (tmp_path / "metrics.jsonl").exists() and time.time() < deadline:
-        time.sleep(0.5)
+    _wait_for_a_logged_step(tmp_path)
     stop_file.touch()
     output, _ = proc.communicate(timeout=120)
     stopped_at = max(_losses(tmp_path))

@@ -75,9 +75,9 @@ def test_the_time_limit_signal_makes_the_trainers_save_and_stop(slurm, tmp_path)
     # What --signal=B:USR1@120 does before the time limit: signal the batch script alone.
     job_id = _submit(tmp_path, ["--training.steps", "100000", "--checkpoint.enable",
                                 "--checkpoint.interval", "100000"])  # fmt: skip
-    deadline = time.monotonic() + 300
-    while not (tmp_path / "run" / "metrics.jsonl").exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
+    deadline, metrics = time.monotonic() + 300, tmp_path / "run" / "metrics.jsonl"
+    while not (metrics.exists() and read_metrics(tmp_path / "run")) and time.monotonic() < deadline:
+        time.sleep(0.5)  # until a step has been logged
     subprocess.run(["scancel", "--batch", "--signal", "USR1", job_id], check=True)
     job = _wait_for_job(job_id, timeout=300)
     output = (tmp_path / "job.out").read_text()
