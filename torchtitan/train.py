@@ -28,7 +28,7 @@ from torchtitan.components.training_step import (
 )
 from torchtitan.components.validate import Validator
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError, format_help, parse_args, to_toml
+from torchtitan.config.manager import ConfigError, format_help, parse_args, to_toml, wants_help
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     by SIGTERM, 130 interrupted.
     """
     argv = sys.argv[1:] if argv is None else argv
-    if "--help" in argv or "-h" in argv:
+    if wants_help(argv):
         print(format_help())
         return
     init_logger()

@@ -399,6 +399,10 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None) -> JobCon
     return validate(config)
 
 
+def wants_help(argv: list[str]) -> bool:
+    return "--help" in argv or "-h" in argv
+
+
 def format_help() -> str:
     """`--help` text: every option with its type, default and one-line description."""
     lines = [
