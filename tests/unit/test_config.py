@@ -99,6 +99,13 @@ def _error(argv, env=None) -> str:
     return str(info.value)
 
 
+@pytest.mark.parametrize("argv", [["--config", ""], ["--config="], ["--job.config_file", ""]])
+def test_an_empty_config_value_is_refused_rather_than_training_the_default(argv):
+    message = _error(argv, env={"CONFIG_FILE": "llama3_8b.toml"})
+    assert f"{argv[0].split('=')[0]} needs a value" in message and "an empty value" in message
+    assert "leave out" in message
+
+
 def test_unknown_key_on_command_line_suggests_the_closest():
     message = _error(["--training.stpes", "3"])
     assert "training.stpes" in message and "Did you mean 'steps'" in message

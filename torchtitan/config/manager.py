@@ -238,8 +238,14 @@ def _split_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | 
         text = inline if eq else (nxt if takes_next else None)
         i += 2 if takes_next else 1
         if name in ("config", "job.config_file"):
-            if text is None:
-                raise ConfigError(f"--{name} needs a value: a TOML path or config file name.")
+            if not text:
+                # An empty value is usually an unset shell variable; training the default
+                # config instead would hide that.
+                got = "nothing" if text is None else "an empty value"
+                raise ConfigError(
+                    f"--{name} needs a value, a TOML path or config file name, but got {got}. "
+                    f"Pass one, or leave out --{name} to use $CONFIG_FILE or {DEFAULT_CONFIG}."
+                )
             config_file = text
             continue
         section, dot, key = name.partition(".")
