@@ -152,6 +152,20 @@ def test_out_of_range_value_states_the_bound():
     assert ">= 0.0 and <= 1.0" in _error(["--activation_checkpoint.memory_budget", "1.5"])
 
 
+@pytest.mark.parametrize(
+    "key, value", [("optimizer.lr", "nan"), ("training.max_norm", "nan"), ("optimizer.eps", "inf")]
+)
+def test_non_finite_floats_are_refused_naming_key_and_value(key, value):
+    message = _error([f"--{key}", value])
+    assert f"'{key}' = {value}" in message and "not a finite number" in message
+
+
+def test_non_finite_float_in_a_file_is_refused(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[lr_scheduler]\ndecay_ratio = nan\n")
+    assert "'lr_scheduler.decay_ratio' = nan is not a finite number" in _error(["--config", str(bad)])
+
+
 def test_missing_config_file_lists_where_it_looked():
     message = _error(["--config", "nope.toml"])
     assert "nope.toml" in message and "train_configs" in message

@@ -7,6 +7,7 @@ turns it into one paragraph on stderr and exit code 2.
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -279,6 +280,11 @@ def _check_ranges(config: JobConfig) -> None:
             value = getattr(getattr(config, section), f.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
+            # nan fails every comparison, so the bounds below would let it through.
+            if not math.isfinite(value):
+                raise ConfigError(
+                    f"'{section}.{f.name}' = {value} is not a finite number; set it to a finite value."
+                )
             lo, hi, gt = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("gt")
             bad = (lo is not None and value < lo) or (hi is not None and value > hi)
             bad = bad or (gt is not None and value <= gt)
