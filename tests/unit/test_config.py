@@ -146,6 +146,31 @@ def test_choice_outside_its_literal_lists_the_choices():
     assert "'linear', 'sqrt', 'cosine'" in message
 
 
+def test_a_value_outside_the_choices_is_not_called_a_wrong_type():
+    message = _error(["--activation_checkpoint.mode", "partial"])
+    assert "'activation_checkpoint.mode' = 'partial'" in message
+    assert "is not one of 'none', 'full', 'selective', 'memory_budget'" in message
+    assert "wrong type" not in message
+
+
+def test_a_section_without_a_key_on_the_command_line_asks_for_the_key():
+    message = _error(["--job"])
+    assert "--job needs a key: --job.KEY VALUE" in message and "dump_folder" in message
+    assert "unknown section" not in message
+
+
+def test_a_key_without_its_section_on_the_command_line_names_the_sections_that_have_it():
+    assert "use --training.steps or --validation.steps" in _error(["--steps", "5"])
+
+
+def test_a_top_level_key_in_a_file_must_be_inside_a_section(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = 10\n")
+    message = _error(["--config", str(bad)])
+    assert "'steps' = 10" in message and "must be inside a [section]" in message
+    assert "[training]" in message and "unknown section" not in message
+
+
 def test_out_of_range_value_states_the_bound():
     message = _error(["--optimizer.lr", "-1"])
     assert "optimizer.lr" in message and "> 0.0" in message

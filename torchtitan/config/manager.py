@@ -100,17 +100,16 @@ def _closest(name: str, choices) -> str:
     return f" Did you mean '{close[0]}'?" if close else ""
 
 
-def _unknown_key_error(where: str, section: str | None, key: str) -> ConfigError:
+def _unknown_key_error(where: str, section: str, key: str) -> ConfigError:
     sections = _sections()
     if section in UPSTREAM_ONLY_SECTIONS:
         return ConfigError(
             f"section [{section}] in {where} configures {UPSTREAM_ONLY_SECTIONS[section]} in upstream "
             "torchtitan, which this trainer does not build; remove the section."
         )
-    if section is None or section not in sections:
-        name = section if section is not None else key
+    if section not in sections:
         return ConfigError(
-            f"unknown section [{name}] in {where}.{_closest(name, sections)} "
+            f"unknown section [{section}] in {where}.{_closest(section, sections)} "
             f"Valid sections: {', '.join(sections)}."
         )
     fields = _section_fields(sections[section])
@@ -118,6 +117,48 @@ def _unknown_key_error(where: str, section: str | None, key: str) -> ConfigError
         f"unknown key '{section}.{key}' in {where}.{_closest(key, fields)} "
         f"Valid keys of [{section}]: {', '.join(fields)}."
     )
+
+
+def _sections_with_key(key: str) -> list[str]:
+    return [name for name, cls in _sections().items() if key in _section_fields(cls)]
+
+
+def _option_without_key_error(name: str) -> ConfigError:
+    """`--name` with no dot: a section missing its key, a key missing its section, or neither."""
+    sections = _sections()
+    if name in sections:
+        return ConfigError(
+            f"--{name} needs a key: --{name}.KEY VALUE. Keys of [{name}]: "
+            f"{', '.join(_section_fields(sections[name]))}."
+        )
+    owners = _sections_with_key(name)
+    if owners:
+        spelled = " or ".join(f"--{owner}.{name}" for owner in owners)
+        return ConfigError(f"--{name} needs its section: use {spelled}.")
+    return ConfigError(
+        f"unknown option --{name}: options look like --section.key VALUE.{_closest(name, sections)} "
+        f"Valid sections: {', '.join(sections)}."
+    )
+
+
+def _top_level_key_error(path: Path, key: str, value) -> ConfigError:
+    owners = _sections_with_key(key)
+    where = (
+        f" '{key}' is a key of {' and '.join(f'[{o}]' for o in owners)}."
+        if owners
+        else f" Valid sections: {', '.join(_sections())}."
+    )
+    return ConfigError(
+        f"'{key}' = {value!r} in {path} is a top-level key, but every key must be inside a "
+        f"[section]; put it under the section it belongs to.{where}"
+    )
+
+
+def _is_choice(tp) -> bool:
+    """Literal, or Literal | None: a mismatch is a value outside the choices, not a type error."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return all(_is_choice(a) for a in typing.get_args(tp) if a is not type(None))
+    return typing.get_origin(tp) is typing.Literal
 
 
 def describe_type(tp) -> str:
@@ -203,8 +244,9 @@ def _set_value(config: JobConfig, section: str, key: str, value, where: str, fro
     try:
         parsed = _parse_text(value, tp) if from_text else _coerce(value, tp)
     except (ValueError, TypeError):
+        problem = "is not" if _is_choice(tp) else "has the wrong type: expected"
         raise ConfigError(
-            f"'{section}.{key}' = {value!r} in {where} has the wrong type: expected {describe_type(tp)}."
+            f"'{section}.{key}' = {value!r} in {where} {problem} {describe_type(tp)}."
         ) from None
     setattr(getattr(config, section), key, parsed)
 
@@ -217,7 +259,7 @@ def _apply_toml(config: JobConfig, path: Path) -> None:
         raise ConfigError(f"config file {path} is not valid TOML: {e}.") from None
     for section, table in data.items():
         if not isinstance(table, dict):
-            raise _unknown_key_error(str(path), None, section)
+            raise _top_level_key_error(path, section, table)
         for key, value in table.items():
             _set_value(config, section, key, value, str(path), from_text=False)
 
@@ -251,7 +293,7 @@ def _split_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | 
             continue
         section, dot, key = name.partition(".")
         if not dot:
-            raise _unknown_key_error("the command line", None, section)
+            raise _option_without_key_error(section)
         overrides.append((section, key, text))
     return config_file, overrides
 
