@@ -30,6 +30,12 @@ def test_shipped_config_round_trips_through_toml(path, tmp_path):
     assert again == cfg
 
 
+def test_strings_with_quotes_backslashes_and_control_characters_round_trip_through_toml():
+    cfg = JobConfig()
+    cfg.job.description = 'line one\nline two\ttab "quoted" back\\slash \r\x01\x7f end'
+    assert tomllib.loads(to_toml(cfg))["job"]["description"] == cfg.job.description
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_config_sets_only_known_keys(path):
     data = tomllib.loads(path.read_text())

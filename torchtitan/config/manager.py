@@ -496,5 +496,14 @@ def _toml_value(value) -> str:
         return repr(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{escaped}"'
+    return '"' + "".join(_toml_char(c) for c in str(value)) + '"'
+
+
+# A TOML basic string may not hold '"', '\\' or control characters as they are.
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_char(c: str) -> str:
+    if c in _TOML_ESCAPES:
+        return _TOML_ESCAPES[c]
+    return f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c
