@@ -133,10 +133,48 @@ def test_unknown_section_lists_valid_sections(tmp_path):
 
 def test_an_upstream_torchtitan_section_is_named_as_not_built(tmp_path):
     copied = tmp_path / "upstream.toml"
-    copied.write_text("[float8]\nenable_fsdp_float8_all_gather = true\n")
+    copied.write_text("[fault_tolerance]\nenable = true\n")
     message = _error(["--config", str(copied)])
-    assert "[float8]" in message and "float8 training" in message and "remove the section" in message
+    assert "[fault_tolerance]" in message and "TorchFT" in message and "remove the section" in message
     assert "Did you mean" not in message
+
+
+UPSTREAM_QUANTIZE = """
+[model]
+converters = []
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+filter_fqns = ["output"]
+
+[float8]
+recipe_name = "rowwise"
+"""
+
+
+def test_upstream_quantize_sections_that_no_converter_enables_are_ignored_with_a_warning(tmp_path, caplog):
+    copied = tmp_path / "upstream.toml"
+    copied.write_text(UPSTREAM_QUANTIZE)
+    cfg = parse_args(["--config", str(copied)], env={})
+    cfg.job.config_file = JobConfig().job.config_file
+    assert cfg == JobConfig()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2
+    assert "Ignoring section [quantize]" in warnings[0] and "model.converters" in warnings[0]
+    assert "Ignoring section [float8]" in warnings[1]
+
+
+@pytest.mark.parametrize(
+    "converters, argv",
+    [('["quantize.linear.float8"]', []), ("[]", ["--model.converters", "float8"])],
+    ids=["file", "command-line"],
+)
+def test_model_converters_that_would_enable_quantized_training_are_refused(converters, argv, tmp_path):
+    copied = tmp_path / "upstream.toml"
+    copied.write_text(UPSTREAM_QUANTIZE.replace("converters = []", f"converters = {converters}"))
+    message = _error(["--config", str(copied), *argv])
+    assert "'model.converters' = " in message and "float8" in message
+    assert "does not build" in message and "set it to []" in message
 
 
 def test_wrong_type_names_key_value_and_expected_type(tmp_path):

@@ -7,6 +7,7 @@ turns it into one paragraph on stderr and exit code 2.
 
 import dataclasses
 import difflib
+import logging
 import math
 import sys
 import types
@@ -24,16 +25,23 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 PROJECT_ROOT = PACKAGE_ROOT.parent
 DEFAULT_CONFIG = "debug_model.toml"
 
+logger = logging.getLogger(__name__)
+
 # Keys whose feature is not built yet: any value other than the default stops the run.
 NOT_BUILT_YET = {
     "parallelism.context_parallel_degree": "context parallelism",
     "parallelism.pipeline_parallel_degree": "pipeline parallelism",
 }
-# Sections of upstream torchtitan's config with no counterpart here, and what they configure.
-UPSTREAM_ONLY_SECTIONS = {
+# Sections of upstream torchtitan's config that act only when its `model.converters` names
+# them. Upstream files carry them switched off, so here they are ignored with a warning, and a
+# non-empty `model.converters` is refused instead.
+CONVERTER_SECTIONS = {
     "float8": "float8 training",
     "mx": "MX (microscaling) training",
     "quantize": "quantized training",
+}
+# Sections of upstream torchtitan's config with no counterpart here, and what they configure.
+UPSTREAM_ONLY_SECTIONS = {
     "fault_tolerance": "TorchFT fault tolerance",
     "experimental": "experimental model modules",
     "memory_estimation": "memory estimation inside the trainer (use ./run_memory_estimation.sh instead)",
@@ -233,7 +241,33 @@ def _coerce(value, tp):
     raise ValueError(value)
 
 
+def _ignored_converter_section(section: str, where: str) -> bool:
+    """Whether `section` is an upstream converter section, which is ignored (with a warning)."""
+    if section not in CONVERTER_SECTIONS:
+        return False
+    logger.warning(
+        f"Ignoring section [{section}] in {where}: in upstream torchtitan it configures "
+        f"{CONVERTER_SECTIONS[section]}, which acts only when model.converters enables it, and "
+        "this trainer has no converters. Remove the section to silence this warning."
+    )
+    return True
+
+
+def _check_no_converters(value, where: str) -> None:
+    # Upstream's default, an empty list, converts nothing.
+    if value in ([], ""):
+        return
+    raise ConfigError(
+        f"'model.converters' = {value!r} in {where} turns on upstream torchtitan's model "
+        f"converters ({', '.join(CONVERTER_SECTIONS.values())}), which this trainer does not "
+        "build; remove the key or set it to []."
+    )
+
+
 def _set_value(config: JobConfig, section: str, key: str, value, where: str, from_text: bool):
+    if (section, key) == ("model", "converters"):
+        _check_no_converters(value, where)
+        return
     sections = _sections()
     if section not in sections:
         raise _unknown_key_error(where, section, key)
@@ -260,6 +294,8 @@ def _apply_toml(config: JobConfig, path: Path) -> None:
     for section, table in data.items():
         if not isinstance(table, dict):
             raise _top_level_key_error(path, section, table)
+        if _ignored_converter_section(section, str(path)):
+            continue
         for key, value in table.items():
             _set_value(config, section, key, value, str(path), from_text=False)
 
@@ -300,6 +336,8 @@ def _split_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | 
 
 def _apply_override(config: JobConfig, section: str, key: str, text: str | None) -> None:
     where = "the command line"
+    if _ignored_converter_section(section, where):
+        return
     sections = _sections()
     if text is not None:
         _set_value(config, section, key, text, where, from_text=True)
