@@ -70,11 +70,22 @@ def test_mesh_mismatch_from_the_trainer_exits_2(tmp_path, capsys):
 
 
 def test_cpu_offload_without_an_accelerator_is_refused(tmp_path):
-    from torchtitan.distributed.data_parallel import apply_fsdp
+    from torchtitan.distributed.data_parallel import apply_data_parallel
 
     cfg = parse_args(["--training.enable_cpu_offload"], env={})
-    with pytest.raises(ConfigError, match="enable_cpu_offload"):
-        apply_fsdp(torch.nn.Module(), ParallelDims(1, 2, 1, 2), cfg, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="enable_cpu_offload' = true .* no accelerator"):
+        apply_data_parallel(torch.nn.Module(), ParallelDims(1, 2, 1, 2), cfg, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "dims", [ParallelDims(1, 1, 1, 1), ParallelDims(2, 1, 1, 2)], ids=["one-process", "ddp"]
+)
+def test_cpu_offload_without_fsdp_is_refused_not_ignored(dims):
+    from torchtitan.distributed.data_parallel import apply_data_parallel
+
+    cfg = parse_args(["--training.enable_cpu_offload"], env={})
+    with pytest.raises(ConfigError, match="enable_cpu_offload' = true .* does not shard them"):
+        apply_data_parallel(torch.nn.Module(), dims, cfg, torch.device("cuda"))
 
 
 def test_tp_with_tied_embeddings_is_refused():
