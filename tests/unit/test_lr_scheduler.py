@@ -86,11 +86,11 @@ def test_warmup_longer_than_the_run_is_cut_to_the_run():
 
 
 def test_a_run_that_is_all_warmup_is_warned_about_naming_both_keys(caplog):
-    _lrs_used(["--training.steps", "5", "--lr_scheduler.warmup_steps", "5"])
+    _lrs_used(["--training.steps", "20", "--lr_scheduler.warmup_steps", "20"])
     (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
     message = warning.getMessage()
-    assert "'lr_scheduler.warmup_steps' = 5" in message and "'training.steps' = 5" in message
-    assert "--lr_scheduler.warmup_steps 1" in message
+    assert "'lr_scheduler.warmup_steps' = 20" in message and "'training.steps' = 20" in message
+    assert "--lr_scheduler.warmup_steps 2" in message
 
 
 def test_a_run_with_steps_after_warmup_gets_no_warmup_warning(caplog):

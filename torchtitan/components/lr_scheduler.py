@@ -60,5 +60,5 @@ def _warn_if_only_warmup(warmup_steps: int, steps: int) -> None:
             f"'lr_scheduler.warmup_steps' = {warmup_steps} is not below 'training.steps' = {steps}: "
             "the whole run is warmup, so the lr never reaches optimizer.lr nor decays. Set "
             f"lr_scheduler.warmup_steps below {steps} (e.g. --lr_scheduler.warmup_steps "
-            f"{max(1, steps // 10)})."
+            f"{steps // 10})."
         )
