@@ -23,6 +23,7 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.profiling import MemorySnapshotter, maybe_profile
 from torchtitan.components.training_step import (
     autocast_context,
+    describe_layout,
     forward_backward,
     gradient_accumulation_steps,
 )
@@ -64,6 +65,7 @@ class Trainer:
             ep=p.expert_parallel_degree,
         )
         self.parallel_dims.build_mesh(self.device.type)
+        logger.info(f"Parallelism: {describe_layout(cfg, self.parallel_dims)}")
         # Before anything is allocated, so that the snapshots see every allocation.
         self.memory_snapshotter = MemorySnapshotter(cfg, self.rank, self.device)
         dist_utils.set_determinism(cfg.training.seed, cfg.training.deterministic)
