@@ -44,7 +44,11 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
-from torchtitan.components.training_step import forward_backward, gradient_accumulation_steps
+from torchtitan.components.training_step import (
+    describe_layout,
+    forward_backward,
+    gradient_accumulation_steps,
+)
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig, parse_args
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -371,9 +375,8 @@ def describe(cfg: JobConfig, ngpu: int) -> str:
     """One line naming the model, layout, batch and dtypes that were estimated."""
     t, dims = cfg.training, parallel_dims_for(cfg, ngpu)
     return (
-        f"{cfg.model.name} {cfg.model.flavor} on {ngpu} rank(s) (dp_replicate {dims.dp_replicate}, "
-        f"dp_shard {dims.dp_shard}, tp {dims.tp}), local batch {t.local_batch_size} x {t.seq_len} tokens, "
-        f"{t.dtype} weights, {t.mixed_precision_param} compute"
+        f"{cfg.model.name} {cfg.model.flavor}, local batch {t.local_batch_size} x {t.seq_len} tokens, "
+        f"on {describe_layout(cfg, dims)}"
     )
 
 

@@ -24,12 +24,13 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.profiling import MemorySnapshotter, maybe_profile
 from torchtitan.components.training_step import (
     autocast_context,
+    describe_layout,
     forward_backward,
     gradient_accumulation_steps,
 )
 from torchtitan.components.validate import Validator
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError, format_help, parse_args, to_toml
+from torchtitan.config.manager import ConfigError, format_help, parse_args, to_toml, wants_help
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -72,6 +73,7 @@ class Trainer:
             ep=p.expert_parallel_degree,
         )
         self.parallel_dims.build_mesh(self.device.type)
+        logger.info(f"Parallelism: {describe_layout(cfg, self.parallel_dims)}")
         # Before anything is allocated, so that the snapshots see every allocation.
         self.memory_snapshotter = MemorySnapshotter(cfg, self.rank, self.device)
         dist_utils.set_determinism(cfg.training.seed, cfg.training.deterministic)
@@ -333,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     by SIGTERM or the stop file (`TORCHTITAN_STOP_FILE`), 130 interrupted.
     """
     argv = sys.argv[1:] if argv is None else argv
-    if "--help" in argv or "-h" in argv:
+    if wants_help(argv):
         print(format_help())
         return
     init_logger()

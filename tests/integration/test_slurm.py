@@ -91,3 +91,11 @@ def test_the_time_limit_signal_makes_the_trainers_save_and_stop(slurm, tmp_path)
     assert checkpoints == [f"step-{stopped_at}"], checkpoints
     assert "stopped before the time limit" in output and "resubmit the same command" in output
     assert not (PROJECT_ROOT / f".torchtitan-stop-{job_id}").exists()  # the script cleans up
+
+
+def test_a_config_mistake_ends_the_job_with_exit_code_2_before_any_torchrun(slurm, tmp_path):
+    job = _wait_for_job(_submit(tmp_path, ["--training.steps", "abc"]))
+    output = (tmp_path / "job.out").read_text()
+    assert "ExitCode=2:0" in job, job + output[-3000:]
+    assert "error: 'training.steps' = 'abc'" in output
+    assert "torchrun" not in output and "Traceback" not in output

@@ -30,6 +30,12 @@ def test_shipped_config_round_trips_through_toml(path, tmp_path):
     assert again == cfg
 
 
+def test_strings_with_quotes_backslashes_and_control_characters_round_trip_through_toml():
+    cfg = JobConfig()
+    cfg.job.description = 'line one\nline two\ttab "quoted" back\\slash \r\x01\x7f end'
+    assert tomllib.loads(to_toml(cfg))["job"]["description"] == cfg.job.description
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_config_sets_only_known_keys(path):
     data = tomllib.loads(path.read_text())
@@ -99,6 +105,13 @@ def _error(argv, env=None) -> str:
     return str(info.value)
 
 
+@pytest.mark.parametrize("argv", [["--config", ""], ["--config="], ["--job.config_file", ""]])
+def test_an_empty_config_value_is_refused_rather_than_training_the_default(argv):
+    message = _error(argv, env={"CONFIG_FILE": "llama3_8b.toml"})
+    assert f"{argv[0].split('=')[0]} needs a value" in message and "an empty value" in message
+    assert "leave out" in message
+
+
 def test_unknown_key_on_command_line_suggests_the_closest():
     message = _error(["--training.stpes", "3"])
     assert "training.stpes" in message and "Did you mean 'steps'" in message
@@ -120,10 +133,48 @@ def test_unknown_section_lists_valid_sections(tmp_path):
 
 def test_an_upstream_torchtitan_section_is_named_as_not_built(tmp_path):
     copied = tmp_path / "upstream.toml"
-    copied.write_text("[float8]\nenable_fsdp_float8_all_gather = true\n")
+    copied.write_text("[fault_tolerance]\nenable = true\n")
     message = _error(["--config", str(copied)])
-    assert "[float8]" in message and "float8 training" in message and "remove the section" in message
+    assert "[fault_tolerance]" in message and "TorchFT" in message and "remove the section" in message
     assert "Did you mean" not in message
+
+
+UPSTREAM_QUANTIZE = """
+[model]
+converters = []
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+filter_fqns = ["output"]
+
+[float8]
+recipe_name = "rowwise"
+"""
+
+
+def test_upstream_quantize_sections_that_no_converter_enables_are_ignored_with_a_warning(tmp_path, caplog):
+    copied = tmp_path / "upstream.toml"
+    copied.write_text(UPSTREAM_QUANTIZE)
+    cfg = parse_args(["--config", str(copied)], env={})
+    cfg.job.config_file = JobConfig().job.config_file
+    assert cfg == JobConfig()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2
+    assert "Ignoring section [quantize]" in warnings[0] and "model.converters" in warnings[0]
+    assert "Ignoring section [float8]" in warnings[1]
+
+
+@pytest.mark.parametrize(
+    "converters, argv",
+    [('["quantize.linear.float8"]', []), ("[]", ["--model.converters", "float8"])],
+    ids=["file", "command-line"],
+)
+def test_model_converters_that_would_enable_quantized_training_are_refused(converters, argv, tmp_path):
+    copied = tmp_path / "upstream.toml"
+    copied.write_text(UPSTREAM_QUANTIZE.replace("converters = []", f"converters = {converters}"))
+    message = _error(["--config", str(copied), *argv])
+    assert "'model.converters' = " in message and "float8" in message
+    assert "does not build" in message and "set it to []" in message
 
 
 def test_wrong_type_names_key_value_and_expected_type(tmp_path):
@@ -139,10 +190,49 @@ def test_choice_outside_its_literal_lists_the_choices():
     assert "'linear', 'sqrt', 'cosine'" in message
 
 
+def test_a_value_outside_the_choices_is_not_called_a_wrong_type():
+    message = _error(["--activation_checkpoint.mode", "partial"])
+    assert "'activation_checkpoint.mode' = 'partial'" in message
+    assert "is not one of 'none', 'full', 'selective', 'memory_budget'" in message
+    assert "wrong type" not in message
+
+
+def test_a_section_without_a_key_on_the_command_line_asks_for_the_key():
+    message = _error(["--job"])
+    assert "--job needs a key: --job.KEY VALUE" in message and "dump_folder" in message
+    assert "unknown section" not in message
+
+
+def test_a_key_without_its_section_on_the_command_line_names_the_sections_that_have_it():
+    assert "use --training.steps or --validation.steps" in _error(["--steps", "5"])
+
+
+def test_a_top_level_key_in_a_file_must_be_inside_a_section(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = 10\n")
+    message = _error(["--config", str(bad)])
+    assert "'steps' = 10" in message and "must be inside a [section]" in message
+    assert "[training]" in message and "unknown section" not in message
+
+
 def test_out_of_range_value_states_the_bound():
     message = _error(["--optimizer.lr", "-1"])
     assert "optimizer.lr" in message and "> 0.0" in message
     assert ">= 0.0 and <= 1.0" in _error(["--activation_checkpoint.memory_budget", "1.5"])
+
+
+@pytest.mark.parametrize(
+    "key, value", [("optimizer.lr", "nan"), ("training.max_norm", "nan"), ("optimizer.eps", "inf")]
+)
+def test_non_finite_floats_are_refused_naming_key_and_value(key, value):
+    message = _error([f"--{key}", value])
+    assert f"'{key}' = {value}" in message and "not a finite number" in message
+
+
+def test_non_finite_float_in_a_file_is_refused(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[lr_scheduler]\ndecay_ratio = nan\n")
+    assert "'lr_scheduler.decay_ratio' = nan is not a finite number" in _error(["--config", str(bad)])
 
 
 def test_missing_config_file_lists_where_it_looked():

@@ -85,6 +85,19 @@ def test_warmup_longer_than_the_run_is_cut_to_the_run():
     assert lrs == pytest.approx([PEAK * k / 5 for k in range(1, 5)])
 
 
+def test_a_run_that_is_all_warmup_is_warned_about_naming_both_keys(caplog):
+    _lrs_used(["--training.steps", "20", "--lr_scheduler.warmup_steps", "20"])
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    message = warning.getMessage()
+    assert "'lr_scheduler.warmup_steps' = 20" in message and "'training.steps' = 20" in message
+    assert "--lr_scheduler.warmup_steps 2" in message
+
+
+def test_a_run_with_steps_after_warmup_gets_no_warmup_warning(caplog):
+    _lrs_used(["--training.steps", "5", "--lr_scheduler.warmup_steps", "4"])
+    assert not [r for r in caplog.records if "warmup" in r.getMessage()]
+
+
 def test_a_scheduler_restored_from_its_state_continues_the_same_schedule():
     cfg = _config(["--training.steps", "10", "--lr_scheduler.warmup_steps", "3"])
 

@@ -139,5 +139,6 @@ def test_wrapper_script_forwards_its_arguments():
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "debugmodel on 2 rank(s) (dp_replicate 1, dp_shard 2, tp 1)" in proc.stdout
+    assert "debugmodel, local batch" in proc.stdout
+    assert "on 2 rank(s): dp_replicate 1 x dp_shard 2 x tp 1, FSDP;" in proc.stdout
     assert _table_row(proc.stdout, "**peak total**")["full"] > 0

@@ -1,5 +1,6 @@
 """Throughput accounting of the metrics window, on a fake clock."""
 
+import sys
 import types
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from torchtitan.components import metrics as metrics_module
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.config.manager import parse_args
+from torchtitan.config.manager import ConfigError, parse_args
 
 
 class FakeClock:
@@ -67,3 +68,31 @@ def test_a_pause_counts_only_in_the_window_it_fell_in(tmp_path, clock):
     metrics.count(tokens=1000, data_seconds=0.0)
     record = metrics.log(step=2, loss=1.0, grad_norm=1.0, lr=1e-3)
     assert record["tps"] == pytest.approx(100.0)
+
+
+def _fake_wandb_not_logged_in() -> types.ModuleType:
+    """A wandb module whose init fails as the real one does without `wandb login`."""
+
+    class Error(Exception):
+        pass
+
+    class UsageError(Error):
+        pass
+
+    def init(**kwargs):
+        raise UsageError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
+
+    fake = types.ModuleType("wandb")
+    fake.errors = types.SimpleNamespace(Error=Error, UsageError=UsageError)
+    fake.init = init
+    return fake
+
+
+def test_wandb_without_login_is_a_config_error_naming_login_and_offline_mode(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", _fake_wandb_not_logged_in())
+    cfg = parse_args(["--job.dump_folder", str(tmp_path), "--metrics.enable_wandb"], env={})
+    with pytest.raises(ConfigError) as info:
+        MetricsProcessor(cfg, torch.device("cpu"), flops_per_token=6e9, is_writer=True)
+    message = str(info.value)
+    assert "'metrics.enable_wandb' = true" in message and "api_key not configured" in message
+    assert "wandb login" in message and "WANDB_MODE=offline" in message

@@ -70,11 +70,22 @@ def test_mesh_mismatch_from_the_trainer_exits_2(tmp_path, capsys):
 
 
 def test_cpu_offload_without_an_accelerator_is_refused(tmp_path):
-    from torchtitan.distributed.data_parallel import apply_fsdp
+    from torchtitan.distributed.data_parallel import apply_data_parallel
 
     cfg = parse_args(["--training.enable_cpu_offload"], env={})
-    with pytest.raises(ConfigError, match="enable_cpu_offload"):
-        apply_fsdp(torch.nn.Module(), ParallelDims(1, 2, 1, 2), cfg, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="enable_cpu_offload' = true .* no accelerator"):
+        apply_data_parallel(torch.nn.Module(), ParallelDims(1, 2, 1, 2), cfg, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "dims", [ParallelDims(1, 1, 1, 1), ParallelDims(2, 1, 1, 2)], ids=["one-process", "ddp"]
+)
+def test_cpu_offload_without_fsdp_is_refused_not_ignored(dims):
+    from torchtitan.distributed.data_parallel import apply_data_parallel
+
+    cfg = parse_args(["--training.enable_cpu_offload"], env={})
+    with pytest.raises(ConfigError, match="enable_cpu_offload' = true .* does not shard them"):
+        apply_data_parallel(torch.nn.Module(), dims, cfg, torch.device("cuda"))
 
 
 def test_tp_with_tied_embeddings_is_refused():
@@ -87,3 +98,37 @@ def test_tp_with_tied_embeddings_is_refused():
         model = Transformer(llama3_flavors["1B"])
     with pytest.raises(ConfigError, match="ties its embeddings"):
         parallelize_llama(model, ParallelDims(1, 1, 2, 2), cfg, torch.device("cpu"))
+
+
+BF16_PARAMS = ["--training.mixed_precision_param", "bfloat16"]
+
+
+@pytest.mark.parametrize(
+    "dims, expected",
+    [
+        (ParallelDims(1, 8, 1, 8), "8 rank(s): dp_replicate 1 x dp_shard 8 x tp 1, FSDP; "),
+        (ParallelDims(2, 2, 2, 8), "8 rank(s): dp_replicate 2 x dp_shard 2 x tp 2, HSDP; "),
+        (ParallelDims(1, 4, 1, 4, ep=2), "4 rank(s): dp_replicate 1 x dp_shard 4 (ep 2) x tp 1, FSDP; "),
+    ],
+    ids=["fsdp", "hsdp", "fsdp-ep"],
+)
+def test_layout_line_under_fsdp_names_the_split_and_the_mixed_precision_dtypes(dims, expected):
+    from torchtitan.components.training_step import describe_layout
+
+    cfg = parse_args([*BF16_PARAMS, "--training.mixed_precision_reduce", "float32"], env={})
+    assert describe_layout(cfg, dims) == expected + "float32 weights, params bfloat16, reduce float32"
+
+
+@pytest.mark.parametrize(
+    "dims, expected",
+    [
+        (ParallelDims(2, 1, 1, 2), "2 rank(s): dp_replicate 2 x dp_shard 1 x tp 1, DDP; "),
+        (ParallelDims(1, 1, 1, 1), "1 rank(s): dp_replicate 1 x dp_shard 1 x tp 1, no data parallelism; "),
+    ],
+    ids=["ddp", "one-process"],
+)
+def test_layout_line_without_fsdp_names_the_autocast_dtype(dims, expected):
+    from torchtitan.components.training_step import describe_layout
+
+    cfg = parse_args(BF16_PARAMS, env={})
+    assert describe_layout(cfg, dims) == expected + "float32 weights, bfloat16 autocast"

@@ -1,11 +1,14 @@
 """Dataloaders as torchdata `StatefulDataLoader`s, so a resume continues with unseen tokens."""
 
+import logging
 import warnings
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig, Training, Validation
 from torchtitan.datasets.text_datasets import build_text_dataset
+
+logger = logging.getLogger(__name__)
 
 # torchdata 0.11 calls an API torch deprecated later; the warning says nothing to our users.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
@@ -33,6 +36,7 @@ def build_validation_dataloader(
     job_config: JobConfig, tokenizer, dp_rank: int, dp_degree: int
 ) -> StatefulDataLoader:
     """One finite pass over the held-out split of `[validation]`."""
+    _warn_if_validating_on_the_bundled_corpus_only(job_config)
     v = job_config.validation
     dataset = build_text_dataset(
         v.dataset,
@@ -46,3 +50,20 @@ def build_validation_dataloader(
         key="validation.dataset",
     )
     return StatefulDataLoader(dataset, batch_size=v.local_batch_size, num_workers=0)
+
+
+def _warn_if_validating_on_the_bundled_corpus_only(job_config: JobConfig) -> None:
+    # [validation]'s defaults name the bundled smoke split, which suits only the bundled
+    # training corpus; for any other data its loss says nothing about the run.
+    t, v = job_config.training, job_config.validation
+    trains_on_bundled = t.dataset == Training.dataset and t.dataset_path is None
+    validation_default = v.dataset == Validation.dataset and v.dataset_path is None
+    if trains_on_bundled or not validation_default:
+        return
+    trained_on = f"'training.dataset_path' = '{t.dataset_path}'" if t.dataset_path else f"'{t.dataset}'"
+    logger.warning(
+        f"Validating on the bundled smoke corpus ('validation.dataset' = '{v.dataset}', the default) "
+        f"while training on {trained_on}, so the validation loss does not measure this data. "
+        "Set validation.dataset (a hub dataset) or validation.dataset_path (local files) to a "
+        "held-out split of it."
+    )

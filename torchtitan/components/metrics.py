@@ -39,12 +39,19 @@ class _WandB:
                 "'metrics.enable_wandb' = true needs the wandb package: pip install wandb "
                 "(set WANDB_MODE=offline without network), or remove the key."
             ) from None
-        self.run = wandb.init(
-            dir=str(folder),
-            config=job_config.to_dict(),
-            project="torchtitan",
-            name=job_config.job.description,
-        )
+        try:
+            self.run = wandb.init(
+                dir=str(folder),
+                config=job_config.to_dict(),
+                project="torchtitan",
+                name=job_config.job.description,
+            )
+        except wandb.errors.Error as e:  # not logged in, or no network: the user's to fix
+            raise ConfigError(
+                f"'metrics.enable_wandb' = true, but wandb could not start a run: {str(e).rstrip('.')}. Run "
+                "`wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to write the run "
+                f"under {folder / 'wandb'} without network, or remove the key."
+            ) from None
 
     def log(self, record: dict, step: int) -> None:
         self.run.log({k: v for k, v in record.items() if k != "step"}, step=step)

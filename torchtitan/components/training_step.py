@@ -31,12 +31,36 @@ def gradient_accumulation_steps(job_config: JobConfig, dp_degree: int) -> int:
     return global_batch // per_micro_batch
 
 
-def autocast_context(job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device):
+def _autocast_dtype(job_config: JobConfig, parallel_dims: ParallelDims) -> str | None:
     """bf16 autocast for a run without FSDP; under FSDP its MixedPrecisionPolicy casts."""
     t = job_config.training
     if parallel_dims.fsdp_enabled or t.mixed_precision_param == t.dtype:
+        return None
+    return t.mixed_precision_param
+
+
+def autocast_context(job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device):
+    dtype = _autocast_dtype(job_config, parallel_dims)
+    if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=TORCH_DTYPES[t.mixed_precision_param])
+    return torch.autocast(device.type, dtype=TORCH_DTYPES[dtype])
+
+
+def describe_layout(job_config: JobConfig, parallel_dims: ParallelDims) -> str:
+    """One line naming the ranks, their split, the data parallelism and the dtypes, e.g.
+    "8 rank(s): dp_replicate 2 x dp_shard 2 x tp 2, HSDP; float32 weights, params bfloat16,
+    reduce float32". Expert parallelism borrows its ranks from dp_shard, so it is shown there."""
+    d, t = parallel_dims, job_config.training
+    ep = f" (ep {d.ep})" if d.ep_enabled else ""
+    split = f"dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard}{ep} x tp {d.tp}"
+    if d.fsdp_enabled:
+        kind = "HSDP" if d.dp_replicate > 1 else "FSDP"
+        precision = f"params {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}"
+    else:
+        kind = "DDP" if d.ddp_enabled else "no data parallelism"
+        autocast = _autocast_dtype(job_config, d)
+        precision = f"{autocast} autocast" if autocast else "no autocast"
+    return f"{d.world_size} rank(s): {split}, {kind}; {t.dtype} weights, {precision}"
 
 
 def forward_backward(

@@ -101,7 +101,9 @@ class Training:
     gc_freq: int = opt(50, "run gc.collect every this many steps", min=1)
     seed: int | None = opt(None, "random seed; unset = 0 for weights, fixed data order")
     deterministic: bool = opt(False, "use deterministic algorithms (slower)")
-    enable_cpu_offload: bool = opt(False, "FSDP CPU offload of parameters and optimizer state")
+    enable_cpu_offload: bool = opt(
+        False, "FSDP CPU offload of parameters and optimizer state (accelerator and FSDP only)"
+    )
 
 
 @dataclass
@@ -130,7 +132,9 @@ class Metrics:
     enable_tensorboard: bool = opt(False, "write TensorBoard scalars")
     save_tb_folder: str = opt("tb", "TensorBoard folder under dump_folder")
     enable_wandb: bool = opt(False, "log to Weights & Biases")
-    disable_color_printing: bool = opt(False, "plain log lines without ANSI colors")
+    disable_color_printing: bool = opt(
+        False, "accepted for upstream torchtitan files; has no effect, as log lines have no colors"
+    )
     save_for_all_ranks: bool = opt(False, "write metrics from every rank, not only rank 0")
 
 

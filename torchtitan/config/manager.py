@@ -7,6 +7,8 @@ turns it into one paragraph on stderr and exit code 2.
 
 import dataclasses
 import difflib
+import logging
+import math
 import sys
 import types
 import typing
@@ -23,16 +25,23 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 PROJECT_ROOT = PACKAGE_ROOT.parent
 DEFAULT_CONFIG = "debug_model.toml"
 
+logger = logging.getLogger(__name__)
+
 # Keys whose feature is not built yet: any value other than the default stops the run.
 NOT_BUILT_YET = {
     "parallelism.context_parallel_degree": "context parallelism",
     "parallelism.pipeline_parallel_degree": "pipeline parallelism",
 }
-# Sections of upstream torchtitan's config with no counterpart here, and what they configure.
-UPSTREAM_ONLY_SECTIONS = {
+# Sections of upstream torchtitan's config that act only when its `model.converters` names
+# them. Upstream files carry them switched off, so here they are ignored with a warning, and a
+# non-empty `model.converters` is refused instead.
+CONVERTER_SECTIONS = {
     "float8": "float8 training",
     "mx": "MX (microscaling) training",
     "quantize": "quantized training",
+}
+# Sections of upstream torchtitan's config with no counterpart here, and what they configure.
+UPSTREAM_ONLY_SECTIONS = {
     "fault_tolerance": "TorchFT fault tolerance",
     "experimental": "experimental model modules",
     "memory_estimation": "memory estimation inside the trainer (use ./run_memory_estimation.sh instead)",
@@ -99,17 +108,16 @@ def _closest(name: str, choices) -> str:
     return f" Did you mean '{close[0]}'?" if close else ""
 
 
-def _unknown_key_error(where: str, section: str | None, key: str) -> ConfigError:
+def _unknown_key_error(where: str, section: str, key: str) -> ConfigError:
     sections = _sections()
     if section in UPSTREAM_ONLY_SECTIONS:
         return ConfigError(
             f"section [{section}] in {where} configures {UPSTREAM_ONLY_SECTIONS[section]} in upstream "
             "torchtitan, which this trainer does not build; remove the section."
         )
-    if section is None or section not in sections:
-        name = section if section is not None else key
+    if section not in sections:
         return ConfigError(
-            f"unknown section [{name}] in {where}.{_closest(name, sections)} "
+            f"unknown section [{section}] in {where}.{_closest(section, sections)} "
             f"Valid sections: {', '.join(sections)}."
         )
     fields = _section_fields(sections[section])
@@ -117,6 +125,48 @@ def _unknown_key_error(where: str, section: str | None, key: str) -> ConfigError
         f"unknown key '{section}.{key}' in {where}.{_closest(key, fields)} "
         f"Valid keys of [{section}]: {', '.join(fields)}."
     )
+
+
+def _sections_with_key(key: str) -> list[str]:
+    return [name for name, cls in _sections().items() if key in _section_fields(cls)]
+
+
+def _option_without_key_error(name: str) -> ConfigError:
+    """`--name` with no dot: a section missing its key, a key missing its section, or neither."""
+    sections = _sections()
+    if name in sections:
+        return ConfigError(
+            f"--{name} needs a key: --{name}.KEY VALUE. Keys of [{name}]: "
+            f"{', '.join(_section_fields(sections[name]))}."
+        )
+    owners = _sections_with_key(name)
+    if owners:
+        spelled = " or ".join(f"--{owner}.{name}" for owner in owners)
+        return ConfigError(f"--{name} needs its section: use {spelled}.")
+    return ConfigError(
+        f"unknown option --{name}: options look like --section.key VALUE.{_closest(name, sections)} "
+        f"Valid sections: {', '.join(sections)}."
+    )
+
+
+def _top_level_key_error(path: Path, key: str, value) -> ConfigError:
+    owners = _sections_with_key(key)
+    where = (
+        f" '{key}' is a key of {' and '.join(f'[{o}]' for o in owners)}."
+        if owners
+        else f" Valid sections: {', '.join(_sections())}."
+    )
+    return ConfigError(
+        f"'{key}' = {value!r} in {path} is a top-level key, but every key must be inside a "
+        f"[section]; put it under the section it belongs to.{where}"
+    )
+
+
+def _is_choice(tp) -> bool:
+    """Literal, or Literal | None: a mismatch is a value outside the choices, not a type error."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return all(_is_choice(a) for a in typing.get_args(tp) if a is not type(None))
+    return typing.get_origin(tp) is typing.Literal
 
 
 def describe_type(tp) -> str:
@@ -191,7 +241,33 @@ def _coerce(value, tp):
     raise ValueError(value)
 
 
+def _ignored_converter_section(section: str, where: str) -> bool:
+    """Whether `section` is an upstream converter section, which is ignored (with a warning)."""
+    if section not in CONVERTER_SECTIONS:
+        return False
+    logger.warning(
+        f"Ignoring section [{section}] in {where}: in upstream torchtitan it configures "
+        f"{CONVERTER_SECTIONS[section]}, which acts only when model.converters enables it, and "
+        "this trainer has no converters. Remove the section to silence this warning."
+    )
+    return True
+
+
+def _check_no_converters(value, where: str) -> None:
+    # Upstream's default, an empty list, converts nothing.
+    if value in ([], ""):
+        return
+    raise ConfigError(
+        f"'model.converters' = {value!r} in {where} turns on upstream torchtitan's model "
+        f"converters ({', '.join(CONVERTER_SECTIONS.values())}), which this trainer does not "
+        "build; remove the key or set it to []."
+    )
+
+
 def _set_value(config: JobConfig, section: str, key: str, value, where: str, from_text: bool):
+    if (section, key) == ("model", "converters"):
+        _check_no_converters(value, where)
+        return
     sections = _sections()
     if section not in sections:
         raise _unknown_key_error(where, section, key)
@@ -202,8 +278,9 @@ def _set_value(config: JobConfig, section: str, key: str, value, where: str, fro
     try:
         parsed = _parse_text(value, tp) if from_text else _coerce(value, tp)
     except (ValueError, TypeError):
+        problem = "is not" if _is_choice(tp) else "has the wrong type: expected"
         raise ConfigError(
-            f"'{section}.{key}' = {value!r} in {where} has the wrong type: expected {describe_type(tp)}."
+            f"'{section}.{key}' = {value!r} in {where} {problem} {describe_type(tp)}."
         ) from None
     setattr(getattr(config, section), key, parsed)
 
@@ -216,7 +293,9 @@ def _apply_toml(config: JobConfig, path: Path) -> None:
         raise ConfigError(f"config file {path} is not valid TOML: {e}.") from None
     for section, table in data.items():
         if not isinstance(table, dict):
-            raise _unknown_key_error(str(path), None, section)
+            raise _top_level_key_error(path, section, table)
+        if _ignored_converter_section(section, str(path)):
+            continue
         for key, value in table.items():
             _set_value(config, section, key, value, str(path), from_text=False)
 
@@ -238,19 +317,27 @@ def _split_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | 
         text = inline if eq else (nxt if takes_next else None)
         i += 2 if takes_next else 1
         if name in ("config", "job.config_file"):
-            if text is None:
-                raise ConfigError(f"--{name} needs a value: a TOML path or config file name.")
+            if not text:
+                # An empty value is usually an unset shell variable; training the default
+                # config instead would hide that.
+                got = "nothing" if text is None else "an empty value"
+                raise ConfigError(
+                    f"--{name} needs a value, a TOML path or config file name, but got {got}. "
+                    f"Pass one, or leave out --{name} to use $CONFIG_FILE or {DEFAULT_CONFIG}."
+                )
             config_file = text
             continue
         section, dot, key = name.partition(".")
         if not dot:
-            raise _unknown_key_error("the command line", None, section)
+            raise _option_without_key_error(section)
         overrides.append((section, key, text))
     return config_file, overrides
 
 
 def _apply_override(config: JobConfig, section: str, key: str, text: str | None) -> None:
     where = "the command line"
+    if _ignored_converter_section(section, where):
+        return
     sections = _sections()
     if text is not None:
         _set_value(config, section, key, text, where, from_text=True)
@@ -273,6 +360,11 @@ def _check_ranges(config: JobConfig) -> None:
             value = getattr(getattr(config, section), f.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
+            # nan fails every comparison, so the bounds below would let it through.
+            if not math.isfinite(value):
+                raise ConfigError(
+                    f"'{section}.{f.name}' = {value} is not a finite number; set it to a finite value."
+                )
             lo, hi, gt = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("gt")
             bad = (lo is not None and value < lo) or (hi is not None and value > hi)
             bad = bad or (gt is not None and value <= gt)
@@ -399,6 +491,10 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None) -> JobCon
     return validate(config)
 
 
+def wants_help(argv: list[str]) -> bool:
+    return "--help" in argv or "-h" in argv
+
+
 def format_help() -> str:
     """`--help` text: every option with its type, default and one-line description."""
     lines = [
@@ -438,5 +534,14 @@ def _toml_value(value) -> str:
         return repr(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{escaped}"'
+    return '"' + "".join(_toml_char(c) for c in str(value)) + '"'
+
+
+# A TOML basic string may not hold '"', '\\' or control characters as they are.
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_char(c: str) -> str:
+    if c in _TOML_ESCAPES:
+        return _TOML_ESCAPES[c]
+    return f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c

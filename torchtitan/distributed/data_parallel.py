@@ -45,14 +45,9 @@ def apply_fsdp(
     gathered nor reduced by FSDP, nor cast by its mixed-precision policy.
 
     Mixed precision follows `training.mixed_precision_param/_reduce`; CPU offload follows
-    `training.enable_cpu_offload` and needs an accelerator.
+    `training.enable_cpu_offload` (see `_check_cpu_offload`).
     """
     t = job_config.training
-    if t.enable_cpu_offload and device.type == "cpu":
-        raise ConfigError(
-            "'training.enable_cpu_offload' = true offloads from an accelerator to the CPU, but "
-            "this run has no accelerator; remove the key."
-        )
     kwargs = {
         "mesh": data_parallel_mesh(parallel_dims),
         "mp_policy": MixedPrecisionPolicy(
@@ -112,7 +107,25 @@ def apply_data_parallel(
 
     `experts` (FSDP only): the expert-parallel experts, see `apply_fsdp`.
     """
+    _check_cpu_offload(job_config.training.enable_cpu_offload, parallel_dims, device)
     if parallel_dims.fsdp_enabled:
         apply_fsdp(model, parallel_dims, job_config, device, experts)
     elif parallel_dims.ddp_enabled:
         apply_ddp(model, parallel_dims)
+
+
+def _check_cpu_offload(enabled: bool, parallel_dims: ParallelDims, device: torch.device) -> None:
+    """CPU offload is FSDP's, from an accelerator: refused, not ignored, anywhere else."""
+    if not enabled:
+        return
+    if device.type == "cpu":
+        raise ConfigError(
+            "'training.enable_cpu_offload' = true offloads from an accelerator to the CPU, but "
+            "this run has no accelerator; remove the key."
+        )
+    if not parallel_dims.fsdp_enabled:
+        raise ConfigError(
+            "'training.enable_cpu_offload' = true offloads FSDP-sharded parameters, but this run "
+            f"does not shard them (data_parallel_shard_degree {parallel_dims.dp_shard}); remove the "
+            "key, or train on more processes with data_parallel_shard_degree > 1."
+        )

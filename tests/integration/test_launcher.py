@@ -1,0 +1,44 @@
+"""`run_train.sh` checks the config in one process before it starts torchrun."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import PROJECT_ROOT
+
+pytestmark = pytest.mark.integration
+
+
+def test_run_train_sh_reports_a_config_mistake_in_one_line_with_exit_code_2():
+    env = {**os.environ, "NGPU": "2"}
+    proc = subprocess.run(
+        ["./run_train.sh", "--training.steps", "abc"],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "'training.steps' = 'abc'" in proc.stderr and "expected int" in proc.stderr
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+
+
+def test_config_check_reads_config_file_from_the_environment_as_the_trainer_does():
+    env = {**os.environ, "CONFIG_FILE": "no_such_config.toml"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan.config.check"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert "config file 'no_such_config.toml' does not exist" in proc.stderr
+
+
+def test_config_check_passes_a_good_config_without_importing_torch():
+    code = (
+        "import sys; from torchtitan.config import check; "
+        "rc = check.main(['--config', 'llama3_8b.toml']); print(rc, 'torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["0", "False"], proc.stderr

@@ -1,0 +1,38 @@
+"""Which data the validation loader reads, and what it says when that is the bundled corpus."""
+
+import pytest
+
+from torchtitan.components.dataloader import build_validation_dataloader
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.config.manager import parse_args
+
+VALIDATION = ["--validation.enable", "--validation.seq_len", "64", "--validation.local_batch_size", "2"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return HuggingFaceTokenizer("torchtitan/assets/tokenizer")
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize(
+    "training, named",
+    [
+        (["--training.dataset", "c4"], "'c4'"),
+        (["--training.dataset_path", "/data/corpus"], "'training.dataset_path' = '/data/corpus'"),
+    ],
+    ids=["hub", "local"],
+)
+def test_default_validation_set_with_other_training_data_is_warned_about(training, named, tokenizer, caplog):
+    build_validation_dataloader(parse_args([*VALIDATION, *training], env={}), tokenizer, 0, 1)
+    (warning,) = _warnings(caplog)
+    assert "bundled smoke corpus" in warning and named in warning
+    assert "validation.dataset" in warning and "validation.dataset_path" in warning
+
+
+def test_bundled_training_corpus_validates_on_its_split_without_a_warning(tokenizer, caplog):
+    build_validation_dataloader(parse_args(VALIDATION, env={}), tokenizer, 0, 1)
+    assert _warnings(caplog) == []
