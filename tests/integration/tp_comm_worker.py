@@ -1,5 +1,6 @@
 """Run under torchrun (2 processes, TP 2): count the TP/SP collectives issued in forward and
-in backward per AC mode. Rank 0 prints {mode: {"forward": n, "backward": n}} as JSON."""
+in backward per AC mode. Rank 0 prints {mode: {"forward": {collective: n}, "backward": {...}}}
+as JSON."""
 
 import json
 
@@ -17,9 +18,9 @@ MODES = ("none", "full", "selective op")
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
 _c10d = torch.ops._c10d_functional
 COLLECTIVES = {
-    _c10d.all_gather_into_tensor.default,
-    _c10d.reduce_scatter_tensor.default,
-    _c10d.all_reduce.default,
+    _c10d.all_gather_into_tensor.default: "all_gather",
+    _c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    _c10d.all_reduce.default: "all_reduce",
 }
 
 
@@ -28,10 +29,12 @@ class CountCollectives(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.phase, self.counts = "forward", {"forward": 0, "backward": 0}
+        self.phase = "forward"
+        self.counts = {phase: dict.fromkeys(COLLECTIVES.values(), 0) for phase in ("forward", "backward")}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[self.phase] += func in COLLECTIVES
+        if func in COLLECTIVES:
+            self.counts[self.phase][COLLECTIVES[func]] += 1
         return func(*args, **(kwargs or {}))
 
 

@@ -15,7 +15,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from torchtitan.config import ActivationCheckpoint, ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed import activation_checkpoint as ac_module
-from torchtitan.distributed.activation_checkpoint import DEFAULT_SAVE_LIST, MOE_ONLY_OPS, apply_ac, save_list
+from torchtitan.distributed.activation_checkpoint import (
+    DEFAULT_SAVE_LIST,
+    MOE_ONLY_OPS,
+    TP_ALL_GATHER_OPS,
+    apply_ac,
+    save_list,
+)
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import Transformer, TransformerBlock
@@ -176,11 +182,15 @@ def test_default_save_list_covers_matmuls_every_attention_kernel_collectives_and
     c10d = torch.ops._c10d_functional
     expected = {getattr(aten, f"_scaled_dot_product_{k}").default for k in sdpa_kernels} | {
         aten.mm.default, aten.linear.default, aten.max.default, aten.topk.default,
-        c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
-        c10d.all_to_all_single.default,
+        c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default,
     }  # fmt: skip
     assert expected <= DEFAULT_SAVE_LIST
     assert any("flex_attention" in str(op) for op in DEFAULT_SAVE_LIST)
+
+
+def test_default_save_list_recomputes_the_sequence_parallel_all_gathers():
+    # Their full-sequence outputs cost tp times their input's memory; re-gathering is cheap.
+    assert not TP_ALL_GATHER_OPS & DEFAULT_SAVE_LIST
 
 
 def test_model_save_list_is_default_plus_additions_minus_drops():

@@ -39,9 +39,10 @@ _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 
 # What op-SAC saves unless a model says otherwise. Matmuls and attention are the expensive
-# ops to recompute; collectives (sequence-parallel all-gather and reduce-scatter, expert
-# all-to-all) would communicate again; amax feeds low-precision scales; topk and the
-# scatter_add token counts are MoE routing, which must not change between forward and recompute.
+# ops to recompute; the sequence-parallel reduce-scatter and the expert all-to-all would
+# communicate again (and the all-to-all must replay the forward's routing); amax feeds
+# low-precision scales; topk and the scatter_add token counts are MoE routing, which must not
+# change between forward and recompute.
 DEFAULT_SAVE_LIST: frozenset = frozenset(
     {
         _aten.mm.default,
@@ -53,13 +54,18 @@ DEFAULT_SAVE_LIST: frozenset = frozenset(
         _aten._scaled_dot_product_flash_attention_for_cpu.default,
         _flex_attention_op,
         _aten.max.default,
-        _c10d.all_gather_into_tensor.default,
         _c10d.reduce_scatter_tensor.default,
         _c10d.all_to_all_single.default,
         _aten.topk.default,
         _aten.scatter_add.default,
     }
 )
+
+# The sequence-parallel all-gathers, which op-SAC recomputes by default (as upstream torchtitan
+# does): each output is a full-sequence norm activation, tp times the size of its input, two
+# per block. Keeping them spares two all-gathers per block in backward for that memory (see
+# benchmarks/op_sac_tp_all_gather.py); a model can opt in with `save_list(add=...)`.
+TP_ALL_GATHER_OPS: frozenset = frozenset({_c10d.all_gather_into_tensor.default})
 
 # Ops a dense model never runs: MoE routing and the expert-parallel all-to-all.
 MOE_ONLY_OPS: frozenset = frozenset(
