@@ -190,3 +190,30 @@ def test_an_hf_export_replaces_an_older_one_without_leaving_its_shards(tmp_path)
         [INDEX_FILE, "config.json", "model-00001-of-00001.safetensors"]
     )
     assert not folder.with_name("step-5-hf.partial").exists()
+
+
+def test_excluding_train_state_still_restores_the_data_position(tmp_path):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from torchtitan.datasets.text_datasets import PackedTokenDataset
+
+    def manager(*argv):
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.AdamW(model.parameters())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        dataset = PackedTokenDataset(torch.arange(1000).numpy(), 4, 0, 1, 2)
+        loader = StatefulDataLoader(dataset, batch_size=2, num_workers=0)
+        cfg = parse_args(["--job.dump_folder", str(tmp_path), "--checkpoint.enable",
+                          "--training.local_batch_size", "2", *argv], env={})  # fmt: skip
+        return CheckpointManager(cfg, model, optimizer, scheduler, loader, dp_rank=0, dp_degree=1,
+                                 device=torch.device("cpu"))  # fmt: skip
+
+    saving = manager()
+    batches = iter(saving.dataloader)
+    next(batches), next(batches)  # windows 0-3
+    saving.save(TrainState(step=2))
+    resuming = manager("--checkpoint.exclude_from_loading", "train_state")
+
+    resuming.load(TrainState())
+
+    assert next(iter(resuming.dataloader))[0][:, 0].tolist() == [16, 20]  # windows 4 and 5

@@ -478,13 +478,20 @@ class CheckpointManager:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if "train_state" in state:
             self._restore_train_state(state["train_state"], train_state)
-            if "dataloader" in wanted:
-                self._load_dataloader(folder, state["train_state"])
+        if "dataloader" in wanted:
+            self._load_dataloader(folder, state.get("train_state") or self._saved_layout(folder))
         logger.info(
             f"Resumed from checkpoint {folder} (step {train_state.step}); loaded {', '.join(state)}"
-            + (", dataloader" if "dataloader" in wanted and "train_state" in state else "")
+            + (", dataloader" if "dataloader" in wanted else "")
             + (f"; excluded {', '.join(sorted(excluded))}" if excluded else "")
         )
+
+    def _saved_layout(self, folder: Path) -> dict:
+        """The data-parallel degree and local batch a checkpoint was saved with, which placing
+        its data position needs even when `train_state` itself is excluded from loading."""
+        layout = {"train_state": {"dp_degree": 0, "local_batch_size": 0}}
+        dcp.load(layout, checkpoint_id=str(folder))
+        return layout["train_state"]
 
     def _restore_train_state(self, saved: dict, train_state: TrainState) -> None:
         train_state.step = int(saved["step"])
