@@ -30,6 +30,7 @@ def test_fsdp_on_two_processes_matches_one_process_with_the_same_global_batch(tm
             assert abs(got[key] - want[key]) <= 1e-4 * abs(want[key]), (key, got, want)
 
 
+@pytest.mark.full_matrix  # a 20-step smoke run; the flex config's loss-falls runs cover the model by default
 def test_debug_config_trains_and_loss_falls(tmp_path):
     dump = tmp_path / "debug"
     steps = ["--training.steps", "20", "--training.seq_len", "128", "--metrics.log_freq", "1",

@@ -162,7 +162,7 @@ BACKWARD_A2A_PER_LAYER = {
     "none": 2, "full, reissue": 4, "full, reissue, early stop": 4,
     "full, replay": 2, "full, replay, early stop": 2, "selective op": 2,
 }  # fmt: skip
-LEAK_STEPS = 20
+LEAK_STEPS = 10  # a leak adds 6 tensors a step (all_to_all under full AC without early stop)
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,7 @@ def test_backward_issues_only_the_all_to_alls_the_ac_mode_needs(ep_worker_report
 
 
 @pytest.mark.parametrize("ac", list(WORKER_AC))
-def test_memory_held_after_each_step_is_flat_over_20_steps(ep_worker_report, ac):
+def test_memory_held_after_each_step_is_flat_over_10_steps(ep_worker_report, ac):
     held = ep_worker_report["modes"][ac]["held_after_step"]
     assert len(held) == LEAK_STEPS
     # From step 2 on nothing may accumulate. A buffer of an in-flight gloo collective is now and
@@ -283,7 +283,7 @@ def _report_mode(parallel_dims, ac, tokens) -> dict:
 
 def _worker() -> None:
     """Under torchrun with 2 processes: rank 0 prints the layout, and per AC mode the
-    all-to-all counts, the memory held after each of 20 steps and the routing-replay check."""
+    all-to-all counts, the memory held after each of LEAK_STEPS steps and the routing-replay check."""
     dist.init_process_group("gloo")
     parallel_dims = ParallelDims(1, 2, 1, dist.get_world_size(), ep=2)
     parallel_dims.build_mesh("cpu")

@@ -51,7 +51,10 @@ LAYOUTS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# Plain DDP 2 runs under full_matrix: ddp2_accumulating takes the same path, plus accumulation.
+@pytest.mark.parametrize(
+    "layout", [pytest.param(k, marks=pytest.mark.full_matrix) if k == "ddp2" else k for k in LAYOUTS]
+)
 def test_layout_matches_single_process_losses_and_grad_norms(layout, single_process, tmp_path):
     nproc, split, extra = LAYOUTS[layout]
     _assert_matches(_run(tmp_path, layout, nproc, split, extra), single_process)

@@ -53,6 +53,7 @@ def _assert_matches(records, reference, rtol=1e-4):
             assert abs(got[key] - want[key]) <= rtol * abs(want[key]), (key, got["step"], got[key], want[key])
 
 
+@pytest.mark.full_matrix  # FSDP parity is model-independent: test_training checks it on Llama 3 by default
 def test_fsdp_on_two_processes_matches_one_process_with_the_same_global_batch(single_process, tmp_path):
     _assert_matches(_run(tmp_path, "fsdp2", 2, 2), single_process)
 
@@ -73,6 +74,7 @@ def test_tensor_parallel_2_gives_every_gradient_of_one_process():
     assert not bad, bad
 
 
+@pytest.mark.full_matrix  # a 20-step smoke run; the flex configs' loss-falls runs cover the models by default
 @pytest.mark.parametrize("config", ["qwen3_debug_model.toml", "qwen3_debug_model_moe.toml"])
 def test_debug_config_trains_and_loss_falls(config, tmp_path):
     dump = tmp_path / "debug"

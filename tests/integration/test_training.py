@@ -44,19 +44,22 @@ def _train(tmp_path, name, args, nproc=1) -> list[float]:
     return _losses(tmp_path / name)
 
 
-def test_run_train_sh_without_arguments_trains_debug_model_and_loss_falls():
+def test_run_train_sh_with_the_default_config_trains_debug_model_and_loss_falls():
+    # The quick start's command, shortened from the config's 100 steps to keep the suite fast.
     metrics = PROJECT_ROOT / "outputs" / "metrics.jsonl"
     already = len(metrics.read_text().splitlines()) if metrics.exists() else 0
     start = time.perf_counter()
-    proc = subprocess.run(["./run_train.sh"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(["./run_train.sh", "--training.steps", "25"], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Model llama3 debugmodel" in proc.stderr
     records = read_metrics(PROJECT_ROOT / "outputs")[already:]
     first, last = records[0]["loss"], records[-1]["loss"]
     print(f"run_train.sh: {elapsed:.0f}s, loss {first:.3f} -> {last:.3f}")
-    assert records[-1]["step"] == 100
-    assert last <= 0.6 * first
-    assert elapsed < 180
+    assert records[-1]["step"] == 25
+    assert last <= 0.6 * first  # 0.40 seen
+    assert elapsed < 90
 
 
 def test_fsdp_on_two_processes_matches_one_process_with_the_same_global_batch(tmp_path):
