@@ -17,6 +17,9 @@ cd "$(dirname "$0")/.."
 out="${GPU_CHECK_DIR:-/tmp/gpu_check}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# The GPU tests launch each trainer as a plain process, as a user's run starts, not forked
+# from the CPU suite's pre-imported interpreter (tests/forked_launcher.py).
+export TORCHTITAN_TEST_LAUNCH=subprocess
 py="${PYTHON:-python3}"
 
 if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then

@@ -2,12 +2,11 @@
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.forked_launcher import launch
 from torchtitan.components.compile import compiles_checkpointed_scalars
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -38,24 +37,8 @@ def read_metrics(dump_folder: Path) -> list[dict]:
 
 
 def run_trainer(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None):
-    """Run `python -m torchtitan.train` (under torchrun when nproc > 1); returns the process."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "torchtitan.train"]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            "--rdzv_backend",
-            "c10d",
-            "--rdzv_endpoint",
-            "localhost:0",
-            "-m",
-            "torchtitan.train",
-        ]
+    """Run `python -m torchtitan.train` on `nproc` ranks (forked from the test launcher's
+    pre-imported interpreter; see tests/forked_launcher.py); returns the finished process."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", "PYTHONPATH": python_path(),
                 **(env or {})}  # fmt: skip
-    return subprocess.run(
-        cmd + args, cwd=PROJECT_ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
-    )
+    return launch(("module", "torchtitan.train"), args, nproc, full_env, PROJECT_ROOT, timeout)

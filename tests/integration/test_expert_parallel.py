@@ -50,11 +50,11 @@ LAYOUTS = {
     "FSDP 4, EP 2": (4, EP2),
     "HSDP 2 x 2, EP 2": (4, EP2 + ["--parallelism.data_parallel_replicate_degree", "2"]),
 }
-# What runs by default (each of none, full, full replay and op-SAC in at least one layout); the
-# rest of the model x layout x AC matrix is `-m full_matrix`.
+# What runs by default (full, full replay and op-SAC in at least one layout, each layout at least
+# once); the rest of the model x layout x AC matrix is `-m full_matrix`.
+# AC none on EP 2 is test_ep2_with_two_micro_batches_matches_one_process.
 DEFAULT_CASES = {
-    ("qwen3 moe", "EP 2"): {"none", "full"},
-    ("qwen3 moe", "FSDP 4, EP 2"): {"selective op"},
+    ("qwen3 moe", "EP 2"): {"full", "selective op"},
     ("qwen3 moe", "HSDP 2 x 2, EP 2"): {"full"},
     ("deepseek_v3", "EP 2"): {"full"},
     ("deepseek_v3", "FSDP 4, EP 2"): {"full replay"},
@@ -162,7 +162,7 @@ BACKWARD_A2A_PER_LAYER = {
     "none": 2, "full, reissue": 4, "full, reissue, early stop": 4,
     "full, replay": 2, "full, replay, early stop": 2, "selective op": 2,
 }  # fmt: skip
-LEAK_STEPS = 10  # a leak adds 6 tensors a step (all_to_all under full AC without early stop)
+LEAK_STEPS = 6  # a leak adds 6 tensors a step (all_to_all under full AC without early stop)
 
 
 @pytest.fixture(scope="module")
@@ -185,14 +185,14 @@ def test_backward_issues_only_the_all_to_alls_the_ac_mode_needs(ep_worker_report
 
 
 @pytest.mark.parametrize("ac", list(WORKER_AC))
-def test_memory_held_after_each_step_is_flat_over_10_steps(ep_worker_report, ac):
+def test_memory_held_after_each_step_stays_flat(ep_worker_report, ac):
     held = ep_worker_report["modes"][ac]["held_after_step"]
     assert len(held) == LEAK_STEPS
     # From step 2 on nothing may accumulate. A buffer of an in-flight gloo collective is now and
     # then still alive at the check (at any step, the second included), so a step may show one
     # extra tensor; a leak would grow by several tensors every step and never come back down.
     steady = min(held[1:])
-    assert min(held[-5:]) == steady, held
+    assert min(held[-3:]) == steady, held
     assert all(count - steady[0] <= 1 for count, _ in held[1:]), held
     assert ep_worker_report["modes"][ac]["pending_contexts"] == 0
 

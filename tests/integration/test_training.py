@@ -49,7 +49,7 @@ def test_run_train_sh_with_the_default_config_trains_debug_model_and_loss_falls(
     metrics = PROJECT_ROOT / "outputs" / "metrics.jsonl"
     already = len(metrics.read_text().splitlines()) if metrics.exists() else 0
     start = time.perf_counter()
-    proc = subprocess.run(["./run_train.sh", "--training.steps", "25"], cwd=PROJECT_ROOT, capture_output=True,
+    proc = subprocess.run(["./run_train.sh", "--training.steps", "20"], cwd=PROJECT_ROOT, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -57,8 +57,8 @@ def test_run_train_sh_with_the_default_config_trains_debug_model_and_loss_falls(
     records = read_metrics(PROJECT_ROOT / "outputs")[already:]
     first, last = records[0]["loss"], records[-1]["loss"]
     print(f"run_train.sh: {elapsed:.0f}s, loss {first:.3f} -> {last:.3f}")
-    assert records[-1]["step"] == 25
-    assert last <= 0.6 * first  # 0.40 seen
+    assert records[-1]["step"] == 20
+    assert last <= 0.6 * first  # 0.46 seen
     assert elapsed < 90
 
 

@@ -4,13 +4,12 @@ parallelize.py for a given AC mode, and launching a worker from a test."""
 import gc
 import json
 import os
-import subprocess
-import sys
 
 import torch
 import torch.distributed as dist
 
 from tests.conftest import PROJECT_ROOT, python_path
+from tests.forked_launcher import launch
 from torchtitan.config.manager import parse_args
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
@@ -55,11 +54,10 @@ def shut_down() -> None:
 
 
 def run_worker(name: str, nproc: int = 2) -> dict:
-    """Run tests/integration/<name>.py under torchrun and return the JSON its rank 0 printed last."""
+    """Run tests/integration/<name>.py on `nproc` ranks, as torchrun would (see
+    tests/forked_launcher.py), and return the JSON its rank 0 printed last."""
     script = PROJECT_ROOT / "tests" / "integration" / f"{name}.py"
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    cmd = launcher + ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", str(script)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
-    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600, env=env)
+    proc = launch(("script", str(script)), [], nproc, env, PROJECT_ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

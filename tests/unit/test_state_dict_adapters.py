@@ -4,9 +4,9 @@ config.json, the logits either way, the safetensors files, and the conversion sc
 import importlib.util
 import json
 import logging
+import os
 import re
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,6 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
+from tests.conftest import python_path
+from tests.forked_launcher import launch
 from torchtitan.components.hf_io import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, load_hf, save_hf
 from torchtitan.models.rope import RoPEScaling
 from torchtitan.protocols.state_dict_adapter import (
@@ -386,9 +388,9 @@ def test_to_hf_names_the_keys_of_a_checkpoint_of_another_model(tmp_path, to_hf_s
 
 
 def _run_script(name: str, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPTS / f"{name}.py"), *argv], capture_output=True, text=True, cwd=REPO
-    )
+    """`python scripts/checkpoint_conversion/<name>.py argv` (forked, see tests/forked_launcher.py)."""
+    env = {**os.environ, "PYTHONPATH": python_path()}
+    return launch(("script", str(SCRIPTS / f"{name}.py")), list(argv), 1, env, REPO, timeout=120)
 
 
 @pytest.fixture(scope="module")
