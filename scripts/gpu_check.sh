@@ -5,7 +5,8 @@
 #      CUDA memory snapshots);
 #   2. each model's flex-attention debug config, 10 steps with op-SAC + compile, then full AC;
 #   3. the AC benchmark through the trainer on Llama 3 1B at seq_len 8192 (bf16): tokens/s,
-#      MFU and peak memory per AC mode, as one table.
+#      MFU and peak memory per AC mode, as one table;
+#   4. building the block_causal BlockMask eagerly vs compiled at 4 x 8192 (time, peak memory).
 #
 #   scripts/gpu_check.sh [--quick]     # --quick: step 3 on the debug model at seq_len 2048
 #
@@ -71,6 +72,12 @@ else
 fi
 if ! "$py" benchmarks/ac_modes_trainer.py "${bench[@]}" -- --training.mixed_precision_param bfloat16 \
     2>&1 | tee "$out/ac_modes.md"; then
+    failed=$((failed + 1))
+fi
+
+echo "== 4. BlockMask build, eager vs compiled, block_causal at 4 x 8192 (at $((SECONDS - start)) s)"
+if ! "$py" benchmarks/block_mask_build.py --batch 4 --seq-len 8192 --mask-type block_causal \
+    2>&1 | tee "$out/block_mask.md"; then
     failed=$((failed + 1))
 fi
 

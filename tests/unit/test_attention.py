@@ -12,6 +12,8 @@ from torchtitan.models.attention import (
     ScaledDotProductAttention,
     build_attention,
     build_attention_masks,
+    build_block_mask,
+    build_mask_mod,
 )
 
 EOS = 0
@@ -207,3 +209,18 @@ def test_mask_is_built_once_and_reused_by_every_layer(monkeypatch):
 
     assert len(built) == 1
     assert all(seen is masks.dense_mask for seen in masks_seen) and len(masks_seen) == 2
+
+
+def test_compiled_block_mask_equals_eager_and_compiles_once_for_every_batch():
+    seq = 384  # three 128-blocks: full, partial and skipped blocks all occur
+    batches = [_tokens(seq, [[40, 200], []], seed=1), _tokens(seq, [[130], [10, 20, 250]], seed=2)]
+    for index, tokens in enumerate(batches):
+        mask_mod = build_mask_mod(tokens, "block_causal", eos_id=EOS)
+        # The second batch's mask mod is a new closure over new document ids: it must reuse the code.
+        with torch._dynamo.config.patch(error_on_recompile=index > 0):
+            compiled = build_block_mask(mask_mod, BATCH, seq, "cpu")
+        eager = create_block_mask(mask_mod, BATCH, None, seq, seq, device="cpu")
+
+        assert torch.equal(compiled.to_dense(), eager.to_dense())
+        assert torch.equal(compiled.kv_num_blocks, eager.kv_num_blocks)
+        assert torch.equal(compiled.full_kv_num_blocks, eager.full_kv_num_blocks)

@@ -5,8 +5,9 @@ Backends:
 * ``sdpa``: causal `F.scaled_dot_product_attention`; needs no masks.
 * ``flex``: attention under one of `MASK_TYPES`. The mask is built once per batch by
   `build_attention_masks` and handed to every layer, so no layer rebuilds it. On CUDA it is a
-  flex-attention `BlockMask` run by a compiled `flex_attention`; elsewhere (CPU) it is an exact dense
-  boolean mask run by SDPA, because PyTorch's flex attention has no backward on CPU.
+  flex-attention `BlockMask`, built by a compiled `create_block_mask` and run by a compiled
+  `flex_attention`; elsewhere (CPU) it is an exact dense boolean mask run by SDPA, because
+  PyTorch's flex attention has no backward on CPU.
 
 Models call `build_attention(backend)` once and then ``attn(q, k, v, masks)`` for either backend; they
 never branch on the backend or the device themselves.
@@ -33,6 +34,7 @@ MASK_TYPES = ("causal", "block_causal", "sliding_window", "chunked")
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _compiled_flex_attention = None
+_compiled_create_block_mask = None
 _logged_dense_path = False
 
 
@@ -190,11 +192,40 @@ def build_attention_masks(
     # Only block_causal differs per sequence; the others broadcast over the batch.
     mask_batch = batch if mask_type == "block_causal" else None
     if tokens.device.type == "cuda":
-        block_mask = create_block_mask(mask_mod, mask_batch, None, seq_len, seq_len, device=tokens.device)
+        block_mask = build_block_mask(mask_mod, mask_batch, seq_len, tokens.device)
         return AttentionMasks(mask_type, mask_mod, seq_len, block_mask=block_mask)
     _log_dense_path_once(tokens.device)
     dense_mask = create_mask(mask_mod, mask_batch, None, seq_len, seq_len, device=tokens.device)
     return AttentionMasks(mask_type, mask_mod, seq_len, dense_mask=dense_mask)
+
+
+def _create_block_mask_compiled():
+    global _compiled_create_block_mask
+    if _compiled_create_block_mask is None:
+        _compiled_create_block_mask = torch.compile(create_block_mask)
+    return _compiled_create_block_mask
+
+
+def build_block_mask(
+    mask_mod: MaskMod, batch: int | None, seq_len: int, device: torch.device | str
+) -> BlockMask:
+    """The flex-attention `BlockMask` of ``mask_mod`` for square ``seq_len`` attention, built compiled.
+
+    Eager `create_block_mask` first materializes the whole ``[batch, seq, seq]`` boolean mask, and
+    the mask mod's intermediates with it (``block_causal`` gathers int64 document ids per pair), only
+    to reduce it to one entry per 128x128 block: gigabytes at seq_len 8192. Compiled, the mask mod is
+    fused into that reduction and nothing of size ``seq**2`` is allocated. It compiles once per mask
+    type on first use; a new batch's mask mod (a fresh closure over new document ids of the same
+    shape) reuses the compiled code.
+
+    Args:
+        mask_mod: a mask mod from `build_mask_mod`.
+        batch: the batch size for per-sequence masks (``block_causal``), or None to broadcast.
+        seq_len: query and key length.
+        device: where the mask (and, for ``block_causal``, the document ids) live. Any device
+            inductor compiles for works; the model uses this on CUDA only.
+    """
+    return _create_block_mask_compiled()(mask_mod, batch, None, seq_len, seq_len, device=device)
 
 
 def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
