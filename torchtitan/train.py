@@ -202,6 +202,8 @@ class Trainer:
                 self.spec.extra_loss_fn,
             )
         grad_norm = dist_utils.clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm)
+        # An async_with_pinned_mem save of the last step may still be copying these weights.
+        self.checkpointer.wait_for_staging()
         self.optimizer.step()
         # Read before the scheduler advances: the log line reports the lr this step used.
         self.lr = self.lr_scheduler.get_last_lr()[0]

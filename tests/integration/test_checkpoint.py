@@ -78,16 +78,19 @@ def saved_by_fsdp2_x_tp2(tmp_path_factory):
 
 
 ASYNC = ["--checkpoint.async_mode", "async"]
+PINNED = ["--checkpoint.async_mode", "async_with_pinned_mem"]
 
 
 @pytest.mark.parametrize(
     "layout, extra",
     # FSDP 2 x TP 2 runs under full_matrix: its checkpoint's load into other layouts stays in
     # the default run (test_checkpoint_of_fsdp2_x_tp2_loads_into_another_layout).
-    [("1 process", []), ("1 process", ASYNC),
+    [("1 process", []), ("1 process", ASYNC), ("FSDP 2", PINNED),
      pytest.param("FSDP 2 x TP 2", [], marks=pytest.mark.full_matrix),
-     pytest.param("FSDP 2 x TP 2", ASYNC, marks=pytest.mark.full_matrix)],
-    ids=["1 process", "1 process, async", "FSDP 2 x TP 2", "FSDP 2 x TP 2, async"],
+     pytest.param("FSDP 2 x TP 2", ASYNC, marks=pytest.mark.full_matrix),
+     pytest.param("FSDP 2 x TP 2", PINNED, marks=pytest.mark.full_matrix)],
+    ids=["1 process", "1 process, async", "FSDP 2, async_with_pinned_mem", "FSDP 2 x TP 2",
+         "FSDP 2 x TP 2, async", "FSDP 2 x TP 2, async_with_pinned_mem"],
 )  # fmt: skip
 def test_resume_from_step_5_repeats_steps_6_to_10_bit_for_bit(
     layout, extra, uninterrupted, saved_by_fsdp2_x_tp2, tmp_path

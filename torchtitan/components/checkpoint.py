@@ -14,6 +14,10 @@ Pitfalls:
       finished does rank 0 rename it to `step-N`. A save that dies midway leaves a `.partial`
       folder that resume ignores (and the next save of that step replaces).
     * The checkpoint folder must be on storage every rank sees (a shared filesystem on clusters).
+    * `async_with_pinned_mem` copies the state to host memory in the background while the next
+      step's forward and backward run, so the trainer must call `wait_for_staging` before
+      anything changes the saved tensors in place (the optimizer step); otherwise the checkpoint
+      would mix this step's weights with the next one's.
     * A data position moves to another data-parallel layout only for packed (local) datasets,
       whose position is global; a streaming dataset's position is refused across layouts.
 """
@@ -31,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -156,6 +161,8 @@ class CheckpointManager:
         self.device, self.hf_adapter = device, hf_adapter
         self.folder = Path(job_config.job.dump_folder) / c.folder
         self.pending = None  # (future, partial folder, final folder) of an async save
+        self.stager: DefaultStager | None = None  # async_with_pinned_mem's, built at its first save
+        self.staging = None  # future of the pending save's copy to host memory
         self._check(job_config)
         if c.async_mode != "disabled" and dist.is_initialized():
             # Async saves coordinate on their own gloo group, off the training collectives.
@@ -165,11 +172,6 @@ class CheckpointManager:
 
     def _check(self, job_config: JobConfig) -> None:
         c = self.config
-        if c.async_mode == "async_with_pinned_mem" and self.device.type == "cpu":
-            raise ConfigError(
-                "'checkpoint.async_mode' = 'async_with_pinned_mem' stages through pinned host memory "
-                "for an accelerator, but this run is on the CPU; use 'async' or 'disabled'."
-            )
         if c.create_seed_checkpoint and dist.is_initialized() and dist.get_world_size() > 1:
             raise ConfigError(
                 "'checkpoint.create_seed_checkpoint' = true writes the initial weights from one process; "
@@ -288,12 +290,46 @@ class CheckpointManager:
             shutil.rmtree(partial, ignore_errors=True)
         _barrier()
         start = time.perf_counter()
-        if c.async_mode != "disabled" and not (last or force_sync):
+        if c.async_mode == "async_with_pinned_mem" and not (last or force_sync):
+            response = dcp.async_save(
+                state, checkpoint_id=str(partial), process_group=self.async_group, async_stager=self._stager()
+            )
+            self.staging = response.staging_completion
+            self.pending = (response.upload_completion, partial, final, start)
+            return
+        if c.async_mode == "async" and not (last or force_sync):
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
             self.pending = (future, partial, final, start)
             return
         dcp.save(state, checkpoint_id=str(partial))
         self._publish(partial, final, start)
+
+    def _stager(self) -> DefaultStager:
+        """The one stager of `async_with_pinned_mem`, reused by every save so that its host
+        buffers (pinned on an accelerator) are allocated once. Built at the first save: its
+        copy stream must come after the training stream exists."""
+        if self.stager is None:
+            accelerator = self.device.type != "cpu"
+            if not accelerator:
+                logger.info("checkpoint.async_mode 'async_with_pinned_mem' on the CPU: staging unpinned")
+            options = StagingOptions(
+                use_pinned_memory=accelerator,
+                use_shared_memory=False,  # the upload runs in a thread of this process
+                use_async_staging=True,
+                use_non_blocking_copy=accelerator,
+            )
+            self.stager = DefaultStager(options)
+        return self.stager
+
+    def wait_for_staging(self) -> None:
+        """Block until a pending `async_with_pinned_mem` save has copied the state to host memory.
+
+        Call it before changing any saved tensor in place (the optimizer step); with the other
+        async modes, or with no save pending, it returns at once.
+        """
+        if self.staging is not None:
+            staging, self.staging = self.staging, None
+            staging.result()
 
     def save_seed(self) -> None:
         """Write the freshly initialized weights as `step-0` (model only), for `create_seed_checkpoint`."""
@@ -334,6 +370,7 @@ class CheckpointManager:
             return
         future, partial, final, start = self.pending
         self.pending = None
+        self.wait_for_staging()
         future.result()
         self._publish(partial, final, start, collective=False)
 
@@ -628,3 +665,6 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
