@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.components.dataloader import build_validation_dataloader
 from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.model_converter import build_model_converters
 from torchtitan.components.profiling import MemorySnapshotter, maybe_profile
 from torchtitan.components.training_step import (
     autocast_context,
@@ -136,6 +137,8 @@ class Trainer:
     def _build_model(self) -> torch.nn.Module:
         cfg = self.job_config
         model = self.spec.build_meta_model(self.model_args, TORCH_DTYPES[cfg.training.dtype])
+        self.converters = build_model_converters(cfg, self.parallel_dims, self.device)
+        self.converters.convert(model)
         self.num_params, self.flops_per_token = self.model_args.num_flops_per_token(
             model, cfg.training.seq_len
         )
@@ -208,6 +211,7 @@ class Trainer:
         # Read before the scheduler advances: the log line reports the lr this step used.
         self.lr = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()
+        self.converters.post_optimizer_hook(self.model)
         if self.spec.post_optimizer_step_fn is not None:
             self.step_metrics = self.spec.post_optimizer_step_fn(self.model, self.parallel_dims.dp_group())
         return total_loss, grad_norm, data_seconds

@@ -152,29 +152,60 @@ recipe_name = "rowwise"
 """
 
 
-def test_upstream_quantize_sections_that_no_converter_enables_are_ignored_with_a_warning(tmp_path, caplog):
+def test_upstream_float8_sections_without_the_converter_are_read_but_warned_about(tmp_path, caplog):
     copied = tmp_path / "upstream.toml"
     copied.write_text(UPSTREAM_QUANTIZE)
     cfg = parse_args(["--config", str(copied)], env={})
-    cfg.job.config_file = JobConfig().job.config_file
-    assert cfg == JobConfig()
+    assert cfg.model.converters == [] and cfg.float8.recipe_name == "rowwise"
+    assert cfg.float8.filter_fqns == ["output"]
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 2
-    assert "Ignoring section [quantize]" in warnings[0] and "model.converters" in warnings[0]
-    assert "Ignoring section [float8]" in warnings[1]
+    assert len(warnings) == 1
+    assert "[float8] is set but has no effect" in warnings[0] and "model.converters" in warnings[0]
+
+
+def test_the_upstream_quantize_linear_float8_section_and_flag_set_float8(tmp_path):
+    copied = tmp_path / "upstream.toml"
+    copied.write_text(
+        '[model]\nconverters = ["quantize.linear.float8"]\n[quantize.linear.float8]\nemulate = true\n'
+    )
+    cfg = parse_args(
+        ["--config", str(copied), "--quantize.linear.float8.recipe_name", "rowwise_with_gw_hp"], env={}
+    )
+    assert cfg.model.converters == ["quantize.linear.float8"]
+    assert cfg.float8.emulate and cfg.float8.recipe_name == "rowwise_with_gw_hp"
+
+
+def test_other_quantize_sections_are_still_ignored_with_a_warning(tmp_path, caplog):
+    copied = tmp_path / "upstream.toml"
+    copied.write_text("[quantize.linear.mx]\nrecipe_name = 'mxfp8'\n[mx]\nfilter_fqns = []\n")
+    assert parse_args(["--config", str(copied)], env={}).float8 == JobConfig().float8
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert [w.split(" in ")[0] for w in warnings] == ["Ignoring section [quantize]", "Ignoring section [mx]"]
 
 
 @pytest.mark.parametrize(
     "converters, argv",
-    [('["quantize.linear.float8"]', []), ("[]", ["--model.converters", "float8"])],
+    [('["quantize.linear.mx"]', []), ("[]", ["--model.converters", "float8,mx"])],
     ids=["file", "command-line"],
 )
-def test_model_converters_that_would_enable_quantized_training_are_refused(converters, argv, tmp_path):
+def test_model_converters_that_are_not_built_are_refused(converters, argv, tmp_path):
     copied = tmp_path / "upstream.toml"
     copied.write_text(UPSTREAM_QUANTIZE.replace("converters = []", f"converters = {converters}"))
     message = _error(["--config", str(copied), *argv])
-    assert "'model.converters' = " in message and "float8" in message
-    assert "does not build" in message and "set it to []" in message
+    assert "'model.converters' = " in message and "does not build" in message
+    assert "the converter here is float8" in message
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [(["--float8.enable_fsdp_float8_all_gather", "--float8.recipe_name", "rowwise"],
+      "needs recipe_name 'tensorwise'"),
+     (["--float8.precompute_float8_dynamic_scale_for_fsdp"],
+      "set float8.enable_fsdp_float8_all_gather = true")],
+    ids=["all-gather with rowwise", "precompute without all-gather"],
+)  # fmt: skip
+def test_float8_options_that_cannot_work_together_are_refused(argv, named):
+    assert named in _error(["--model.converters", "float8", *argv])
 
 
 def test_wrong_type_names_key_value_and_expected_type(tmp_path):

@@ -49,6 +49,9 @@ class Model:
         4096, "keys a query sees (itself included) under attn_mask_type sliding_window", min=1
     )
     attn_chunk_size: int = opt(8192, "chunk length under attn_mask_type chunked (Llama 4 style)", min=1)
+    converters: list[str] = opt(
+        [], "model converters applied before parallelizing: float8 (torchao Float8Linear; see [float8])"
+    )
 
 
 @dataclass
@@ -169,6 +172,22 @@ class Compile:
 
 
 @dataclass
+class Float8:
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = opt(
+        "tensorwise",
+        "float8 scales: one per tensor, one per row, or per row with the weight gradient in high precision",
+    )
+    enable_fsdp_float8_all_gather: bool = opt(
+        False, "FSDP all-gathers the weights in float8 (tensorwise only; needs an NCCL-like backend)"
+    )
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(
+        False, "after each optimizer step, compute every weight scale in one all-reduce (float8 all-gather)"
+    )
+    filter_fqns: list[str] = opt(["output"], "Linear FQN substrings kept in high precision")
+    emulate: bool = opt(False, "run the float8 matmuls emulated in high precision (GPUs without float8)")
+
+
+@dataclass
 class Checkpoint:
     enable: bool = opt(False, "save and resume distributed checkpoints")
     folder: str = opt("checkpoint", "checkpoint folder under dump_folder")
@@ -233,6 +252,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)

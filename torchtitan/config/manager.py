@@ -32,14 +32,16 @@ NOT_BUILT_YET = {
     "parallelism.context_parallel_degree": "context parallelism",
     "parallelism.pipeline_parallel_degree": "pipeline parallelism",
 }
-# Sections of upstream torchtitan's config that act only when its `model.converters` names
-# them. Upstream files carry them switched off, so here they are ignored with a warning, and a
-# non-empty `model.converters` is refused instead.
+# Sections of upstream torchtitan's config for converters not built here. Upstream files carry
+# them switched off, so they are ignored with a warning; naming their converter is refused.
+# (Upstream's [quantize.linear.float8] is read as [float8].)
 CONVERTER_SECTIONS = {
-    "float8": "float8 training",
     "mx": "MX (microscaling) training",
     "quantize": "quantized training",
 }
+# `model.converters` entries, upstream's newer spelling included, and the converter each names.
+CONVERTERS = {"float8": "float8", "quantize.linear.float8": "float8"}
+_QUANTIZE_FLOAT8 = ("linear", "float8")
 # Sections of upstream torchtitan's config with no counterpart here, and what they configure.
 UPSTREAM_ONLY_SECTIONS = {
     "fault_tolerance": "TorchFT fault tolerance",
@@ -248,26 +250,24 @@ def _ignored_converter_section(section: str, where: str) -> bool:
     logger.warning(
         f"Ignoring section [{section}] in {where}: in upstream torchtitan it configures "
         f"{CONVERTER_SECTIONS[section]}, which acts only when model.converters enables it, and "
-        "this trainer has no converters. Remove the section to silence this warning."
+        "that converter is not built here. Remove the section to silence this warning."
     )
     return True
 
 
-def _check_no_converters(value, where: str) -> None:
-    # Upstream's default, an empty list, converts nothing.
-    if value in ([], ""):
-        return
-    raise ConfigError(
-        f"'model.converters' = {value!r} in {where} turns on upstream torchtitan's model "
-        f"converters ({', '.join(CONVERTER_SECTIONS.values())}), which this trainer does not "
-        "build; remove the key or set it to []."
-    )
+def _apply_quantize_float8(config: JobConfig, table: dict, where: str) -> dict:
+    """Read upstream's [quantize.linear.float8] into [float8]; return what else [quantize] holds."""
+    linear = table.get(_QUANTIZE_FLOAT8[0])
+    if not isinstance(linear, dict) or not isinstance(linear.get(_QUANTIZE_FLOAT8[1]), dict):
+        return table
+    for key, value in linear[_QUANTIZE_FLOAT8[1]].items():
+        _set_value(config, "float8", key, value, f"{where} [quantize.linear.float8]", from_text=False)
+    rest_of_linear = {k: v for k, v in linear.items() if k != _QUANTIZE_FLOAT8[1]}
+    rest = {k: v for k, v in table.items() if k != _QUANTIZE_FLOAT8[0]}
+    return rest | ({_QUANTIZE_FLOAT8[0]: rest_of_linear} if rest_of_linear else {})
 
 
 def _set_value(config: JobConfig, section: str, key: str, value, where: str, from_text: bool):
-    if (section, key) == ("model", "converters"):
-        _check_no_converters(value, where)
-        return
     sections = _sections()
     if section not in sections:
         raise _unknown_key_error(where, section, key)
@@ -294,6 +294,10 @@ def _apply_toml(config: JobConfig, path: Path) -> None:
     for section, table in data.items():
         if not isinstance(table, dict):
             raise _top_level_key_error(path, section, table)
+        if section == "quantize":
+            table = _apply_quantize_float8(config, table, str(path))
+            if not table:
+                continue
         if _ignored_converter_section(section, str(path)):
             continue
         for key, value in table.items():
@@ -336,6 +340,9 @@ def _split_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | 
 
 def _apply_override(config: JobConfig, section: str, key: str, text: str | None) -> None:
     where = "the command line"
+    prefix = ".".join(_QUANTIZE_FLOAT8) + "."
+    if section == "quantize" and key.startswith(prefix):
+        section, key = "float8", key[len(prefix) :]
     if _ignored_converter_section(section, where):
         return
     sections = _sections()
@@ -409,6 +416,7 @@ def _check_consistency(config: JobConfig) -> None:
             "would upcast bf16 weights; set mixed_precision_param to 'bfloat16'."
         )
     _check_expert_parallel(p)
+    _check_converters(config)
     _check_validation(config.validation, t)
     if config.compile.enable:
         unknown = sorted(set(config.compile.components) - {"model", "loss"})
@@ -417,6 +425,33 @@ def _check_consistency(config: JobConfig) -> None:
                 f"'compile.components' = {config.compile.components} contains {unknown}; "
                 "valid components are 'model' and 'loss'."
             )
+
+
+def _check_converters(config: JobConfig) -> None:
+    converters = config.model.converters
+    unknown = [name for name in converters if name not in CONVERTERS]
+    if unknown:
+        raise ConfigError(
+            f"'model.converters' = {converters} names {unknown}, which this trainer does not build; "
+            f"the converter here is float8 (also spelled 'quantize.linear.float8'). Remove the rest."
+        )
+    f8 = config.float8
+    if "float8" in {CONVERTERS[name] for name in converters}:
+        if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
+            raise ConfigError(
+                f"'float8.enable_fsdp_float8_all_gather' = true needs recipe_name 'tensorwise' (one scale "
+                f"per weight), but recipe_name = '{f8.recipe_name}'; turn one of them off."
+            )
+        if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
+            raise ConfigError(
+                "'float8.precompute_float8_dynamic_scale_for_fsdp' = true precomputes the scales of the "
+                "float8 all-gather; set float8.enable_fsdp_float8_all_gather = true too, or turn it off."
+            )
+    elif f8 != JobConfig().float8:
+        logger.warning(
+            "[float8] is set but has no effect: float8 training is on only when model.converters "
+            'includes "float8". Add it, or remove the section to silence this warning.'
+        )
 
 
 def _check_validation(v, t) -> None:

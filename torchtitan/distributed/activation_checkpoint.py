@@ -42,11 +42,14 @@ _c10d = torch.ops._c10d_functional
 # ops to recompute; the sequence-parallel reduce-scatter and the expert all-to-all would
 # communicate again (and the all-to-all must replay the forward's routing); amax feeds
 # low-precision scales; topk and the scatter_add token counts are MoE routing, which must not
-# change between forward and recompute.
+# change between forward and recompute. torchao's Float8Linear matmuls reach op-SAC as `mm` on
+# its float8 tensors (eager and compiled alike), so they are saved and alternated like any
+# other; `_scaled_mm` is listed for code that calls it directly.
 DEFAULT_SAVE_LIST: frozenset = frozenset(
     {
         _aten.mm.default,
         _aten.linear.default,
+        _aten._scaled_mm.default,
         _aten._scaled_dot_product_flash_attention.default,
         _aten._scaled_dot_product_efficient_attention.default,
         _aten._scaled_dot_product_cudnn_attention.default,
