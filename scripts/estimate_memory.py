@@ -44,6 +44,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
+from torchtitan.components.model_converter import build_model_converters
 from torchtitan.components.training_step import (
     describe_layout,
     forward_backward,
@@ -200,6 +201,7 @@ def build_model(cfg: JobConfig, parallel_dims: ParallelDims, device: torch.devic
     spec = get_train_spec(cfg.model.name)
     model_args = spec.get_flavor(cfg.model.flavor).update_from_config(cfg)
     model = spec.build_meta_model(model_args, TORCH_DTYPES[cfg.training.dtype])
+    build_model_converters(cfg, parallel_dims, device).convert(model)
     return spec.parallelize_fn(model, parallel_dims, cfg, device)
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need one CUDA GPU, in one command that ends in under 8 minutes:
 #   1. the test suite's GPU-marked tests (tests/gpu: compiled flex BlockMask vs the exact dense
-#      path, bf16 grouped-mm experts, the GPU attention kernel under op-SAC, a bf16 run, the
-#      CUDA memory snapshots, a resume from an async_with_pinned_mem save);
+#      path, bf16 grouped-mm experts, the GPU attention kernel under op-SAC, a bf16 run, a
+#      float8 run, the CUDA memory snapshots, a resume from an async_with_pinned_mem save);
 #   2. each model's flex-attention debug config, 10 steps with op-SAC + compile, then full AC;
 #   3. the AC benchmark through the trainer on Llama 3 1B at seq_len 8192 (bf16): tokens/s,
 #      MFU and peak memory per AC mode, as one table;

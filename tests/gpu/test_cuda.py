@@ -1,7 +1,7 @@
 """What only a CUDA GPU can check: flex_attention's compiled BlockMask path against the exact
 dense path, the bf16 grouped-matmul experts against the loop, the GPU attention kernel under
-op-SAC, a short bf16 training run, the CUDA memory snapshots and a resume from a pinned-memory
-async save. Marked `gpu`; skipped without CUDA. `scripts/gpu_check.sh` runs them with
+op-SAC, short bf16 and float8 training runs, the CUDA memory snapshots and a resume from a
+pinned-memory async save. Marked `gpu`; skipped without CUDA. `scripts/gpu_check.sh` runs them with
 `python -m pytest -m gpu tests/gpu`.
 """
 
@@ -150,3 +150,15 @@ def test_a_resume_from_a_pinned_memory_async_save_repeats_the_run(tmp_path):
     # Not bit for bit: CUDA's embedding and attention backward accumulate with atomics. Saving
     # the next step's weights instead would move the loss by far more than this.
     assert all(abs(again[s] - original[s]) <= 1e-4 * original[s] for s in again), (again, original)
+
+
+def test_float8_training_with_op_sac_and_compile_learns(tmp_path):
+    argv = ["--config", "debug_model.toml", "--training.steps", "30", "--metrics.log_freq", "1",
+            "--model.converters", "float8", "--activation_checkpoint.mode", "selective",
+            "--activation_checkpoint.selective_ac_option", "op", "--compile.enable",
+            "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    proc = run_trainer(argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Float8 training (tensorwise): 42 Linear layers converted" in proc.stderr
+    records = read_metrics(tmp_path)
+    assert records[-1]["loss"] <= 0.6 * records[0]["loss"], records

@@ -57,6 +57,15 @@ def test_estimate_is_within_10_percent_of_a_real_run(mode):
     assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured)
 
 
+def test_a_float8_estimate_converts_the_model_and_is_within_10_percent_of_a_real_run():
+    cfg = _config(DEBUG + ["--model.converters", "float8"], "selective op")
+    model = em.build_model(cfg, em.parallel_dims_for(cfg, 1), torch.device("cpu"))
+    assert sum(type(m).__name__ == "Float8Linear" for m in model.modules()) == 42
+    estimated = em.measure(cfg, 1, fake=True)[em.TOTAL]
+    measured = em.measure(cfg, 1, fake=False)[em.TOTAL]
+    assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured)
+
+
 def test_fsdp_estimate_ignores_dtensor_shape_propagation():
     # DTensor caches output shapes per op; clear them so that this run derives them again.
     ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
