@@ -3,9 +3,9 @@ layouts give one process's numbers, and AC changes none of them.
 
 Float8's dynamic scales come from each matmul's own inputs, so a data-parallel rank, which sees
 only its share of the batch, scales differently from one process that sees all of it. The
-reference for FSDP is therefore one process taking the same micro-batches (gradient
-accumulation), which it matches to float32 rounding. Tensor parallelism sees the whole batch and
-is compared with one process directly; its partial sums round differently before the casts.
+reference is therefore one process taking the same micro-batches (two of 2 sequences, by
+gradient accumulation). FSDP matches it to float32 rounding; tensor parallelism's partial sums
+round differently before the casts, so it matches less closely.
 """
 
 import pytest
@@ -37,19 +37,23 @@ def _assert_close(records, reference, loss_rtol: float, grad_norm_rtol: float) -
             assert abs(got[key] - want[key]) <= rtol * abs(want[key]), (key, got["step"], got[key], want[key])
 
 
-def test_fsdp2_float8_with_op_sac_matches_one_process_taking_the_same_micro_batches(tmp_path):
-    reference = _train(tmp_path / "one_process", 1, 2)  # two micro-batches of 2
-    fsdp = _train(tmp_path / "fsdp2", 2, 2, OP_SAC)
-    _assert_close(fsdp, reference, 1e-5, 1e-5)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("one_process"), 1, 2)
+
+
+def test_fsdp2_float8_with_op_sac_matches_one_process_taking_the_same_micro_batches(one_process, tmp_path):
+    fsdp = _train(tmp_path, 2, 2, OP_SAC)
+    _assert_close(fsdp, one_process, 1e-5, 1e-5)
     assert fsdp[-1]["loss"] < 0.8 * fsdp[0]["loss"]
 
 
-def test_tp2_float8_with_full_ac_matches_one_process(tmp_path):
-    reference = _train(tmp_path / "one_process", 1, 4)
-    tp = _train(tmp_path / "tp2", 2, 4, ["--parallelism.tensor_parallel_degree", "2",
-                                         "--activation_checkpoint.mode", "full"])  # fmt: skip
-    # Without float8 the losses differ from these by up to 1.4e-3, so these bounds tell them apart.
-    _assert_close(tp, reference, 1e-4, 1e-3)
+def test_tp2_float8_with_full_ac_matches_one_process(one_process, tmp_path):
+    tp = _train(tmp_path, 2, 2, ["--parallelism.tensor_parallel_degree", "2",
+                                 "--activation_checkpoint.mode", "full"])  # fmt: skip
+    # Float8 on and off differ by up to 1.4e-3 in loss and 1e-2 in gradient norm (step 4), so
+    # these bounds still tell them apart.
+    _assert_close(tp, one_process, 1e-4, 5e-3)
 
 
 @pytest.mark.full_matrix

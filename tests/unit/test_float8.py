@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torchao.float8.float8_linear import Float8Linear
 
@@ -90,12 +91,20 @@ def test_a_missing_torchao_is_a_config_error_that_names_the_install(monkeypatch)
         _converter()
 
 
-def test_the_float8_all_gather_is_refused_without_fsdp_and_on_the_cpu():
+def test_the_float8_all_gather_is_refused_without_fsdp():
     with pytest.raises(ConfigError, match="needs FSDP"):
         _converter("--float8.enable_fsdp_float8_all_gather")
+
+
+def test_the_float8_all_gather_is_refused_on_gloo(tmp_path):
     cfg = parse_args(["--model.converters", "float8", "--float8.enable_fsdp_float8_all_gather"], env={})
-    with pytest.raises(ConfigError, match="gloo cannot all-gather float8"):
-        Float8Converter(cfg, ParallelDims(1, 2, 1, 2), CPU)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match="gloo cannot all-gather float8"):
+            Float8Converter(cfg, ParallelDims(1, 2, 1, 2), CPU)
+    finally:
+        dist.destroy_process_group()
 
 
 def _block_and_inputs(seq: int = 64):

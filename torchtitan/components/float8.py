@@ -15,7 +15,8 @@ Pitfalls:
       `float8.emulate = true` runs them in high precision elsewhere. On the CPU torch runs
       `_scaled_mm` itself, so the tests exercise the real casts.
     * `enable_fsdp_float8_all_gather` all-gathers float8 weights, which gloo cannot do; it
-      needs FSDP on an accelerator backend such as NCCL.
+      needs FSDP on an accelerator backend such as NCCL. Only gloo is refused, so the memory
+      estimator's fake process group accepts it.
     * op-SAC sees each float8 matmul as `aten.mm` on torchao's float8 tensors, so it saves and
       alternates them like high-precision ones; the amax reductions behind the scales
       (`aten.max`) are saved too, so a recompute casts with the forward's scales.
@@ -25,6 +26,7 @@ import dataclasses
 import logging
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from torchtitan.config.job_config import JobConfig
@@ -141,7 +143,7 @@ def _check_float8_all_gather(parallel_dims: ParallelDims, device: torch.device) 
             "'float8.enable_fsdp_float8_all_gather' = true needs FSDP (data_parallel_shard_degree > 1), "
             "which this run does not use; turn it off."
         )
-    if device.type == "cpu":
+    if device.type == "cpu" and dist.is_initialized() and "gloo" in str(dist.get_backend()):
         raise ConfigError(
             "'float8.enable_fsdp_float8_all_gather' = true cannot run on the CPU: gloo cannot all-gather "
             "float8 tensors. Turn it off (the weights are then gathered in the FSDP param dtype)."
