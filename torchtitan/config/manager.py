@@ -433,14 +433,15 @@ def _check_converters(config: JobConfig) -> None:
     if unknown:
         raise ConfigError(
             f"'model.converters' = {converters} names {unknown}, which this trainer does not build; "
-            f"the converter here is float8 (also spelled 'quantize.linear.float8'). Remove the rest."
+            "the converter here is float8 (also spelled 'quantize.linear.float8'). Remove the rest."
         )
     f8 = config.float8
     if "float8" in {CONVERTERS[name] for name in converters}:
         if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
             raise ConfigError(
                 f"'float8.enable_fsdp_float8_all_gather' = true needs recipe_name 'tensorwise' (one scale "
-                f"per weight), but recipe_name = '{f8.recipe_name}'; turn one of them off."
+                f"per weight), but recipe_name = '{f8.recipe_name}'; set recipe_name = 'tensorwise' or "
+                "turn the float8 all-gather off."
             )
         if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
             raise ConfigError(
