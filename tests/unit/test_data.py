@@ -1,8 +1,11 @@
 """Data: tokenizer, token cache, packing, rank slicing, resumable state, local formats."""
 
 import json
+import multiprocessing
 import os
 import stat
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -209,6 +212,37 @@ def test_token_cache_key_changes_with_the_cache_format(tmp_path, tokenizer, monk
     before = token_cache.cache_key([data], tokenizer)
     monkeypatch.setattr(token_cache, "CACHE_FORMAT", token_cache.CACHE_FORMAT + 1)
     assert token_cache.cache_key([data], tokenizer) != before
+
+
+def _tokenize_concurrently(cache: str, data: str, marks: str, start, result) -> None:
+    os.environ["TORCHTITAN_CACHE_DIR"] = cache
+
+    def read():
+        with open(marks, "a") as f:
+            f.write("x")
+        time.sleep(0.5)  # hold the build long enough for the others to arrive
+        yield "one two three"
+
+    start.wait()
+    tokens = token_cache.load_or_build([Path(data)], HuggingFaceTokenizer(BUNDLED_TOKENIZER), read)
+    result.put(np.asarray(tokens).tolist())
+
+
+def test_processes_sharing_a_cache_folder_tokenize_once_and_read_the_same_tokens(tmp_path):
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"text": "one two three"}) + "\n")
+    ctx = multiprocessing.get_context("fork")
+    start, result = ctx.Barrier(3), ctx.Queue()
+    args = (str(tmp_path / "cache"), str(data), str(tmp_path / "marks"), start, result)
+    procs = [ctx.Process(target=_tokenize_concurrently, args=args) for _ in range(3)]
+    for proc in procs:
+        proc.start()
+    tokens = [result.get(timeout=60) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+    assert [proc.exitcode for proc in procs] == [0, 0, 0]
+    assert (tmp_path / "marks").read_text() == "x"
+    assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) >= 5
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)], ids=["umask-022", "umask-027"])

@@ -3,15 +3,23 @@
 The file is keyed by the dataset files (path, size, modification time), the tokenizer's
 fingerprint and its BOS/EOS ids, so editing any of them makes a new cache. Writes go to a
 temporary file renamed into place, so concurrent ranks and crashed runs never leave a partial
-cache behind.
+cache behind. An exclusive lock on `<cache>.lock` makes the processes sharing a cache folder
+(the ranks of a node, or of a job on a shared filesystem) tokenize once: the first builds while
+the others wait for its file.
 """
 
+import contextlib
+import errno
+import fcntl
 import hashlib
+import logging
 import os
 import secrets
 from pathlib import Path
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 TOKEN_DTYPE = np.uint32
 _DOCS_PER_BATCH = 1024
@@ -73,8 +81,40 @@ def load_or_build(files: list[Path], tokenizer, read_documents) -> np.memmap:
         tokenizer: has `fingerprint`, `bos_id`, `eos_id` and `encode_batch(texts, bos, eos)`.
         read_documents: zero-argument callable yielding document strings in order; called
             only when the cache is missing.
+
+    Pitfall: a filesystem without `flock` (some network mounts) gets no lock; each process
+    then tokenizes on its own, which is slower but still correct.
     """
     path = cache_dir() / f"{cache_key(files, tokenizer)}.bin"
     if not path.exists():
-        _write_tokens(path, read_documents(), tokenizer)
+        with _build_lock(path):
+            if not path.exists():
+                _write_tokens(path, read_documents(), tokenizer)
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    """Hold an exclusive flock on `<path>.lock` while inside; the kernel drops it if the
+    holder dies. The lock file stays: removing it would let a late process lock a new file
+    while another still holds the old one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        _lock_exclusive(fd, path)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _lock_exclusive(fd: int, path: Path) -> None:
+    """Block until `fd` is locked; return unlocked where the filesystem has no flock."""
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info(f"Waiting for another process to finish tokenizing into {path}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
