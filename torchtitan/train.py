@@ -62,7 +62,10 @@ class Trainer:
         self.job_config = cfg = job_config
         self.device = dist_utils.local_device()
         world_size = dist_utils.init_distributed(
-            self.device, cfg.comm.init_timeout_seconds, cfg.comm.trace_buf_size
+            self.device,
+            cfg.comm.init_timeout_seconds,
+            cfg.comm.trace_buf_size,
+            cpu_collectives=cfg.training.enable_cpu_offload,
         )
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         p = cfg.parallelism

@@ -132,3 +132,21 @@ def test_layout_line_without_fsdp_names_the_autocast_dtype(dims, expected):
 
     cfg = parse_args(BF16_PARAMS, env={})
     assert describe_layout(cfg, dims) == expected + "float32 weights, bfloat16 autocast"
+
+
+@pytest.mark.parametrize(
+    "device, cpu_collectives, backend",
+    [
+        ("cuda", False, "nccl"),
+        ("cuda", True, "cuda:nccl,cpu:gloo"),
+        ("cpu", False, "gloo"),
+        ("cpu", True, "gloo"),
+    ],
+)
+def test_cpu_offload_runs_get_gloo_for_their_cpu_tensors_besides_the_accelerator_backend(
+    device, cpu_collectives, backend
+):
+    """FSDP's CPU offload keeps gradients on the CPU, and their norm is all-reduced there."""
+    from torchtitan.distributed.utils import backend_for
+
+    assert backend_for(device, cpu_collectives) == backend

@@ -6,7 +6,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 
 def device_type() -> str:
@@ -15,9 +15,17 @@ def device_type() -> str:
     return accelerator.type if accelerator is not None else "cpu"
 
 
-def backend_for(device: str) -> str:
-    """The collective backend for a device type: nccl for CUDA, gloo for the CPU."""
-    return {"cuda": "nccl", "cpu": "gloo"}.get(device, "gloo")
+def backend_for(device: str, cpu_collectives: bool = False) -> str:
+    """The collective backend for a device type: nccl for CUDA, gloo for the CPU.
+
+    `cpu_collectives`: an accelerator run that also communicates CPU tensors (FSDP's CPU
+    offload keeps gradients there, and the gradient norm is reduced where they live) gets
+    gloo for those besides its own backend, e.g. "cuda:nccl,cpu:gloo".
+    """
+    backend = {"cuda": "nccl", "cpu": "gloo"}.get(device, "gloo")
+    if cpu_collectives and device != "cpu":
+        return f"{device}:{backend},cpu:gloo"
+    return backend
 
 
 def local_device() -> torch.device:
@@ -30,10 +38,13 @@ def local_device() -> torch.device:
     return torch.device(kind, index)
 
 
-def init_distributed(device: torch.device, timeout_seconds: int, trace_buf_size: int) -> int:
+def init_distributed(
+    device: torch.device, timeout_seconds: int, trace_buf_size: int, cpu_collectives: bool = False
+) -> int:
     """Join the process group when launched by torchrun; returns the world size.
 
     A plain `python -m torchtitan.train` (no WORLD_SIZE) runs as one process with no group.
+    `cpu_collectives`: see `backend_for`.
     """
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
@@ -42,7 +53,7 @@ def init_distributed(device: torch.device, timeout_seconds: int, trace_buf_size:
     if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
     dist.init_process_group(
-        backend=backend_for(device.type),
+        backend=backend_for(device.type, cpu_collectives),
         timeout=datetime.timedelta(seconds=timeout_seconds),
         device_id=device if device.type != "cpu" else None,
     )
@@ -86,12 +97,13 @@ def init_param_(param: torch.Tensor, fill_) -> None:
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """Clip gradients by their global 2-norm and return the norm before clipping.
 
-    DTensor gradients (FSDP or TP shards) reduce their partial norms across the mesh, so the
-    norm is the true global one whatever the layout. Per-tensor norms accumulate in float64:
-    a float32 reduction over millions of elements drifts by ~1e-5, enough for the same
-    gradients to show different norms on different layouts. `max_norm <= 0` only measures.
+    DTensor gradients (FSDP or TP shards) sum their shards' squares across the mesh dims they
+    are sharded on (see `_norm64`), so the norm is the true global one whatever the layout.
+    Per-tensor norms accumulate in float64: a float32 reduction over millions of elements
+    drifts by ~1e-5, enough for the same gradients to show different norms on different
+    layouts. `max_norm <= 0` only measures.
 
-    Expert-parallel gradients (parameters marked `_ep_local`, plain or FSDP-sharded) differ
+    Expert-parallel gradients (parameters marked `_ep_local`, plain, FSDP- or TP-sharded) differ
     across the EP group: their squared norms are summed over the parameter's `_ep_group` and
     added to the rest.
     """
@@ -99,8 +111,6 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     shared = [p for p in params if not getattr(p, "_ep_local", False)]
     ep_params = [p for p in params if getattr(p, "_ep_local", False)]
     norm = _norm64([p.grad for p in shared])
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
     if ep_params:
         norm = (norm.square() + _ep_square_sum(ep_params, norm.device)).sqrt()
     norm = norm.float()
@@ -114,16 +124,46 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
 
 
 def _norm64(grads: list[torch.Tensor]) -> torch.Tensor:
-    """2-norm of `grads` together, accumulated in float64 (0 for none)."""
+    """The global 2-norm of `grads` together, as a plain float64 tensor (0 for none).
+
+    Norms accumulate in float64 over local tensors. A DTensor contributes its local shard; the
+    squares of the DTensors sharing a layout are summed, then all-reduced once over each mesh
+    dim they are sharded on. (DTensor's own norm would stack partial norms of different
+    layouts, redistributing each and warning on every FSDP x TP run.)
+    """
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    try:
-        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
-    except (RuntimeError, TypeError):
-        # torch 2.14's DTensor rule for _foreach_norm reads the dtype argument as a dim and
-        # fails before any collective, on every rank alike; per-tensor norms take another rule.
-        norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) for g in grads]
-    return torch.linalg.vector_norm(torch.stack(norms))
+    grads = [_without_partial(g) for g in grads]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    squares: dict[tuple, torch.Tensor] = {}
+    for grad, norm in zip(grads, torch._foreach_norm(local, 2.0, dtype=torch.float64)):
+        key = _sharded_groups(grad)
+        squares[key] = squares[key] + norm.square() if key in squares else norm.square()
+    total = torch.zeros((), dtype=torch.float64, device=local[0].device)
+    for groups, square in squares.items():
+        for group in groups:
+            dist.all_reduce(square, group=group)
+        total = total + square.to(total.device)
+    return total.sqrt()
+
+
+def _without_partial(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor with pending sums (Partial) reduced first: its shard norms would not add up."""
+    if not isinstance(grad, DTensor) or not any(p.is_partial() for p in grad.placements):
+        return grad
+    placements = [Replicate() if p.is_partial() else p for p in grad.placements]
+    return grad.redistribute(grad.device_mesh, placements)
+
+
+def _sharded_groups(grad: torch.Tensor) -> tuple:
+    """The process groups of the mesh dims `grad` is sharded on (none for a plain tensor).
+
+    Pitfall: FSDP over a TP-sharded dim places `_StridedShard`, for which `is_shard()` is
+    False; every placement but Replicate (Partial is gone by now) splits the tensor."""
+    if not isinstance(grad, DTensor):
+        return ()
+    mesh = grad.device_mesh
+    return tuple(mesh.get_group(dim) for dim, p in enumerate(grad.placements) if not p.is_replicate())
 
 
 def _ep_square_sum(ep_params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -133,7 +173,7 @@ def _ep_square_sum(ep_params: list[torch.Tensor], device: torch.device) -> torch
         by_group.setdefault(p._ep_group, []).append(p.grad)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for group, grads in by_group.items():
-        square = plain_tensor(_norm64(grads)).to(device).square()
+        square = _norm64(grads).to(device).square()
         dist.all_reduce(square, group=group)
         total = total + square
     return total
