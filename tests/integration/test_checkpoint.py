@@ -290,18 +290,22 @@ MOE = ["--config", "qwen3_debug_model_moe.toml", "--training.seq_len", "64", "--
        "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--training.global_batch_size", "8",
        "--training.mixed_precision_param", "float32",
        "--checkpoint.enable", "--checkpoint.interval", "5"]  # fmt: skip
-EP_LAYOUTS = {
+EP_LAYOUTS = {  # name: (processes, data-parallel degree, argv)
     # experts split over "ep", each FSDP-sharded over the 2 ranks holding it (DTensor slices)
-    "FSDP 4 x EP 2": (4, ["--parallelism.expert_parallel_degree", "2"]),
+    "FSDP 4 x EP 2": (4, 4, ["--parallelism.expert_parallel_degree", "2"]),
     # experts split over "ep", nothing else holds them (plain local slices)
-    "EP 2": (2, ["--parallelism.expert_parallel_degree", "2"]),
-    "1 process": (1, []),
-}
+    "EP 2": (2, 2, ["--parallelism.expert_parallel_degree", "2"]),
+    # experts split over "ep", each slice sharded over its TP pair's hidden units (DTensors on "tp")
+    "EP 2 x TP 2": (4, 2, ["--parallelism.expert_parallel_degree", "2",
+                           "--parallelism.tensor_parallel_degree", "2",
+                           "--parallelism.expert_tensor_parallel_degree", "2"]),
+    "1 process": (1, 1, []),
+}  # fmt: skip
 
 
 def _train_moe(folder, layout, extra=()):
-    nproc, argv = EP_LAYOUTS[layout]
-    local = ["--training.local_batch_size", str(8 // nproc)]
+    nproc, dp, argv = EP_LAYOUTS[layout]
+    local = ["--training.local_batch_size", str(8 // dp)]
     proc = run_trainer(MOE + argv + local + list(extra) + ["--job.dump_folder", str(folder)], nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -325,15 +329,29 @@ def test_expert_parallel_resume_from_step_5_repeats_steps_6_to_10_bit_for_bit(sa
     assert all(resumed[s] == original[s] for s in resumed), (resumed, original)
 
 
-@pytest.mark.parametrize("target", ["1 process", "EP 2"])
+@pytest.mark.parametrize("target", ["1 process", "EP 2", "EP 2 x TP 2"])
 def test_expert_parallel_checkpoint_loads_into_another_layout(target, saved_by_fsdp4_x_ep2, tmp_path):
     """Saved with the experts split over EP and FSDP-sharded: the whole expert weights and
-    their optimizer moments load into one process, and into another expert split."""
+    their optimizer moments load into one process, into another expert split, and into
+    experts split over EP and sharded over TP."""
     (tmp_path / "checkpoint").mkdir()
     shutil.copytree(saved_by_fsdp4_x_ep2 / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-5")
     proc = _train_moe(tmp_path, target)
     assert "loaded model, optimizer, lr_scheduler, train_state, dataloader" in proc.stderr
     got, want = _losses(tmp_path), _losses(saved_by_fsdp4_x_ep2)
+    assert sorted(got) == [6, 7, 8, 9, 10]
+    for step in got:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+
+
+@pytest.mark.full_matrix
+def test_checkpoint_saved_under_ep_and_tp_loads_into_one_process(tmp_path):
+    """The expert weights saved as (EP, TP) views of the whole tensors load whole."""
+    _train_moe(tmp_path / "saved", "EP 2 x TP 2")
+    step_5 = Path("checkpoint") / "step-5"
+    shutil.copytree(tmp_path / "saved" / step_5, tmp_path / "resumed" / step_5)
+    _train_moe(tmp_path / "resumed", "1 process")
+    got, want = _losses(tmp_path / "resumed"), _losses(tmp_path / "saved")
     assert sorted(got) == [6, 7, 8, 9, 10]
     for step in got:
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
@@ -352,8 +370,11 @@ def moe_hf_export_of_one_process(tmp_path_factory):
     return folder
 
 
-def test_hf_export_under_expert_parallelism_holds_every_expert(moe_hf_export_of_one_process, tmp_path):
-    _train_moe(tmp_path, "FSDP 4 x EP 2", HF_EXPORT)
+@pytest.mark.parametrize("layout", ["FSDP 4 x EP 2", "EP 2 x TP 2"])
+def test_hf_export_under_expert_parallelism_holds_every_expert(
+    layout, moe_hf_export_of_one_process, tmp_path
+):
+    _train_moe(tmp_path, layout, HF_EXPORT)
     got = load_hf(tmp_path / "checkpoint" / "step-2-hf")
     want = load_hf(moe_hf_export_of_one_process / "checkpoint" / "step-2-hf")
     assert got.keys() == want.keys() and any(".experts.7." in k for k in got)
@@ -361,7 +382,9 @@ def test_hf_export_under_expert_parallelism_holds_every_expert(moe_hf_export_of_
         torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-9, msg=key)
 
 
-@pytest.mark.parametrize("layout", ["EP 2", "FSDP 4 x EP 2"])
+@pytest.mark.parametrize(
+    "layout", ["EP 2", "FSDP 4 x EP 2", pytest.param("EP 2 x TP 2", marks=pytest.mark.full_matrix)]
+)
 def test_initial_load_in_hf_under_expert_parallelism_starts_from_those_weights(
     layout, moe_hf_export_of_one_process, tmp_path
 ):

@@ -1,5 +1,6 @@
-"""Expert parallelism over the FSDP shard group (Qwen3 MoE debug model on the CPU): FSDP 2 x EP 2
-matches one process for every AC mode, and leaves nothing behind between steps.
+"""Expert parallelism over the FSDP shard group (Qwen3 MoE debug model on the CPU): EP alone,
+with FSDP, with HSDP and with TP matches one process for every AC mode, and leaves nothing behind
+between steps.
 
 Run as a script under torchrun (2 processes), this file is also the worker of the layout and
 collective-count checks (`run_worker` launches it).
@@ -45,11 +46,18 @@ AC = {
 # name: (processes, extra argv). "EP 2": the experts split over both ranks, nothing else holds
 # them. "FSDP 4, EP 2": each expert FSDP-sharded over the 2 ranks holding it. "HSDP 2 x 2, EP 2":
 # experts replicated over the 2 replicas.
+# "EP 2 x TP 2": each EP rank's experts sharded over the hidden units of its TP pair.
+TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"]
 LAYOUTS = {
     "EP 2": (2, EP2),
     "FSDP 4, EP 2": (4, EP2),
     "HSDP 2 x 2, EP 2": (4, EP2 + ["--parallelism.data_parallel_replicate_degree", "2"]),
+    "EP 2 x TP 2": (4, EP2 + TP2),
+    # 8 processes: each TP-sharded expert slice also FSDP-sharded over the 2 ranks holding it.
+    "FSDP 4 x EP 2 x TP 2": (8, EP2 + TP2),
 }
+# Layouts too slow on 2 cores for the whole AC matrix run these (model, AC) cases only.
+ONLY_CASES = {"FSDP 4 x EP 2 x TP 2": {("qwen3 moe", "full"), ("deepseek_v3", "selective op")}}
 # What runs by default (full, full replay and op-SAC in at least one layout, each layout at least
 # once); the rest of the model x layout x AC matrix is `-m full_matrix`.
 # AC none on EP 2 is test_ep2_with_two_micro_batches_matches_one_process.
@@ -58,6 +66,7 @@ DEFAULT_CASES = {
     ("qwen3 moe", "HSDP 2 x 2, EP 2"): {"full"},
     ("deepseek_v3", "EP 2"): {"full"},
     ("deepseek_v3", "FSDP 4, EP 2"): {"full replay"},
+    ("qwen3 moe", "EP 2 x TP 2"): {"selective op"},
 }
 
 
@@ -65,13 +74,16 @@ def _cases():
     for model in MODEL_CONFIGS:
         for layout in LAYOUTS:
             for ac in AC:
+                if layout in ONLY_CASES and (model, ac) not in ONLY_CASES[layout]:
+                    continue
                 default = ac in DEFAULT_CASES.get((model, layout), ())
                 marks = () if default else (pytest.mark.full_matrix,)
                 yield pytest.param(model, layout, ac, marks=marks, id=f"{model}-{layout}-{ac}")
 
 
 def _run(tmp_path, name, nproc, extra=(), config=CONFIG) -> list[dict]:
-    local = ["--training.local_batch_size", str(GLOBAL_BATCH // nproc)]
+    tp = int(extra[extra.index("--parallelism.tensor_parallel_degree") + 1]) if TP2[0] in extra else 1
+    local = ["--training.local_batch_size", str(GLOBAL_BATCH * tp // nproc)]
     dump = ["--job.dump_folder", str(tmp_path / name)]
     proc = run_trainer(config + SMALL + local + list(extra) + dump, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -123,7 +135,7 @@ def test_hsdp_with_ep_and_two_micro_batches_matches_one_process(tmp_path):
 @pytest.mark.parametrize(
     "argv, match",
     [(["--parallelism.data_parallel_shard_degree", "3"], "does not divide data_parallel_shard_degree 3"),
-     (["--parallelism.tensor_parallel_degree", "2"], "needs tensor_parallel_degree = 1"),
+     (["--parallelism.tensor_parallel_degree", "2"], "needs expert_tensor_parallel_degree = 2"),
      (["--parallelism.expert_tensor_parallel_degree", "2"], "must be 1 or the tensor_parallel_degree")],
 )  # fmt: skip
 def test_unsupported_ep_combinations_are_refused(argv, match):

@@ -483,11 +483,12 @@ def _check_expert_parallel(p) -> None:
     if ep == 1:
         return
     shard = p.data_parallel_shard_degree
-    if p.tensor_parallel_degree != 1:
+    if tp != 1 and etp != tp:
         raise ConfigError(
-            f"'parallelism.expert_parallel_degree' = {ep} with tensor_parallel_degree "
-            f"{p.tensor_parallel_degree} is not supported yet: expert parallelism needs "
-            "tensor_parallel_degree = 1."
+            f"'parallelism.expert_parallel_degree' = {ep} with tensor_parallel_degree {tp} needs "
+            f"expert_tensor_parallel_degree = {tp} (each EP rank's experts sharded over TP), not "
+            f"{etp}: spreading the experts over the TP ranks instead is not built. Set "
+            f"parallelism.expert_tensor_parallel_degree = {tp}."
         )
     if shard != -1 and shard % ep:
         raise ConfigError(

@@ -41,8 +41,8 @@ def apply_fsdp(
 
     `experts` (the expert-parallel `GroupedExperts`, already split over "ep") become FSDP units
     of their own over `parallel_dims.expert_dp_mesh()`. When no other rank holds the same
-    experts (expert_dp_degree 1) they stay plain local Parameters instead, neither sharded nor
-    gathered nor reduced by FSDP, nor cast by its mixed-precision policy.
+    experts (expert_dp_degree 1) they stay local Parameters instead (plain, or TP DTensors),
+    neither sharded nor gathered nor reduced by FSDP, nor cast by its mixed-precision policy.
 
     Mixed precision follows `training.mixed_precision_param/_reduce`; CPU offload follows
     `training.enable_cpu_offload` (see `_check_cpu_offload`).

@@ -14,6 +14,12 @@ its expert dim and installs forward pre/post hooks on it, so `MoE` keeps calling
     compute:  the local GroupedExperts slice;
     combine:  undo the regrouping and all-to-all the outputs back to the ranks they came from.
 
+Under tensor parallelism (expert_tensor_parallel_degree = TP) the experts are first sharded
+over their hidden units (`tensor_parallel.ExpertTensorParallel`) and then split here: every TP
+rank of an EP group routes the same tokens, each "ep" group is one TP position, and each rank
+runs its experts' slice of the hidden units; the partial outputs travel back through the
+combine and are reduced over TP with the rest of the MoE output.
+
 The expert weights are this rank's slice, marked `_ep_local = True` (`clip_grad_norm_` sums
 their squares over `_ep_group`; `init_param_` draws the full tensor and keeps `_ep_slice`). A
 slice's gradient sums the contributions of the ep ranks that sent it tokens; the 1/ep applied on
@@ -99,7 +105,8 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def shard_experts_(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Keep this rank's `num_experts / ep` experts of w1/w2/w3 as plain local Parameters.
+    """Keep this rank's `num_experts / ep` experts of w1/w2/w3 as local Parameters: plain
+    tensors, or, for experts already sharded over TP, DTensors over "tp" of the kept experts.
 
     Works on meta (before `to_empty`) and on materialized weights. Each kept Parameter is
     marked: `_ep_local = True`, `_ep_mesh` (1-D "ep"), `_ep_group`, `_ep_full_shape` and
@@ -177,18 +184,17 @@ def global_expert_view(value: torch.Tensor, param: torch.Tensor) -> DTensor:
     """`value` (this rank's part of the expert-parallel `param`, or of a state shaped like it)
     as a DTensor of the whole `param._ep_full_shape`, sharing `value`'s storage.
 
-    A plain slice is `Shard(0)` over "ep". An FSDP-sharded one (a DTensor over the ranks holding
-    the same experts) is `Shard(0)` over "ep" then its own `Shard(0)`: FSDP splits the rows of
-    this rank's slice further, which is what DTensor's left-to-right sharding means. Writing
-    into the view (DCP load) writes into `value`.
+    A plain slice is `Shard(0)` over "ep". A slice that is itself a DTensor (FSDP's `Shard(0)`
+    over the ranks holding the same experts, TP's shard of the hidden units, or both) is
+    `Shard(0)` over "ep" followed by its own placements: FSDP splits the rows of this rank's
+    slice further, which is what DTensor's left-to-right sharding means. Writing into the view
+    (DCP load) writes into `value`.
     """
     shape = torch.Size(param._ep_full_shape)
     stride = torch.empty(shape, device="meta").stride()
     if isinstance(value, DTensor):
-        if tuple(value.placements) != (Shard(0),):
-            raise ValueError(f"expected FSDP's Shard(0) on expert weights, got {value.placements}")
         mesh = DeviceMesh._concatenate([param._ep_mesh, value.device_mesh])
-        placements, local = (Shard(0), Shard(0)), value.to_local()
+        placements, local = (Shard(0), *value.placements), value.to_local()
     else:
         mesh, placements, local = param._ep_mesh, (Shard(0),), value
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)

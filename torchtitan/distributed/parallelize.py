@@ -100,6 +100,8 @@ def _log_expert_layout(model: nn.Module, parallel_dims: ParallelDims) -> None:
     num_experts, ep = model.args.moe_args.num_experts, parallel_dims.ep
     holders = parallel_dims.expert_dp_degree
     shared = f"FSDP-sharded over the {holders} ranks holding them" if holders > 1 else "not sharded further"
+    if parallel_dims.tp_enabled:
+        shared += f", hidden units sharded over tp {parallel_dims.tp}"
     logger.info(
         f"Expert parallel: {num_experts} experts over ep {ep} ({num_experts // ep} per rank), {shared}"
     )
@@ -112,12 +114,12 @@ def check_ep_supported(model: nn.Module, parallel_dims: ParallelDims, job_config
         ConfigError: naming what to change.
     """
     ep = job_config.parallelism.expert_parallel_degree
-    if parallel_dims.ep != ep or parallel_dims.tp > 1:
+    if parallel_dims.ep != ep:
         raise ConfigError(
             f"expert_parallel_degree {ep} with data_parallel_replicate_degree {parallel_dims.dp_replicate}"
             f" x data_parallel_shard_degree {parallel_dims.dp_shard} x tensor_parallel_degree "
-            f"{parallel_dims.tp} is not supported yet: expert parallelism needs tensor_parallel_degree "
-            "= 1 and an expert_parallel_degree that divides data_parallel_shard_degree."
+            f"{parallel_dims.tp} is not supported: expert parallelism needs an expert_parallel_degree "
+            "that divides data_parallel_shard_degree."
         )
     moe_args = getattr(model.args, "moe_args", None)
     if moe_args is None:

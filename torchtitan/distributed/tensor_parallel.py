@@ -165,7 +165,8 @@ def dense_mlp_plan() -> dict[str, ParallelStyle]:
 
 
 def moe_plan(moe: nn.Module, tp: int) -> dict[str, ParallelStyle]:
-    """A block's MoE under TP (expert tensor parallel degree = TP, no expert parallelism).
+    """A block's MoE under TP (expert tensor parallel degree = TP; expert parallelism, if any,
+    then splits the TP-sharded experts, see `expert_parallel`).
 
     Every rank gathers the whole sequence and routes every token (the router gate replicated,
     so all ranks route alike); the routed experts and the shared experts are sharded over their
