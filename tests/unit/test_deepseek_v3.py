@@ -1,6 +1,9 @@
 """DeepSeek-V3: published sizes, MLA with and without the query bottleneck, dense-then-MoE
 blocks, causality, activation checkpointing, FLOPs and refused settings."""
 
+import math
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,9 +13,10 @@ from torchtitan.config.manager import parse_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.deepseek_v3 import deepseek_v3_flavors
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+from torchtitan.models.deepseek_v3.model import DeepSeekV3Model, MultiHeadLatentAttention
 from torchtitan.models.deepseek_v3.parallelize import DEEPSEEK_V3_SAVE_LIST
 from torchtitan.models.moe import MoE, MoEArgs
+from torchtitan.models.rope import precompute_rope_cache
 from torchtitan.protocols.train_spec import get_train_spec
 
 # Sources of the shapes below (Hugging Face config.json):
@@ -190,9 +194,21 @@ def test_flops_per_token_use_the_qk_head_width():
     assert flops == 6 * (params - idle_experts) + 12 * 3 * 4 * (8 + 8) * 16
 
 
-def test_yarn_rope_scaling_is_refused():
-    with pytest.raises(ValueError, match="YaRN"):
-        _tiny_args(rope_scaling=object())
+@pytest.mark.parametrize("flavor", ["16B", "671B"])
+def test_published_yarn_applies_only_when_the_rope_table_outgrows_4096_positions(flavor):
+    """As in DeepSeek's reference code and torchtitan: pre-training at 4k runs plain RoPE."""
+    args = replace(deepseek_v3_flavors[flavor], max_seq_len=4096)
+    longer = replace(args, max_seq_len=8192)
+    assert args.applied_rope_scaling is None and longer.applied_rope_scaling is args.rope_scaling
+    plain = precompute_rope_cache(args.qk_rope_head_dim, 8192, args.rope_theta)
+    scaled = precompute_rope_cache(args.qk_rope_head_dim, 8192, args.rope_theta, longer.applied_rope_scaling)
+    # The fastest frequency is kept, the slowest divided by factor 40 (angles at position 1).
+    angle = torch.atan2(scaled[1, :, 1], scaled[1, :, 0]) / torch.atan2(plain[1, :, 1], plain[1, :, 0])
+    assert angle[0].item() == pytest.approx(1.0) and angle[-1].item() == pytest.approx(1 / 40, rel=1e-4)
+    with torch.device("meta"):
+        mla = MultiHeadLatentAttention(longer)
+    mscale = 0.1 * args.rope_scaling.mscale_all_dim * math.log(40) + 1
+    assert mla.softmax_scale == pytest.approx(192**-0.5 * mscale**2)
 
 
 def test_train_spec_and_debug_config():

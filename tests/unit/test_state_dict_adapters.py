@@ -18,12 +18,13 @@ from safetensors.torch import save_file
 from tests.conftest import python_path
 from tests.forked_launcher import launch
 from torchtitan.components.hf_io import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, load_hf, save_hf
-from torchtitan.models.rope import RoPEScaling
+from torchtitan.models.rope import RoPEScaling, YaRNScaling
 from torchtitan.protocols.state_dict_adapter import (
     HFConfigError,
     StateDictMismatchError,
     build_state_dict_adapter,
     half_split_to_interleaved,
+    hf_config_differences,
     interleaved_to_half_split,
 )
 from torchtitan.protocols.train_spec import get_train_spec
@@ -48,6 +49,11 @@ CASES = {
     "qwen3_moe": ("qwen3", "debugmodel_moe", {}),
     "deepseek_v3": ("deepseek_v3", "debugmodel", {}),
     "deepseek_v3_q_lora": ("deepseek_v3", "debugmodel", {"q_lora_rank": 32}),
+    # YaRN over an original 512 positions (the RoPE table is longer): the 8 rotary frequencies
+    # span the kept, blended and interpolated bands, and unequal mscales make both the cos/sin
+    # factor and the softmax scale differ from 1.
+    "deepseek_v3_yarn": ("deepseek_v3", "debugmodel", {"rope_scaling": YaRNScaling(
+        factor=4.0, original_max_position_embeddings=512, mscale=1.0, mscale_all_dim=0.7)}),
 }  # fmt: skip
 BIAS_NAMES = ("expert_bias", "e_score_correction_bias")
 
@@ -236,6 +242,23 @@ PUBLISHED_CONFIGS = {
         "rms_norm_eps": 1e-6, "vocab_size": 129280,
     },
 }  # fmt: skip
+
+
+# deepseek-ai/DeepSeek-V3's config.json; transformers applies it at any length, this model (like
+# DeepSeek's reference code and torchtitan) when training.seq_len exceeds the original 4096.
+PUBLISHED_YARN = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                  "original_max_position_embeddings": 4096, "type": "yarn"}  # fmt: skip
+
+
+@pytest.mark.parametrize("seq_len, yarn", [(4096, None), (8192, PUBLISHED_YARN)])
+def test_deepseek_v3_671b_exports_the_published_yarn_only_when_it_applies(seq_len, yarn):
+    args = replace(get_train_spec("deepseek_v3").get_flavor("671B"), max_seq_len=seq_len)
+    config = get_train_spec("deepseek_v3").state_dict_adapter(args).hf_config()
+    if yarn is None:
+        assert "rope_scaling" not in config
+    else:
+        assert hf_config_differences(config, {"rope_scaling": yarn}) == []
+        assert hf_config_differences(config, {"rope_scaling": {**yarn, "factor": 8}}) != []
 
 
 @pytest.mark.parametrize("model, flavor", list(PUBLISHED_CONFIGS))

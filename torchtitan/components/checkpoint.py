@@ -624,7 +624,8 @@ class CheckpointManager:
     def _warn_on_config_differences(self, path: Path) -> None:
         """Warn when the checkpoint's config.json sets RoPE or norm constants other than this
         run's: no shape shows it, and the weights then compute something else (e.g. the
-        published DeepSeek-V3's YaRN scaling, which this model does not apply)."""
+        published DeepSeek-V3's YaRN scaling, which a run of training.seq_len <= 4096 does
+        not apply)."""
         from torchtitan.components.hf_io import CONFIG_FILE
         from torchtitan.protocols.state_dict_adapter import HFConfigError, hf_config_differences
 

@@ -12,6 +12,7 @@ from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseek_v3
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from torchtitan.models.moe import MoEArgs, load_balance_step, pop_aux_loss
+from torchtitan.models.rope import YaRNScaling
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 # Sources:
@@ -25,6 +26,9 @@ from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 #     intermediate 10944, moe_intermediate 1408, 27 layers, first_k_dense_replace 1, 16 heads,
 #     no q_lora, kv_lora_rank 512, 64 routed + 2 shared experts, top-6 softmax, vocab 102400),
 #     as torchtitan's DeepSeek-V3 16B flavor uses them; published total 15.7B.
+#   YaRN (both): rope_scaling of their config.json (factor 40 over an original 4096 positions,
+#     beta_fast 32, beta_slow 1; mscale and mscale_all_dim 1.0 for V3, 0.707 for V2-Lite),
+#     applied only when training.seq_len exceeds 4096 (see args.py).
 # The debug model matches the bundled 2048-token tokenizer and stays cheap on a CPU.
 deepseek_v3_flavors = {
     "debugmodel": DeepSeekV3ModelArgs(
@@ -44,6 +48,7 @@ deepseek_v3_flavors = {
             num_experts=64, num_shared_experts=2, top_k=6, score_func="softmax", route_norm=False,
             route_scale=1.0, load_balance_coeff=1e-3,
         ),
+        rope_scaling=YaRNScaling(mscale=0.707, mscale_all_dim=0.707),
     ),
     "671B": DeepSeekV3ModelArgs(
         vocab_size=129280, dim=7168, inter_dim=18432, moe_inter_dim=2048, n_layers=61, n_dense_layers=3,
@@ -53,6 +58,7 @@ deepseek_v3_flavors = {
             num_experts=256, num_shared_experts=1, top_k=8, score_func="sigmoid", route_norm=True,
             route_scale=2.5, num_expert_groups=8, num_limited_groups=4, load_balance_coeff=1e-3,
         ),
+        rope_scaling=YaRNScaling(),
     ),
 }  # fmt: skip
 # The debug model under flex attention with packed documents kept apart (block_causal at EOS).

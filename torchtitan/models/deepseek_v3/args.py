@@ -8,8 +8,10 @@ query/key head is `qk_nope_head_dim + qk_rope_head_dim` wide, each value head `v
 The first `n_dense_layers` blocks use a SwiGLU feed-forward of width `inter_dim`; the rest a
 routed MoE of experts of width `moe_inter_dim` (plus shared experts, see `MoEArgs`).
 
-Not implemented: YaRN RoPE scaling (the published long-context extension, applied after
-pre-training at 4k, so pre-training does not need it; `rope_scaling` must stay None) and the
+RoPE: `rope_scaling` holds the published YaRN constants (`YaRNScaling`), applied, as in
+DeepSeek's reference code and torchtitan, only when the RoPE table (`max_seq_len`, i.e.
+`training.seq_len`) is longer than the original context: pre-training at 4k runs plain RoPE,
+longer sequences YaRN (frequencies and softmax scale). Not implemented: the
 multi-token-prediction (MTP) module.
 """
 
@@ -20,6 +22,7 @@ import torch.nn as nn
 from torchtitan.config.job_config import JobConfig
 from torchtitan.models.layers import AttentionArgs
 from torchtitan.models.moe import MoEArgs
+from torchtitan.models.rope import YaRNScaling
 from torchtitan.protocols.model_args import decoder_flops_per_token
 
 
@@ -38,8 +41,7 @@ class DeepSeekV3ModelArgs(AttentionArgs):
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     rope_theta: float = 10000.0
-    # YaRN is not implemented (see the module docstring); anything but None is refused.
-    rope_scaling: None = None
+    rope_scaling: YaRNScaling | None = None  # see the module docstring
     norm_eps: float = 1e-6
     moe_args: MoEArgs = field(
         default_factory=lambda: MoEArgs(
@@ -53,12 +55,18 @@ class DeepSeekV3ModelArgs(AttentionArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.rope_scaling is not None:
-            raise ValueError("DeepSeek-V3 YaRN rope scaling is not implemented; set rope_scaling = None")
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ValueError(f"n_dense_layers = {self.n_dense_layers} must be in [0, {self.n_layers}]")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim = {self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+
+    @property
+    def applied_rope_scaling(self) -> YaRNScaling | None:
+        """`rope_scaling` when the RoPE table outgrows its original context, else None."""
+        scaling = self.rope_scaling
+        if scaling is not None and self.max_seq_len > scaling.original_max_position_embeddings:
+            return scaling
+        return None
 
     @property
     def qk_head_dim(self) -> int:

@@ -27,11 +27,10 @@ class MultiHeadLatentAttention(nn.Module):
     and `wkv_b` to per-head position-free keys (`qk_nope_head_dim`) and values (`v_head_dim`).
     RoPE touches only the rotary parts; the one rotary key head is broadcast to every head.
 
-    The default softmax scale of both backends (sdpa and flex), 1 / sqrt(q's last dim), is exactly
-    1 / sqrt(nope + rope) here, so the shared attention module needs no scale argument. (YaRN
-    would multiply it by mscale^2 and need one; YaRN is not implemented.) Value heads may be
-    narrower or wider than q/k heads: SDPA and flex_attention both allow a different last dim
-    for v.
+    The softmax scale is the backends' default, 1 / sqrt(q's last dim) = 1 / sqrt(nope + rope),
+    times YaRN's `softmax_scale_factor` when YaRN applies (see `args.applied_rope_scaling`).
+    Value heads may be narrower or wider than q/k heads: SDPA and flex_attention both allow a
+    different last dim for v.
     """
 
     def __init__(self, args: DeepSeekV3ModelArgs):
@@ -58,6 +57,8 @@ class MultiHeadLatentAttention(nn.Module):
         # since the one rotary key head feeds every rank's own heads.
         self.shared_rope_key = nn.Identity()
         self.sdpa = build_attention(args.attn_backend)
+        yarn = args.applied_rope_scaling
+        self.softmax_scale = None if yarn is None else args.qk_head_dim**-0.5 * yarn.softmax_scale_factor()
 
     def forward(
         self, x: torch.Tensor, rope_cache: torch.Tensor, masks: AttentionMasks | None = None
@@ -75,7 +76,9 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masks=masks)
+        out = self.sdpa(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masks=masks, scale=self.softmax_scale
+        )
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def init_weights(self, out_std: float) -> None:
@@ -113,4 +116,4 @@ class DeepSeekV3Model(Transformer):
 
     def _rope_cache(self) -> torch.Tensor:
         a = self.args
-        return precompute_rope_cache(a.qk_rope_head_dim, a.max_seq_len, a.rope_theta)
+        return precompute_rope_cache(a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, a.applied_rope_scaling)

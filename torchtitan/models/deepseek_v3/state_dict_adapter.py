@@ -83,6 +83,8 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
             "scoring_func": "sigmoid",
             "topk_method": "noaux_tc",
             "num_nextn_predict_layers": 0,
+            # Only when this model applies it (a longer RoPE table than the original context).
+            **({"rope_scaling": yarn.hf_config()} if (yarn := a.applied_rope_scaling) else {}),
         }
 
     def _check_expressible(self) -> None:
