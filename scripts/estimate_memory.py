@@ -19,6 +19,10 @@ unsharded copies, in `training.mixed_precision_param`, that FSDP all-gathers for
 `--all-ac-modes`: one column per activation-checkpointing mode (none, full, selective op,
 selective 2). A config mistake prints one message and exits with code 2.
 
+Expert parallelism is estimated with balanced routing: every rank sends and receives an equal
+share of its routed rows. A step whose routing is imbalanced holds more in the experts'
+activations (up to ep times as many received rows on the busiest rank).
+
 Not modelled: torch.compile (the step runs eagerly), the caching allocator's rounding,
 fragmentation and reserved memory, and CUDA/NCCL context memory; keep some headroom. DDP
 (replicas without sharding) is refused: its C++ reducer cannot run on fake tensors.
@@ -31,6 +35,7 @@ import dataclasses
 import gc
 import sys
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 
 # Import this checkout's torchtitan even when another copy is installed.
@@ -39,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
@@ -51,7 +56,9 @@ from torchtitan.components.training_step import (
     gradient_accumulation_steps,
 )
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig, parse_args
+from torchtitan.distributed import expert_parallel
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.expert_parallel import _ExpertParallelHooks, is_ep_local
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.moe import MoE
 from torchtitan.protocols.train_spec import get_train_spec
@@ -145,15 +152,40 @@ def _refuse_ddp(parallel_dims: ParallelDims) -> None:
         )
 
 
-def _refuse_expert_parallel(cfg: JobConfig) -> None:
-    """Expert parallelism reads token counts on the host to size its all-to-alls: data the
-    fake run does not have."""
+def _refuse_real_expert_parallel(cfg: JobConfig) -> None:
+    """A real (`fake=False`) run in one process has no peers to exchange token counts with."""
     if cfg.parallelism.expert_parallel_degree > 1:
         raise ConfigError(
-            f"'parallelism.expert_parallel_degree' = {cfg.parallelism.expert_parallel_degree}: the "
-            "estimator cannot run expert parallelism yet (its all-to-all sizes depend on routing); "
-            "estimate with --parallelism.expert_parallel_degree 1."
+            f"'parallelism.expert_parallel_degree' = {cfg.parallelism.expert_parallel_degree}: a real "
+            "one-process measurement cannot run expert parallelism (its all-to-alls need the other "
+            "ranks); measure with --parallelism.expert_parallel_degree 1, or estimate (fake=True)."
         )
+
+
+@contextlib.contextmanager
+def balanced_expert_routing():
+    """Expert-parallel dispatches size their all-to-alls as if routing were balanced: each rank
+    sends an equal share of its routed rows to every EP rank and receives as many.
+
+    A real dispatch reads the token counts on the host, which fake tensors do not have. Patched
+    on the class before the model is built, since the hooks bind the method at registration.
+    """
+    dispatch, to_host = _ExpertParallelHooks.dispatch, expert_parallel._tokens_per_rank_to_host
+
+    def balanced_dispatch(hooks, module, args):
+        rows, ep = args[0].shape[0], hooks.ep
+        even = [rows // ep + (rank < rows % ep) for rank in range(ep)]
+        expert_parallel._tokens_per_rank_to_host = lambda counts, counts_recv, ep: (even, even)
+        try:
+            return dispatch(hooks, module, args)
+        finally:
+            expert_parallel._tokens_per_rank_to_host = to_host
+
+    _ExpertParallelHooks.dispatch = balanced_dispatch
+    try:
+        yield
+    finally:
+        _ExpertParallelHooks.dispatch = dispatch
 
 
 def _refuse_fp32_moe(cfg: JobConfig, model: torch.nn.Module) -> None:
@@ -276,10 +308,31 @@ def make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     if isinstance(model, FSDPModule):
         tracker = _FSDPMemTracker(model, optimizer)
         tracker.track_inputs(batch)
+        _track_experts_outside_fsdp(tracker, model)
     else:
         tracker = _MemTracker()
         tracker.track_external(model, optimizer, *batch)
     return tracker
+
+
+def _track_experts_outside_fsdp(tracker: _FSDPMemTracker, model: torch.nn.Module) -> None:
+    """Count the expert-parallel weights FSDP leaves alone (no other rank holds the same experts)
+    as this rank's parameter shards, and their gradients as gradient shards.
+
+    FSDPMemTracker knows only FSDP's parameters; it would file these under optimizer state, the
+    first time the optimizer step touches them.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            continue
+        for param in module.parameters(recurse=False):
+            if is_ep_local(param):
+                tracker._update_and_maybe_create_winfos(param, _FSDPRefType.SHARDED_PARAM)
+                param.register_hook(partial(_track_gradient, tracker))
+
+
+def _track_gradient(tracker: _FSDPMemTracker, grad: torch.Tensor) -> None:
+    tracker._update_and_maybe_create_winfos(grad, _FSDPRefType.SHARDED_GRAD)
 
 
 # ----- one step ------------------------------------------------------------------------------
@@ -337,13 +390,15 @@ def measure(cfg: JobConfig, ngpu: int, fake: bool = True) -> dict[str, int]:
         gradient_accumulation_steps(cfg, parallel_dims.dp_degree)  # refuse a bad batch before building
         if fake:
             _refuse_ddp(parallel_dims)
-            _refuse_expert_parallel(cfg)
+        else:
+            _refuse_real_expert_parallel(cfg)
         parallel_dims.build_mesh(device.type)
-        model = build_model(cfg, parallel_dims, device)
-        if fake:
-            _refuse_fp32_moe(cfg, model)
-        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
-            return breakdown(_tracked_step(cfg, model, parallel_dims, device))
+        with balanced_expert_routing() if fake else contextlib.nullcontext():
+            model = build_model(cfg, parallel_dims, device)
+            if fake:
+                _refuse_fp32_moe(cfg, model)
+            with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+                return breakdown(_tracked_step(cfg, model, parallel_dims, device))
 
 
 def estimate(cfg: JobConfig, ngpu: int, modes: Iterable[str] | None = None) -> dict[str, dict[str, int]]:
@@ -394,6 +449,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     if cfg.compile.enable:
         print("note: torch.compile is not simulated; this is the eager step's memory.", file=sys.stderr)
+    if cfg.parallelism.expert_parallel_degree > 1:
+        print(
+            "note: expert parallelism is estimated with balanced routing; an imbalanced step holds "
+            "more on the ranks that receive the most tokens.",
+            file=sys.stderr,
+        )
     print(f"Estimated peak memory per rank: {title}\n\n{format_table(results)}")
 
 

@@ -94,6 +94,36 @@ def test_fsdp_reports_fp32_shards_and_bf16_gathered_copies():
     assert gathered >= 2 * root and (gathered - 2 * root) % (2 * block) == 0, gathered
 
 
+MOE = ["--config", "qwen3_debug_model_moe.toml", "--training.local_batch_size", "1",
+       "--training.seq_len", "64", "--training.mixed_precision_param", "bfloat16"]  # fmt: skip
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+
+
+def test_expert_parallel_estimate_holds_the_share_of_the_experts_fsdp_would():
+    """The experts split over EP 2 take the memory FSDP 2 would shard them to, and count as
+    parameters, not optimizer state (FSDP's tracker does not know them)."""
+    fsdp = em.measure(_config(MOE), 2)
+    expert_parallel = em.measure(_config(MOE + EP2), 2)
+    assert expert_parallel["parameters"] == fsdp["parameters"] > 0
+    assert expert_parallel["optimizer state"] <= 3 * fsdp["parameters"]  # 2 Adam moments + step temporaries
+
+
+def test_expert_parallel_with_tensor_parallel_estimate_holds_a_quarter_on_4_ranks():
+    # Its own process: a second TP layout estimated in one process got DTensor parameters on the
+    # first layout's (destroyed) process groups (torch 2.13), so this one runs alone.
+    tp2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *MOE, *EP2, *tp2, "--ngpu", "4"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "CONFIG_FILE": ""},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "estimated with balanced routing" in proc.stderr
+    whole_model_gib = 12_861_056 * 4 / 2**30  # fp32 weights of debugmodel_moe
+    assert _table_row(proc.stdout, "parameters")["selective op"] == pytest.approx(
+        whole_model_gib / 4, abs=1e-3
+    )
+
+
 def test_gradient_accumulation_holds_the_accumulated_gradients_during_the_next_micro_batch():
     single = em.measure(_config(DEBUG, "none"), 1)
     accumulated = em.measure(_config(DEBUG + ["--training.global_batch_size", "8"], "none"), 1)
