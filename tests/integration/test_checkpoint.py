@@ -329,7 +329,10 @@ def test_expert_parallel_resume_from_step_5_repeats_steps_6_to_10_bit_for_bit(sa
     assert all(resumed[s] == original[s] for s in resumed), (resumed, original)
 
 
-@pytest.mark.parametrize("target", ["1 process", "EP 2", "EP 2 x TP 2"])
+# EP 2 runs under full_matrix: EP 2 x TP 2 takes the same plain-slice path, plus TP.
+@pytest.mark.parametrize(
+    "target", ["1 process", pytest.param("EP 2", marks=pytest.mark.full_matrix), "EP 2 x TP 2"]
+)
 def test_expert_parallel_checkpoint_loads_into_another_layout(target, saved_by_fsdp4_x_ep2, tmp_path):
     """Saved with the experts split over EP and FSDP-sharded: the whole expert weights and
     their optimizer moments load into one process, into another expert split, and into
@@ -370,7 +373,10 @@ def moe_hf_export_of_one_process(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("layout", ["FSDP 4 x EP 2", "EP 2 x TP 2"])
+# FSDP 4 x EP 2 runs under full_matrix: EP 2 x TP 2 gathers DTensor slices the same way.
+@pytest.mark.parametrize(
+    "layout", [pytest.param("FSDP 4 x EP 2", marks=pytest.mark.full_matrix), "EP 2 x TP 2"]
+)
 def test_hf_export_under_expert_parallelism_holds_every_expert(
     layout, moe_hf_export_of_one_process, tmp_path
 ):
