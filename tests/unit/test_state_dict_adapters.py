@@ -54,7 +54,13 @@ CASES = {
     # factor and the softmax scale differ from 1.
     "deepseek_v3_yarn": ("deepseek_v3", "debugmodel", {"rope_scaling": YaRNScaling(
         factor=4.0, original_max_position_embeddings=512, mscale=1.0, mscale_all_dim=0.7)}),
+    # Softmax routing (the 16B flavor's): exported as transformers' DeepseekV2ForCausalLM.
+    "deepseek_v2": ("deepseek_v3", "debugmodel", {"moe_args": replace(
+        get_train_spec("deepseek_v3").get_flavor("debugmodel").moe_args, score_func="softmax",
+        route_norm=False, num_expert_groups=None, num_limited_groups=None)}),
 }  # fmt: skip
+# Models whose HF counterpart has no expert bias: it stays zero here, as from_hf leaves it.
+WITHOUT_HF_EXPERT_BIAS = {"qwen3_moe", "deepseek_v2"}
 BIAS_NAMES = ("expert_bias", "e_score_correction_bias")
 
 
@@ -76,7 +82,7 @@ def _random_state_dict(case: str) -> dict[str, torch.Tensor]:
     Qwen3-MoE has no expert bias (see `test_qwen3_moe_expert_bias_has_no_hf_slot`): zero there."""
     torch.manual_seed(0)
     state_dict = {key: torch.randn(t.shape) for key, t in _meta_model(case).state_dict().items()}
-    if CASES[case][0] == "qwen3":
+    if case in WITHOUT_HF_EXPERT_BIAS:
         for key in [key for key in state_dict if key.endswith("expert_bias")]:
             state_dict[key].zero_()
     return state_dict
@@ -93,7 +99,7 @@ def _initialized_model(case: str) -> torch.nn.Module:
     for name, tensor in model.state_dict().items():
         if name.endswith("norm.weight"):
             tensor.mul_(1 + 0.3 * torch.randn_like(tensor))
-        elif name.endswith("expert_bias") and CASES[case][0] == "deepseek_v3":
+        elif name.endswith("expert_bias") and case not in WITHOUT_HF_EXPERT_BIAS:
             tensor.copy_(0.05 * torch.randn_like(tensor))
     return model
 
@@ -214,8 +220,8 @@ def test_transformers_checkpoint_gives_its_logits_here(case, hf_checkpoints):
         torch.testing.assert_close(model(_tokens(case)), hf_logits, atol=1e-4, rtol=1e-4)
 
 
-# Values from the published config.json of meta-llama/Llama-3.1-8B, Qwen/Qwen3-30B-A3B and
-# deepseek-ai/DeepSeek-V3.
+# Values from the published config.json of meta-llama/Llama-3.1-8B, Qwen/Qwen3-30B-A3B,
+# deepseek-ai/DeepSeek-V3 and (the 16B flavor's shapes) deepseek-ai/DeepSeek-V2-Lite.
 PUBLISHED_CONFIGS = {
     ("llama3", "8B"): {
         "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -240,6 +246,14 @@ PUBLISHED_CONFIGS = {
         "num_experts_per_tok": 8, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8,
         "topk_group": 4, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_theta": 10000.0,
         "rms_norm_eps": 1e-6, "vocab_size": 129280,
+    },
+    ("deepseek_v3", "16B"): {
+        "model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "num_hidden_layers": 27, "first_k_dense_replace": 1,
+        "num_attention_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2,
+        "num_experts_per_tok": 6, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+        "topk_method": "greedy", "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "vocab_size": 102400,
     },
 }  # fmt: skip
 
@@ -281,8 +295,9 @@ FLEX_SLIDING_WINDOW = {"attn_backend": "flex", "attn_mask_type": "sliding_window
 @pytest.mark.parametrize(
     "model, flavor, overrides, moe_overrides, reason",
     [
-        # DeepSeek-V2-Lite's routing (softmax, no groups): HF's deepseek_v3 always uses sigmoid.
-        ("deepseek_v3", "16B", {}, {}, "score_func = 'softmax'"),
+        # Softmax routing exports as DeepSeek-V2, which never renormalizes and groups otherwise.
+        ("deepseek_v3", "16B", {}, {"route_norm": True}, "route_norm"),
+        ("deepseek_v3", "16B", {}, {"num_expert_groups": 8, "num_limited_groups": 4}, "num_expert_groups"),
         ("qwen3", "debugmodel_moe", {}, {"route_scale": 2.0}, "route_scale"),
         ("qwen3", "debugmodel_moe", {}, {"num_shared_experts": 1}, "num_shared_experts"),
         ("qwen3", "debugmodel", {"qk_norm": False}, {}, "qk_norm"),

@@ -1,9 +1,14 @@
-"""DeepSeek-V3 <-> Hugging Face ``DeepseekV3ForCausalLM`` (model_type "deepseek_v3")."""
+"""DeepSeek-V3 <-> Hugging Face ``DeepseekV3ForCausalLM`` (model_type "deepseek_v3"), and
+softmax-routed flavors (the 16B, DeepSeek-V2-Lite's shapes) <-> ``DeepseekV2ForCausalLM``."""
 
 import torch
 
 from torchtitan.models.llama3.state_dict_adapter import DECODER_KEY_MAP
-from torchtitan.models.qwen3.state_dict_adapter import ROUTED_MOE_KEY_MAP
+from torchtitan.models.qwen3.state_dict_adapter import (
+    ROUTED_MOE_KEY_MAP,
+    with_zero_expert_bias,
+    without_expert_bias,
+)
 from torchtitan.protocols.state_dict_adapter import HFConfigError, StateDictAdapter, split_indices
 
 # Multi-head latent attention; the query bottleneck keys (wq_a, q_norm, wq_b) replace wq when
@@ -43,6 +48,10 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
 
     `from_hf` skips the multi-token-prediction module that published checkpoints store as the
     layers past ``num_hidden_layers``: it is not built here.
+
+    Softmax routing (``score_func = "softmax"``, as the 16B flavor has) is DeepSeek-V2's, which
+    transformers builds as ``DeepseekV2ForCausalLM``: same keys and RoPE layout, but no expert
+    bias, so `to_hf` drops ours (warning when nonzero) and `from_hf` fills it with zeros.
     """
 
     key_map = {**DECODER_KEY_MAP, **MLA_KEY_MAP, **ROUTED_MOE_KEY_MAP, **SHARED_EXPERTS_KEY_MAP}
@@ -52,15 +61,43 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
         is_mtp = template.startswith("model.layers.{}.") and indices[0] >= self.model_args.n_layers
         return is_mtp or super().ignores_hf_key(hf_key)
 
+    @property
+    def is_v2(self) -> bool:
+        """Softmax-routed: exported as transformers' DeepSeek-V2."""
+        return self.model_args.moe_args.score_func == "softmax"
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return super().to_hf(without_expert_bias(state_dict, "DeepSeek-V2") if self.is_v2 else state_dict)
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ours = super().from_hf(hf_state_dict)
+        return with_zero_expert_bias(ours, self.model_args) if self.is_v2 else ours
+
     def hf_config(self, dtype: torch.dtype = torch.float32) -> dict:
-        a = self.model_args
+        if self.is_v2:
+            return self._v2_hf_config(dtype)
         self._check_expressible()
-        m = a.moe_args
+        m = self.model_args.moe_args
         # Without node-limited routing, one group holding every expert selects the same experts.
         groups, limited = (m.num_expert_groups, m.num_limited_groups) if m.num_expert_groups else (1, 1)
         return {
             "architectures": ["DeepseekV3ForCausalLM"],
             "model_type": "deepseek_v3",
+            **self._mla_hf_config(dtype),
+            "rope_interleave": True,
+            "norm_topk_prob": m.route_norm,
+            "n_group": groups,
+            "topk_group": limited,
+            # Read by DeepSeek's own and other inference code; transformers implies them.
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "num_nextn_predict_layers": 0,
+        }
+
+    def _mla_hf_config(self, dtype: torch.dtype) -> dict:
+        """The config fields DeepSeek-V2 and V3 share: the decoder, MLA, the MoE's sizes, YaRN."""
+        a, m = self.model_args, self.model_args.moe_args
+        return {
             **self.base_hf_config(dtype),
             "num_key_value_heads": a.n_heads,
             "intermediate_size": a.inter_dim,
@@ -70,21 +107,36 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
             "qk_nope_head_dim": a.qk_nope_head_dim,
             "qk_rope_head_dim": a.qk_rope_head_dim,
             "v_head_dim": a.v_head_dim,
-            "rope_interleave": True,
             "moe_intermediate_size": a.moe_inter_dim,
             "n_routed_experts": m.num_experts,
             "n_shared_experts": m.num_shared_experts,
             "num_experts_per_tok": m.top_k,
-            "norm_topk_prob": m.route_norm,
             "routed_scaling_factor": m.route_scale,
-            "n_group": groups,
-            "topk_group": limited,
-            # Read by DeepSeek's own and other inference code; transformers implies them.
-            "scoring_func": "sigmoid",
-            "topk_method": "noaux_tc",
-            "num_nextn_predict_layers": 0,
             # Only when this model applies it (a longer RoPE table than the original context).
             **({"rope_scaling": yarn.hf_config()} if (yarn := a.applied_rope_scaling) else {}),
+        }
+
+    def _v2_hf_config(self, dtype: torch.dtype) -> dict:
+        """``DeepseekV2ForCausalLM``: softmax top-k ("greedy"), never renormalized."""
+        a, m = self.model_args, self.model_args.moe_args
+        problems = {
+            "route_norm = True (HF DeepSeek-V2 does not renormalize the top-k weights)": m.route_norm,
+            "num_shared_experts = 0 (HF always has shared experts)": m.num_shared_experts == 0,
+            # HF's group-limited greedy ranks groups by their best score, ours by the top-2 sum.
+            "num_expert_groups (HF DeepSeek-V2 ranks groups differently)": m.num_expert_groups is not None,
+            f"norm_eps = {a.norm_eps} (HF's latent norms use {_HF_LATENT_NORM_EPS})": (
+                a.norm_eps != _HF_LATENT_NORM_EPS
+            ),
+        }
+        if bad := [problem for problem, is_bad in problems.items() if is_bad]:
+            raise HFConfigError(f"Hugging Face DeepSeek-V2 cannot express {'; '.join(bad)}")
+        return {
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v2",
+            **self._mla_hf_config(dtype),
+            "topk_method": "greedy",
+            "norm_topk_prob": False,
+            "scoring_func": "softmax",
         }
 
     def _check_expressible(self) -> None:

@@ -28,6 +28,33 @@ _EXPERT_BIAS = "layers.{}.moe.expert_bias"
 _ROUTER = "layers.{}.moe.router.gate.weight"
 
 
+def without_expert_bias(state_dict: dict[str, torch.Tensor], hf_model: str) -> dict[str, torch.Tensor]:
+    """`state_dict` less the MoE expert bias (auxiliary-loss-free balancing), for HF models that
+    have none; a nonzero bias is warned about, since the exported model then routes without it."""
+    kept = {}
+    for key, tensor in state_dict.items():
+        if split_indices(key)[0] != _EXPERT_BIAS:
+            kept[key] = tensor
+        elif tensor.device.type != "meta" and tensor.any():  # meta: a key mapping only
+            logger.warning(
+                "%s is nonzero but Hugging Face %s has no expert bias: it is dropped, so the "
+                "exported model may route some tokens to other experts",
+                key,
+                hf_model,
+            )
+    return kept
+
+
+def with_zero_expert_bias(ours: dict[str, torch.Tensor], model_args) -> dict[str, torch.Tensor]:
+    """`ours` (converted from an HF model without expert bias) with a zero bias per MoE layer
+    (`model_args.moe_args.num_experts` wide; dense models have no router and get none)."""
+    for key in list(ours):
+        template, layer = split_indices(key)
+        if template == _ROUTER:
+            ours[_EXPERT_BIAS.format(*layer)] = torch.zeros(model_args.moe_args.num_experts)
+    return ours
+
+
 class Qwen3StateDictAdapter(Llama3StateDictAdapter):
     """Qwen3 <-> ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``.
 
@@ -47,25 +74,10 @@ class Qwen3StateDictAdapter(Llama3StateDictAdapter):
     }
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        kept = {}
-        for key, tensor in state_dict.items():
-            if split_indices(key)[0] != _EXPERT_BIAS:
-                kept[key] = tensor
-            elif tensor.device.type != "meta" and tensor.any():  # meta: a key mapping only
-                logger.warning(
-                    "%s is nonzero but Hugging Face Qwen3-MoE has no expert bias: it is dropped, "
-                    "so the exported model may route some tokens to other experts",
-                    key,
-                )
-        return super().to_hf(kept)
+        return super().to_hf(without_expert_bias(state_dict, "Qwen3-MoE"))
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        ours = super().from_hf(hf_state_dict)
-        for key in list(ours):
-            template, layer = split_indices(key)
-            if template == _ROUTER:
-                ours[_EXPERT_BIAS.format(*layer)] = torch.zeros(self.model_args.moe_args.num_experts)
-        return ours
+        return with_zero_expert_bias(super().from_hf(hf_state_dict), self.model_args)
 
     def hf_config(self, dtype: torch.dtype = torch.float32) -> dict:
         a = self.model_args
