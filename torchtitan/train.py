@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
+from torchtitan.components.compile import tag_compile_caches_with_process_groups
 from torchtitan.components.dataloader import build_validation_dataloader
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.model_converter import build_model_converters
@@ -77,6 +78,7 @@ class Trainer:
             ep=p.expert_parallel_degree,
         )
         self.parallel_dims.build_mesh(self.device.type)
+        tag_compile_caches_with_process_groups()
         logger.info(f"Parallelism: {describe_layout(cfg, self.parallel_dims)}")
         # Before anything is allocated, so that the snapshots see every allocation.
         self.memory_snapshotter = MemorySnapshotter(cfg, self.rank, self.device)

@@ -115,6 +115,14 @@ def test_expert_parallel_layout_matches_one_process(model, layout, ac, tmp_path,
     _assert_same_metrics(records, _single_process(model, tmp_path_factory), (model, layout, ac))
 
 
+@pytest.mark.full_matrix
+def test_compiled_ep2_x_tp2_with_op_sac_matches_one_process(tmp_path, tmp_path_factory):
+    """Compiled blocks around the EP hooks and the TP-sharded experts."""
+    argv = LAYOUTS["EP 2 x TP 2"][1] + AC["selective op"] + ["--compile.enable"]
+    records = _run(tmp_path, "ep_tp_compiled", 4, argv)
+    _assert_same_metrics(records, _single_process("qwen3 moe", tmp_path_factory), "EP 2 x TP 2, compiled")
+
+
 def test_ep2_with_two_micro_batches_matches_one_process(tmp_path, tmp_path_factory):
     """The experts' gradients accumulate over micro-batches like FSDP's."""
     accumulate = ["--training.local_batch_size", "1", "--training.global_batch_size", str(GLOBAL_BATCH)]

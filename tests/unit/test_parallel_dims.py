@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from torchtitan.config import ConfigError
 from torchtitan.config.manager import parse_args
@@ -150,3 +151,27 @@ def test_cpu_offload_runs_get_gloo_for_their_cpu_tensors_besides_the_accelerator
     from torchtitan.distributed.utils import backend_for
 
     assert backend_for(device, cpu_collectives) == backend
+
+
+def _compile_cache_tag(ep: int) -> str:
+    """The compile cache tag rank 0 gets in a fake 4-rank world laid out as FSDP 2 x TP 2."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchtitan.components.compile import tag_compile_caches_with_process_groups
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        ParallelDims(1, 2, 2, 4, ep=ep).build_mesh("cpu")
+        tag_compile_caches_with_process_groups()
+        return torch.compiler.config.cache_key_tag
+    finally:
+        dist.destroy_process_group()
+        torch.compiler.config.cache_key_tag = ""
+
+
+def test_compile_caches_are_keyed_by_the_process_groups_of_the_layout():
+    """Compiled graphs name their process groups; another layout numbers its groups otherwise,
+    so it must not be handed the first layout's cached graphs."""
+    first, again, with_ep = _compile_cache_tag(ep=1), _compile_cache_tag(ep=1), _compile_cache_tag(ep=2)
+    assert first.startswith("torchtitan-process-groups-")
+    assert first == again and with_ep != first

@@ -1,8 +1,10 @@
 """torch.compile of each transformer block, shared by every model's parallelize.py."""
 
+import hashlib
 import logging
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from torchtitan.config.job_config import JobConfig
@@ -46,6 +48,29 @@ def check_compile_supported(model: nn.Module, job_config: JobConfig, torch_versi
             f"compile.capture_scalar_outputs = false (the MoE blocks then fall back where they read "
             f"counts on the host), or use torch >= {need}."
         )
+
+
+def tag_compile_caches_with_process_groups() -> None:
+    """Key torch.compile's on-disk caches (FX graph, AOT autograd) by this rank's process groups.
+
+    A compiled graph with collectives names its process groups, and the caches do not tell
+    groups apart by name: a run of another layout (or another rank position) sharing the
+    cache directory was handed code naming groups it does not have, and failed with "Could not
+    resolve the process group registered under the name N" (seen with torch 2.13, a compiled
+    loss under loss_parallel after a run of another TP layout). The tag, a digest of every
+    group's name and ranks, sets `torch.compiler.config.cache_key_tag`, so a cached graph is
+    reused only where the same names mean the same groups.
+
+    Call once every process group the compiled code uses exists (after the mesh is built)
+    and before the first compiled call. No-op without a process group.
+    """
+    if not dist.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import _world
+
+    groups = sorted((str(pg.group_name), tuple(dist.get_process_group_ranks(pg))) for pg in _world.pg_names)
+    digest = hashlib.sha256(repr(groups).encode()).hexdigest()[:16]
+    torch.compiler.config.cache_key_tag = f"torchtitan-process-groups-{digest}"
 
 
 def apply_compile(model: nn.Module, job_config: JobConfig, device: torch.device) -> None:
