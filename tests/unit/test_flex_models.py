@@ -14,6 +14,7 @@ from torchtitan.models import layers
 from torchtitan.models.deepseek_v3.parallelize import DEEPSEEK_V3_SAVE_LIST
 from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
 from torchtitan.models.qwen3.parallelize import QWEN3_MOE_SAVE_LIST, QWEN3_SAVE_LIST
+from torchtitan.models.rope import YaRNScaling
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.train import main
 
@@ -188,6 +189,25 @@ def test_flex_with_a_causal_mask_gives_the_sdpa_loss(model):
     sdpa_loss, _ = _loss_and_grads(_build(model, sdpa), tokens)
     flex_loss, _ = _loss_and_grads(_build(model, flex), tokens)
     torch.testing.assert_close(flex_loss, sdpa_loss, atol=1e-5, rtol=0)
+
+
+def test_yarn_softmax_scale_reaches_flex_as_it_reaches_sdpa():
+    """DeepSeek with YaRN applied passes a softmax scale to the attention backend; flex (dense
+    mask on the CPU) must use it as SDPA does."""
+    yarn = YaRNScaling(factor=4.0, original_max_position_embeddings=SEQ_LEN // 2, mscale_all_dim=0.7)
+    sdpa = replace(_args("deepseek_v3"), rope_scaling=yarn)
+    flex = replace(sdpa, attn_backend="flex", attn_mask_type="causal")
+    tokens = _documents(eos_id=1)[:, :-1]
+    flex_model = _build("deepseek_v3", flex)
+    with torch.no_grad():
+        flex_logits, sdpa_logits = flex_model(tokens), _build("deepseek_v3", sdpa)(tokens)
+        for module in flex_model.modules():
+            if hasattr(module, "softmax_scale"):
+                module.softmax_scale = None
+        unscaled_logits = flex_model(tokens)
+    backend_gap = (flex_logits - sdpa_logits).abs().max().item()
+    scale_gap = (flex_logits - unscaled_logits).abs().max().item()
+    assert backend_gap <= 1e-5 and scale_gap > 100 * max(backend_gap, 1e-8), (backend_gap, scale_gap)
 
 
 @pytest.mark.parametrize("mask_type", ["sliding_window", "chunked"])
