@@ -213,14 +213,7 @@ def fake_world(ngpu: int):
 
 def parallel_dims_for(cfg: JobConfig, ngpu: int) -> ParallelDims:
     """ParallelDims of `[parallelism]` for `ngpu` ranks; raises ConfigError if they do not fit."""
-    p = cfg.parallelism
-    return ParallelDims(
-        dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree,
-        tp=p.tensor_parallel_degree,
-        world_size=ngpu,
-        ep=p.expert_parallel_degree,
-    )
+    return ParallelDims.from_config(cfg.parallelism, ngpu)
 
 
 def build_model(cfg: JobConfig, parallel_dims: ParallelDims, device: torch.device) -> torch.nn.Module:

@@ -69,14 +69,7 @@ class Trainer:
             cpu_collectives=cfg.training.enable_cpu_offload,
         )
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        p = cfg.parallelism
-        self.parallel_dims = ParallelDims(
-            p.data_parallel_replicate_degree,
-            p.data_parallel_shard_degree,
-            p.tensor_parallel_degree,
-            world_size,
-            ep=p.expert_parallel_degree,
-        )
+        self.parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
         self.parallel_dims.build_mesh(self.device.type)
         tag_compile_caches_with_process_groups()
         logger.info(f"Parallelism: {describe_layout(cfg, self.parallel_dims)}")

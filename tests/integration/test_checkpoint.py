@@ -299,6 +299,10 @@ EP_LAYOUTS = {  # name: (processes, data-parallel degree, argv)
     "EP 2 x TP 2": (4, 2, ["--parallelism.expert_parallel_degree", "2",
                            "--parallelism.tensor_parallel_degree", "2",
                            "--parallelism.expert_tensor_parallel_degree", "2"]),
+    # experts split over an EP group of 2 FSDP ranks x the TP pair (a flattened mesh), each
+    # FSDP-sharded over the 2 ranks holding it
+    "FSDP 2 x TP 2, EP 4 over TP": (4, 2, ["--parallelism.expert_parallel_degree", "4",
+                                           "--parallelism.tensor_parallel_degree", "2"]),
     "1 process": (1, 1, []),
 }  # fmt: skip
 
@@ -331,12 +335,14 @@ def test_expert_parallel_resume_from_step_5_repeats_steps_6_to_10_bit_for_bit(sa
 
 # EP 2 runs under full_matrix: EP 2 x TP 2 takes the same plain-slice path, plus TP.
 @pytest.mark.parametrize(
-    "target", ["1 process", pytest.param("EP 2", marks=pytest.mark.full_matrix), "EP 2 x TP 2"]
-)
+    "target",
+    ["1 process", pytest.param("EP 2", marks=pytest.mark.full_matrix), "EP 2 x TP 2",
+     "FSDP 2 x TP 2, EP 4 over TP"],
+)  # fmt: skip
 def test_expert_parallel_checkpoint_loads_into_another_layout(target, saved_by_fsdp4_x_ep2, tmp_path):
     """Saved with the experts split over EP and FSDP-sharded: the whole expert weights and
-    their optimizer moments load into one process, into another expert split, and into
-    experts split over EP and sharded over TP."""
+    their optimizer moments load into one process, into another expert split, into experts
+    split over EP and sharded over TP, and into experts split over EP across the TP ranks."""
     (tmp_path / "checkpoint").mkdir()
     shutil.copytree(saved_by_fsdp4_x_ep2 / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-5")
     proc = _train_moe(tmp_path, target)
@@ -348,9 +354,11 @@ def test_expert_parallel_checkpoint_loads_into_another_layout(target, saved_by_f
 
 
 @pytest.mark.full_matrix
-def test_checkpoint_saved_under_ep_and_tp_loads_into_one_process(tmp_path):
-    """The expert weights saved as (EP, TP) views of the whole tensors load whole."""
-    _train_moe(tmp_path / "saved", "EP 2 x TP 2")
+@pytest.mark.parametrize("layout", ["EP 2 x TP 2", "FSDP 2 x TP 2, EP 4 over TP"])
+def test_checkpoint_saved_under_ep_and_tp_loads_into_one_process(layout, tmp_path):
+    """The expert weights saved as (EP, TP) or (EP over TP, FSDP) views of the whole tensors
+    load whole."""
+    _train_moe(tmp_path / "saved", layout)
     step_5 = Path("checkpoint") / "step-5"
     shutil.copytree(tmp_path / "saved" / step_5, tmp_path / "resumed" / step_5)
     _train_moe(tmp_path / "resumed", "1 process")
@@ -375,8 +383,10 @@ def moe_hf_export_of_one_process(tmp_path_factory):
 
 # FSDP 4 x EP 2 runs under full_matrix: EP 2 x TP 2 gathers DTensor slices the same way.
 @pytest.mark.parametrize(
-    "layout", [pytest.param("FSDP 4 x EP 2", marks=pytest.mark.full_matrix), "EP 2 x TP 2"]
-)
+    "layout",
+    [pytest.param("FSDP 4 x EP 2", marks=pytest.mark.full_matrix), "EP 2 x TP 2",
+     "FSDP 2 x TP 2, EP 4 over TP"],
+)  # fmt: skip
 def test_hf_export_under_expert_parallelism_holds_every_expert(
     layout, moe_hf_export_of_one_process, tmp_path
 ):

@@ -48,6 +48,12 @@ AC = {
 # experts replicated over the 2 replicas.
 # "EP 2 x TP 2": each EP rank's experts sharded over the hidden units of its TP pair.
 TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"]
+# "EP 2 over TP 2": expert_tensor_parallel_degree 1, the EP group is the TP pair, the experts stay
+# whole and each TP rank dispatches half of the routed rows. "FSDP 2 x TP 2, EP 4 over TP": the EP
+# group spans 2 FSDP ranks x the TP pair.
+TP2_EP_OVER_TP = ["--parallelism.tensor_parallel_degree", "2",
+                  "--parallelism.expert_tensor_parallel_degree", "1"]  # fmt: skip
+EP4 = ["--parallelism.expert_parallel_degree", "4"]
 LAYOUTS = {
     "EP 2": (2, EP2),
     "FSDP 4, EP 2": (4, EP2),
@@ -55,6 +61,8 @@ LAYOUTS = {
     "EP 2 x TP 2": (4, EP2 + TP2),
     # 8 processes: each TP-sharded expert slice also FSDP-sharded over the 2 ranks holding it.
     "FSDP 4 x EP 2 x TP 2": (8, EP2 + TP2),
+    "EP 2 over TP 2": (2, EP2 + TP2_EP_OVER_TP),
+    "FSDP 2 x TP 2, EP 4 over TP": (4, EP4 + TP2_EP_OVER_TP),
 }
 # Layouts too slow on 2 cores for the whole AC matrix run these (model, AC) cases only.
 ONLY_CASES = {"FSDP 4 x EP 2 x TP 2": {("qwen3 moe", "full"), ("deepseek_v3", "selective op")}}
@@ -67,6 +75,8 @@ DEFAULT_CASES = {
     ("deepseek_v3", "EP 2"): {"full"},
     ("deepseek_v3", "FSDP 4, EP 2"): {"full replay"},
     ("qwen3 moe", "EP 2 x TP 2"): {"selective op"},
+    ("qwen3 moe", "EP 2 over TP 2"): {"full"},
+    ("deepseek_v3", "FSDP 2 x TP 2, EP 4 over TP"): {"selective op"},
 }
 
 
@@ -116,11 +126,13 @@ def test_expert_parallel_layout_matches_one_process(model, layout, ac, tmp_path,
 
 
 @pytest.mark.full_matrix
-def test_compiled_ep2_x_tp2_with_op_sac_matches_one_process(tmp_path, tmp_path_factory):
-    """Compiled blocks around the EP hooks and the TP-sharded experts."""
-    argv = LAYOUTS["EP 2 x TP 2"][1] + AC["selective op"] + ["--compile.enable"]
-    records = _run(tmp_path, "ep_tp_compiled", 4, argv)
-    _assert_same_metrics(records, _single_process("qwen3 moe", tmp_path_factory), "EP 2 x TP 2, compiled")
+@pytest.mark.parametrize("layout", ["EP 2 x TP 2", "EP 2 over TP 2"])
+def test_compiled_ep_with_tp_and_op_sac_matches_one_process(layout, tmp_path, tmp_path_factory):
+    """Compiled blocks around the EP hooks and the TP-sharded experts, or around the hooks that
+    split the routed rows over the TP ranks."""
+    nproc, argv = LAYOUTS[layout]
+    records = _run(tmp_path, "ep_tp_compiled", nproc, argv + AC["selective op"] + ["--compile.enable"])
+    _assert_same_metrics(records, _single_process("qwen3 moe", tmp_path_factory), f"{layout}, compiled")
 
 
 def test_ep2_with_two_micro_batches_matches_one_process(tmp_path, tmp_path_factory):
@@ -143,7 +155,9 @@ def test_hsdp_with_ep_and_two_micro_batches_matches_one_process(tmp_path):
 @pytest.mark.parametrize(
     "argv, match",
     [(["--parallelism.data_parallel_shard_degree", "3"], "does not divide data_parallel_shard_degree 3"),
-     (["--parallelism.tensor_parallel_degree", "2"], "needs expert_tensor_parallel_degree = 2"),
+     (["--parallelism.tensor_parallel_degree", "4"], "2 is not a multiple of tensor_parallel_degree 4"),
+     (["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4",
+       "--parallelism.data_parallel_shard_degree", "3"], "takes 2 ranks of the FSDP shard group"),
      (["--parallelism.expert_tensor_parallel_degree", "2"], "must be 1 or the tensor_parallel_degree")],
 )  # fmt: skip
 def test_unsupported_ep_combinations_are_refused(argv, match):
@@ -151,9 +165,17 @@ def test_unsupported_ep_combinations_are_refused(argv, match):
         parse_args(CONFIG + EP2 + argv, env={})
 
 
-def test_resolved_shard_degree_that_ep_does_not_divide_is_refused():
-    with pytest.raises(ConfigError, match="degree 2 does not divide data_parallel_shard_degree 3"):
-        ParallelDims(1, -1, 1, 3, ep=2)
+@pytest.mark.parametrize(
+    "dims, match",
+    [(dict(tp=1, world_size=3, ep=2), "needs 2 ranks of the FSDP shard group, which does not divide "
+                                      "data_parallel_shard_degree 3"),
+     (dict(tp=2, world_size=6, ep=4), r"needs 2 \(ep 4 / tp 2\) ranks of the FSDP shard group"),
+     (dict(tp=4, world_size=8, ep=2), "2 is not a multiple of tensor_parallel_degree 4")],
+    ids=["ep from dp_shard", "ep over tp", "ep smaller than tp"],
+)  # fmt: skip
+def test_resolved_degrees_that_ep_does_not_fit_are_refused(dims, match):
+    with pytest.raises(ConfigError, match=match):
+        ParallelDims(1, -1, **dims)
 
 
 def test_ep_on_a_dense_flavor_is_refused_at_parallelize():

@@ -52,8 +52,8 @@ def _build(name, flavor, overrides, tp, ac):
     argv = ["--model.name", name, "--model.flavor", flavor, "--training.seq_len", "64",
             "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", mode,
             "--activation_checkpoint.selective_ac_option", option,
-            "--parallelism.tensor_parallel_degree", str(tp),
-            "--parallelism.expert_tensor_parallel_degree", str(tp)]  # fmt: skip
+            "--parallelism.tensor_parallel_degree", str(tp)]  # fmt: skip
+    # expert_tensor_parallel_degree keeps its default 1: without EP, TP shards the experts anyway.
     cfg = parse_args(argv, env={})
     with torch.device("meta"):
         model = spec.model_cls(replace(spec.flavors[flavor], **overrides).update_from_config(cfg))
@@ -132,15 +132,6 @@ def test_training_with_tp_matches_one_process(model, layout, nproc, argv, tmp_pa
     for got, want in zip(runs["tp"], runs["single"]):
         for key in ("loss", "grad_norm", "moe_imbalance"):
             assert abs(got[key] - want[key]) <= 1e-4 * abs(want[key]), (layout, key, got, want)
-
-
-def test_moe_under_tp_without_expert_tp_is_refused_naming_the_fix():
-    model, _, _ = _build("qwen3", "debugmodel_moe", {}, 1, "none")
-    cfg = parse_args(["--config", CONFIGS["qwen3 moe"], "--parallelism.tensor_parallel_degree", "2"], env={})
-    from torchtitan.distributed.parallelize import _check_expert_tp
-
-    with pytest.raises(ConfigError, match="Set parallelism.expert_tensor_parallel_degree = 2"):
-        _check_expert_tp(model, ParallelDims(1, 1, 2, 2), cfg)
 
 
 def test_expert_tp_other_than_1_or_tp_is_refused():

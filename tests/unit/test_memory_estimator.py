@@ -108,12 +108,18 @@ def test_expert_parallel_estimate_holds_the_share_of_the_experts_fsdp_would():
     assert expert_parallel["optimizer state"] <= 3 * fsdp["parameters"]  # 2 Adam moments + step temporaries
 
 
-def test_expert_parallel_with_tensor_parallel_estimate_holds_a_quarter_on_4_ranks():
+@pytest.mark.parametrize(
+    "layout",
+    [["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"],
+     ["--parallelism.expert_parallel_degree", "4", "--parallelism.expert_tensor_parallel_degree", "1"]],
+    ids=["EP 2 x TP 2", "EP 4 over FSDP 2 x TP 2"],
+)  # fmt: skip
+def test_expert_parallel_with_tensor_parallel_estimate_holds_a_quarter_on_4_ranks(layout):
     # Its own process: a second TP layout estimated in one process got DTensor parameters on the
-    # first layout's (destroyed) process groups (torch 2.13), so this one runs alone.
-    tp2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"]
+    # first layout's (destroyed) process groups (torch 2.13), so each runs alone.
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *MOE, *EP2, *tp2, "--ngpu", "4"],
+        [sys.executable, str(SCRIPT), *MOE, *layout, "--parallelism.tensor_parallel_degree", "2",
+         "--ngpu", "4"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "CONFIG_FILE": ""},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -110,8 +110,12 @@ BF16_PARAMS = ["--training.mixed_precision_param", "bfloat16"]
         (ParallelDims(1, 8, 1, 8), "8 rank(s): dp_replicate 1 x dp_shard 8 x tp 1, FSDP; "),
         (ParallelDims(2, 2, 2, 8), "8 rank(s): dp_replicate 2 x dp_shard 2 x tp 2, HSDP; "),
         (ParallelDims(1, 4, 1, 4, ep=2), "4 rank(s): dp_replicate 1 x dp_shard 4 (ep 2) x tp 1, FSDP; "),
+        (
+            ParallelDims(1, 2, 2, 4, ep=4, etp=1),
+            "4 rank(s): dp_replicate 1 x dp_shard 2 x tp 2 (ep 4 = 2 of dp_shard x tp 2), FSDP; ",
+        ),
     ],
-    ids=["fsdp", "hsdp", "fsdp-ep"],
+    ids=["fsdp", "hsdp", "fsdp-ep", "fsdp-tp-ep-over-tp"],
 )
 def test_layout_line_under_fsdp_names_the_split_and_the_mixed_precision_dtypes(dims, expected):
     from torchtitan.components.training_step import describe_layout
@@ -161,7 +165,7 @@ def _compile_cache_tag(ep: int) -> str:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
-        ParallelDims(1, 2, 2, 4, ep=ep).build_mesh("cpu")
+        ParallelDims(1, 2, 2, 4, ep=ep, etp=2).build_mesh("cpu")
         tag_compile_caches_with_process_groups()
         return torch.compiler.config.cache_key_tag
     finally:

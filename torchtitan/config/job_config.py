@@ -122,10 +122,16 @@ class Parallelism:
     context_parallel_degree: int = opt(1, "context parallel degree", min=1)
     pipeline_parallel_degree: int = opt(1, "pipeline parallel degree", min=1)
     expert_parallel_degree: int = opt(
-        1, "expert parallel degree; its ranks come from data_parallel_shard_degree", min=1
+        1,
+        "expert parallel degree; its ranks come from data_parallel_shard_degree (and from the TP "
+        "ranks when expert_tensor_parallel_degree is 1)",
+        min=1,
     )
     expert_tensor_parallel_degree: int = opt(
-        1, "TP degree of the MoE experts: 1, or tensor_parallel_degree to shard them over TP", min=1
+        1,
+        "under EP and TP: 1 = EP also borrows the TP ranks (experts whole), tensor_parallel_degree = "
+        "each EP rank's experts sharded over TP; without EP, TP always shards the experts",
+        min=1,
     )
 
 

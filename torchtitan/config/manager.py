@@ -478,23 +478,26 @@ def _check_expert_parallel(p) -> None:
     if etp not in (1, tp):
         raise ConfigError(
             f"'parallelism.expert_tensor_parallel_degree' = {etp} must be 1 or the "
-            f"tensor_parallel_degree ({tp}): experts are either not tensor-parallel or sharded over TP."
+            f"tensor_parallel_degree ({tp}): under expert parallelism the experts are either spread over "
+            "the TP ranks too (1) or sharded over TP."
         )
     if ep == 1:
         return
     shard = p.data_parallel_shard_degree
-    if tp != 1 and etp != tp:
+    borrows_tp = tp > 1 and etp == 1
+    if borrows_tp and ep % tp:
         raise ConfigError(
-            f"'parallelism.expert_parallel_degree' = {ep} with tensor_parallel_degree {tp} needs "
-            f"expert_tensor_parallel_degree = {tp} (each EP rank's experts sharded over TP), not "
-            f"{etp}: spreading the experts over the TP ranks instead is not built. Set "
-            f"parallelism.expert_tensor_parallel_degree = {tp}."
+            f"'parallelism.expert_parallel_degree' = {ep} is not a multiple of tensor_parallel_degree "
+            f"{tp}: with expert_tensor_parallel_degree 1 the EP group takes all the TP ranks and the "
+            f"rest from the FSDP shard group. Choose a multiple of {tp}, or set "
+            f"parallelism.expert_tensor_parallel_degree = {tp} to shard the experts over TP instead."
         )
-    if shard != -1 and shard % ep:
+    from_shard = ep // tp if borrows_tp else ep
+    if shard != -1 and shard % from_shard:
         raise ConfigError(
-            f"'parallelism.expert_parallel_degree' = {ep} does not divide data_parallel_shard_degree "
-            f"{shard}: expert parallelism borrows its ranks from the FSDP shard group; choose an "
-            "expert_parallel_degree that divides it."
+            f"'parallelism.expert_parallel_degree' = {ep} takes {from_shard} ranks of the FSDP shard "
+            f"group, which does not divide data_parallel_shard_degree {shard}: expert parallelism "
+            "borrows its ranks from that group; choose an expert_parallel_degree that fits it."
         )
 
 

@@ -1,9 +1,9 @@
 """Expert parallelism (EP): each rank of an EP group owns `num_experts / ep` experts.
 
-The EP group is the "ep" dim of the mesh, borrowed from the FSDP shard group (see
-`ParallelDims`). Ranks at the same position of different EP groups hold the same experts;
-`data_parallel.apply_fsdp` shards those experts over them (or, when there is only one such
-rank, leaves the experts alone).
+The EP group is the "ep" dim of the mesh, borrowed from the FSDP shard group (and from the
+TP ranks under expert_tensor_parallel_degree 1; see `ParallelDims`). Ranks at the same position
+of different EP groups hold the same experts; `data_parallel.apply_fsdp` shards those experts
+over them (or, when there is only one such rank, leaves the experts alone).
 
 `apply_expert_parallel(model, ep_mesh)` shards every `moe.experts` (a `GroupedExperts`) along
 its expert dim and installs forward pre/post hooks on it, so `MoE` keeps calling
@@ -14,17 +14,24 @@ its expert dim and installs forward pre/post hooks on it, so `MoE` keeps calling
     compute:  the local GroupedExperts slice;
     combine:  undo the regrouping and all-to-all the outputs back to the ranks they came from.
 
-Under tensor parallelism (expert_tensor_parallel_degree = TP) the experts are first sharded
-over their hidden units (`tensor_parallel.ExpertTensorParallel`) and then split here: every TP
-rank of an EP group routes the same tokens, each "ep" group is one TP position, and each rank
-runs its experts' slice of the hidden units; the partial outputs travel back through the
-combine and are reduced over TP with the rest of the MoE output.
+Under tensor parallelism the experts take one of two layouts:
+
+    expert_tensor_parallel_degree = TP: the experts are first sharded over their hidden units
+        (`tensor_parallel.ExpertTensorParallel`) and then split here: every TP rank of an EP
+        group routes the same tokens, each "ep" group is one TP position, and each rank runs
+        its experts' slice of the hidden units; the partial outputs travel back through the
+        combine and are reduced over TP with the rest of the MoE output.
+    expert_tensor_parallel_degree = 1 (torchtitan's default): the EP group spans the TP ranks
+        as well, and the experts stay whole. The TP ranks route the same tokens, so each
+        dispatches only its 1/tp share of the routed rows (`_SplitRowsOverTP`) and gets zeros
+        for the rest: again a partial sum over TP. Fewer, larger grouped matmuls than the
+        layout above, and an all-to-all over more ranks.
 
 The expert weights are this rank's slice, marked `_ep_local = True` (`clip_grad_norm_` sums
 their squares over `_ep_group`; `init_param_` draws the full tensor and keeps `_ep_slice`). A
-slice's gradient sums the contributions of the ep ranks that sent it tokens; the 1/ep applied on
-the way back, with FSDP's mean over the ranks holding the same slice, makes it the data-parallel
-mean like every other gradient.
+slice's gradient sums the contributions of the ranks that sent it tokens; 1/(the data ranks in
+the group) applied on the way back, with FSDP's mean over the ranks holding the same slice,
+makes it the data-parallel mean like every other gradient.
 
 Checkpoints see each expert weight whole: `global_expert_view` wraps this rank's slice (and
 its optimizer moments) as a DTensor over all experts, so DCP saves and reshards them like any
@@ -55,11 +62,17 @@ def _tokens_per_rank_to_host(counts: torch.Tensor, counts_recv: torch.Tensor, ep
 class _ExpertParallelHooks:
     """Pre/post forward hooks of one GroupedExperts. The two run back to back for each call, so
     one slot carries the pre hook's context to the post hook; a recompute that stops early
-    (AC early_stop) between them leaves a stale slot that the next call overwrites."""
+    (AC early_stop) between them leaves a stale slot that the next call overwrites.
 
-    def __init__(self, ep_group: dist.ProcessGroup):
+    `data_ranks`: how many ranks of the EP group see different data (ep, or ep / tp when the
+    group spans the TP ranks, which share their data); the experts' gradients are averaged over
+    those.
+    """
+
+    def __init__(self, ep_group: dist.ProcessGroup, data_ranks: int | None = None):
         self.group = ep_group
         self.ep = dist.get_world_size(ep_group)
+        self.data_ranks = data_ranks or self.ep
         self._ctx: tuple | None = None
 
     def dispatch(self, module: nn.Module, args: tuple):
@@ -78,17 +91,50 @@ class _ExpertParallelHooks:
         key = (segment % local_experts) * ep + segment // local_experts
         order = torch.argsort(key, stable=True)
         self._ctx = (order, send, recv)
-        return _ScaleGrad.apply(x_recv[order], float(ep)), per_source.sum(dim=0)
+        return _ScaleGrad.apply(x_recv[order], float(self.data_ranks)), per_source.sum(dim=0)
 
     def combine(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         (order, send, recv), self._ctx = self._ctx, None
-        # The 1/ep scale on the way back makes the experts' weight gradients the data-parallel
-        # mean (as FSDP's reduce-scatter gives the others); _ScaleGrad(ep) on the input side
-        # restores the token gradients.
-        out = _ScaleGrad.apply(out, 1.0 / self.ep)
+        # The 1/data_ranks scale on the way back makes the experts' weight gradients the
+        # data-parallel mean (as FSDP's reduce-scatter gives the others); _ScaleGrad(data_ranks)
+        # on the input side restores the token gradients.
+        out = _ScaleGrad.apply(out, 1.0 / self.data_ranks)
         y_recv = torch.empty_like(out)
         y_recv = y_recv.index_put((order,), out)
         return funcol.all_to_all_single_autograd(y_recv, send, recv, self.group)
+
+
+class _SplitRowsOverTP:
+    """Pre/post forward hooks that make each TP rank run the experts on its own 1/tp share of
+    the routed rows, for expert parallelism over the TP ranks (which all route the same tokens).
+
+    Before dispatch: keep rows [n * r / tp, n * (r + 1) / tp) of the expert-sorted rows and
+    their per-expert counts; after combine: zeros for the other ranks' rows, so that the MoE
+    output is a partial sum over TP, reduced with the shared experts' partial output. The rows'
+    gradient is likewise this rank's share, so it is summed over TP on the way in.
+    """
+
+    def __init__(self, tp_mesh: DeviceMesh):
+        self.mesh = tp_mesh
+        self.tp, self.rank = tp_mesh.size(), tp_mesh.get_local_rank()
+        self._pad: tuple[int, int] | None = None
+
+    def keep_own_rows(self, module: nn.Module, args: tuple):
+        from torchtitan.distributed.tensor_parallel import sum_grad_over_tp
+
+        x, counts = args
+        x = sum_grad_over_tp(x, self.mesh)
+        rows = x.shape[0]
+        lo, hi = rows * self.rank // self.tp, rows * (self.rank + 1) // self.tp
+        ends = counts.cumsum(0)
+        starts = ends - counts
+        own = (ends.clamp(max=hi) - starts.clamp(min=lo)).clamp(min=0).to(counts.dtype)
+        self._pad = (lo, rows - hi)
+        return x[lo:hi], own
+
+    def restore_all_rows(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        (before, after), self._pad = self._pad, None
+        return nn.functional.pad(out, (0, 0, before, after))
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -152,10 +198,21 @@ def _mark_params(experts: nn.Module) -> None:
             setattr(getattr(experts, name), key, value)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
+def apply_expert_parallel(
+    model: nn.Module,
+    ep_mesh: DeviceMesh,
+    data_ranks: int | None = None,
+    rows_split_mesh: DeviceMesh | None = None,
+) -> list[nn.Module]:
     """Shard and hook every `MoE.experts` of `model.layers` over the 1-D `ep_mesh`, in place.
 
-    Call before activation checkpointing and compile wrap the blocks.
+    Call after tensor parallelism and before activation checkpointing and compile wrap the blocks.
+
+    Args:
+        ep_mesh: the EP group (the "ep" dim, or "ep" flattened from dp_shard and tp).
+        data_ranks: ranks of the EP group that see different data (default: all of them).
+        rows_split_mesh: the TP mesh when the EP group spans the TP ranks: each TP rank then
+            dispatches its own share of the routed rows (`_SplitRowsOverTP`).
 
     Returns:
         The sharded `GroupedExperts` modules, for data parallelism to shard or ignore.
@@ -169,9 +226,15 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Modu
                 continue
             experts = module.experts
             shard_experts_(experts, ep_mesh)
-            hooks = experts._ep_hooks = _ExpertParallelHooks(ep_mesh.get_group())
+            split = _SplitRowsOverTP(rows_split_mesh) if rows_split_mesh is not None else None
+            if split is not None:
+                experts.register_forward_pre_hook(split.keep_own_rows)
+            hooks = experts._ep_hooks = _ExpertParallelHooks(ep_mesh.get_group(), data_ranks)
             experts.register_forward_pre_hook(hooks.dispatch)
             experts.register_forward_hook(hooks.combine)
+            # Forward hooks run in registration order: the rows come back, then are padded.
+            if split is not None:
+                experts.register_forward_hook(split.restore_all_rows)
             sharded.append(experts)
     return sharded
 

@@ -10,6 +10,8 @@ MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 # With expert parallelism dp_shard is built from two dims: EP groups are runs of consecutive
 # ranks (fast links for the all-to-all), and each expert is FSDP-sharded across the groups.
 EP_MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+# When EP also borrows the TP ranks, its group is ("dp_shard_in_ep", "tp") flattened.
+EP_OVER_TP_MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "tp")
 
 
 @dataclass
@@ -25,9 +27,15 @@ class ParallelDims:
     FSDP-sharded over the ranks holding the same experts (`expert_dp_mesh`); every other
     parameter is sharded over the whole dp_shard as without EP.
 
+    Under TP, `etp` (expert tensor parallel degree) says what the experts do with the TP ranks:
+    `etp == tp` shards each EP rank's experts over its TP group, and EP borrows only from
+    dp_shard as above; `etp == 1` makes EP borrow the TP ranks too (torchtitan's default): the
+    EP group is then ("dp_shard_in_ep", "tp") flattened, `ep / tp` of its ranks coming from
+    dp_shard. Without EP, `etp` does not matter: TP shards the experts.
+
     Raises:
-        ConfigError: when the degrees do not multiply to the world size, or ep does not divide
-            dp_shard.
+        ConfigError: when the degrees do not multiply to the world size, or ep does not fit
+            dp_shard (and tp, when it borrows tp).
     """
 
     dp_replicate: int
@@ -35,6 +43,7 @@ class ParallelDims:
     tp: int
     world_size: int
     ep: int = 1
+    etp: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False)
     # Flattened and combined meshes, kept here because slicing them out of the root mesh by
     # name is deprecated (and warns) since torch 2.11.
@@ -58,12 +67,34 @@ class ParallelDims:
                 f"tensor_parallel_degree {self.tp}) but the world size is {self.world_size}; make "
                 "the product equal the number of processes, or set data_parallel_shard_degree = -1."
             )
-        if self.ep > 1 and self.dp_shard % self.ep:
+        if self.ep_borrows_tp and self.ep % self.tp:
             raise ConfigError(
-                f"expert_parallel_degree {self.ep} does not divide data_parallel_shard_degree "
-                f"{self.dp_shard}: expert parallelism borrows its ranks from the FSDP shard group; "
-                "choose an expert_parallel_degree that divides it."
+                f"expert_parallel_degree {self.ep} is not a multiple of tensor_parallel_degree "
+                f"{self.tp}: with expert_tensor_parallel_degree 1 the EP group takes all the TP ranks "
+                "and the rest from the FSDP shard group; choose a multiple of the TP degree, or set "
+                f"expert_tensor_parallel_degree = {self.tp}."
             )
+        if self.ep > 1 and self.dp_shard % self.ep_from_dp_shard:
+            borrowed = f" (ep {self.ep} / tp {self.tp})" if self.ep_borrows_tp else ""
+            raise ConfigError(
+                f"expert_parallel_degree {self.ep} needs {self.ep_from_dp_shard}{borrowed} ranks of "
+                f"the FSDP shard group, which does not divide data_parallel_shard_degree "
+                f"{self.dp_shard}: expert parallelism borrows its ranks from that group; choose an "
+                "expert_parallel_degree that fits it."
+            )
+
+    @classmethod
+    def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
+        """The degrees of a `[parallelism]` section for `world_size` ranks (not built yet)."""
+        p = parallelism
+        return cls(
+            p.data_parallel_replicate_degree,
+            p.data_parallel_shard_degree,
+            p.tensor_parallel_degree,
+            world_size,
+            ep=p.expert_parallel_degree,
+            etp=p.expert_tensor_parallel_degree,
+        )
 
     @property
     def dp_degree(self) -> int:
@@ -88,20 +119,34 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def ep_borrows_tp(self) -> bool:
+        """EP groups span the TP ranks (etp 1 under TP): experts are whole, not TP-sharded."""
+        return self.ep > 1 and self.tp > 1 and self.etp == 1
+
+    @property
+    def ep_from_dp_shard(self) -> int:
+        """The ranks of an EP group that see different data (taken from dp_shard)."""
+        return self.ep // self.tp if self.ep_borrows_tp else self.ep
+
+    @property
     def expert_dp_degree(self) -> int:
         """Ranks holding the same experts (they average the experts' gradients)."""
-        return self.dp_replicate * self.dp_shard // self.ep
+        return self.dp_replicate * self.dp_shard // self.ep_from_dp_shard
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """Create the named mesh (None for a single process) and its flattened "dp"."""
         if self.world_size == 1:
             return None
         if self.ep_enabled:
-            shape = (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
-            mesh = init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_DIMS)
-            dp_shard = mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+            in_ep = self.ep_from_dp_shard
+            shape = (self.dp_replicate, self.dp_shard // in_ep, in_ep, self.tp)
+            names = EP_OVER_TP_MESH_DIMS if self.ep_borrows_tp else EP_MESH_DIMS
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            dp_shard = mesh["dp_shard_mod_ep", names[2]]._flatten("dp_shard")
             self._derived["dp_shard"] = dp_shard
-            self._derived["dp"] = mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
+            self._derived["dp"] = mesh["dp_replicate", "dp_shard_mod_ep", names[2]]._flatten("dp")
+            if self.ep_borrows_tp:
+                self._derived["ep"] = mesh["dp_shard_in_ep", "tp"]._flatten("ep")
             if self.dp_replicate > 1:
                 self._derived["expert_dp"] = mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_dp")
                 self._derived["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], dp_shard])
@@ -115,7 +160,8 @@ class ParallelDims:
 
     def submesh(self, name: str) -> DeviceMesh:
         """The 1-D mesh of one dim ("dp_replicate", "dp_shard", "tp", "ep", ...) or of a
-        flattened one ("dp", "expert_dp"); "hsdp" is the 2-D (dp_replicate, dp_shard) mesh."""
+        flattened one ("dp", "expert_dp", and "ep" when it borrows tp); "hsdp" is the 2-D
+        (dp_replicate, dp_shard) mesh."""
         if name in self._derived:
             return self._derived[name]
         return self.mesh[name]

@@ -21,6 +21,7 @@ from torchtitan.distributed.tensor_parallel import (
     check_tp_divisibility,
     loss_parallel_enabled,
     maybe_enable_async_tp,
+    shard_experts_over_tp,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,12 +64,19 @@ def parallelize_decoder(
                 "does not support yet; set parallelism.tensor_parallel_degree = 1."
             )
         check_tp_divisibility(parallel_dims, job_config, args.n_heads, args.kv_heads)
-        _check_expert_tp(model, parallel_dims, job_config)
-        apply_tp(model, parallel_dims.submesh("tp"), loss_parallel_enabled(parallel_dims, job_config))
+        tp_mesh = parallel_dims.submesh("tp")
+        apply_tp(model, tp_mesh, loss_parallel_enabled(parallel_dims, job_config))
+        if not parallel_dims.ep_borrows_tp:
+            shard_experts_over_tp(model, tp_mesh)
     experts = []
     if job_config.parallelism.expert_parallel_degree > 1:
         check_ep_supported(model, parallel_dims, job_config)
-        experts = apply_expert_parallel(model, parallel_dims.submesh("ep"))
+        experts = apply_expert_parallel(
+            model,
+            parallel_dims.submesh("ep"),
+            data_ranks=parallel_dims.ep_from_dp_shard,
+            rows_split_mesh=parallel_dims.submesh("tp") if parallel_dims.ep_borrows_tp else None,
+        )
         _log_expert_layout(model, parallel_dims)
     apply_ac(
         model,
@@ -84,27 +92,17 @@ def parallelize_decoder(
     return model
 
 
-def _check_expert_tp(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> None:
-    """MoE flavors under TP shard their experts over TP, which the config must say."""
-    etp = job_config.parallelism.expert_tensor_parallel_degree
-    if getattr(model.args, "moe_args", None) is not None and etp != parallel_dims.tp:
-        raise ConfigError(
-            f"flavor '{job_config.model.flavor}' has MoE experts and tensor_parallel_degree = "
-            f"{parallel_dims.tp}, but expert_tensor_parallel_degree = {etp}: experts that are not "
-            "tensor-parallel would need expert parallelism over the TP ranks, which is not built. Set "
-            f"parallelism.expert_tensor_parallel_degree = {parallel_dims.tp} to shard them over TP."
-        )
-
-
 def _log_expert_layout(model: nn.Module, parallel_dims: ParallelDims) -> None:
     num_experts, ep = model.args.moe_args.num_experts, parallel_dims.ep
     holders = parallel_dims.expert_dp_degree
     shared = f"FSDP-sharded over the {holders} ranks holding them" if holders > 1 else "not sharded further"
-    if parallel_dims.tp_enabled:
+    over = f"ep {ep}"
+    if parallel_dims.ep_borrows_tp:
+        over += f" (dp_shard {parallel_dims.ep_from_dp_shard} x tp {parallel_dims.tp})"
+    elif parallel_dims.tp_enabled:
         shared += f", hidden units sharded over tp {parallel_dims.tp}"
-    logger.info(
-        f"Expert parallel: {num_experts} experts over ep {ep} ({num_experts // ep} per rank), {shared}"
-    )
+    per_rank = num_experts // ep
+    logger.info(f"Expert parallel: {num_experts} experts over {over} ({per_rank} per rank), {shared}")
 
 
 def check_ep_supported(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> None:

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
+    parallelize_module,
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
@@ -165,13 +166,13 @@ def dense_mlp_plan() -> dict[str, ParallelStyle]:
 
 
 def moe_plan(moe: nn.Module, tp: int) -> dict[str, ParallelStyle]:
-    """A block's MoE under TP (expert tensor parallel degree = TP; expert parallelism, if any,
-    then splits the TP-sharded experts, see `expert_parallel`).
+    """A block's MoE under TP, all but the routed experts (`shard_experts_over_tp`, or expert
+    parallelism over the TP ranks, decides those).
 
     Every rank gathers the whole sequence and routes every token (the router gate replicated,
-    so all ranks route alike); the routed experts and the shared experts are sharded over their
-    hidden units, so each rank's MoE output is a partial sum, reduce-scattered back to sequence
-    shards like a dense feed-forward's.
+    so all ranks route alike); the shared experts are sharded over their hidden units and the
+    routed experts contribute a share per rank, so each rank's MoE output is a partial sum,
+    reduce-scattered back to sequence shards like a dense feed-forward's.
 
     Raises:
         ConfigError: when TP does not divide the experts' hidden width.
@@ -193,7 +194,6 @@ def moe_plan(moe: nn.Module, tp: int) -> dict[str, ParallelStyle]:
             use_local_output=True,
         ),
         "moe.router": RouterTensorParallel(),
-        "moe.experts": ExpertTensorParallel(),
     }
     if moe.shared_experts is not None:
         plan |= {
@@ -202,6 +202,14 @@ def moe_plan(moe: nn.Module, tp: int) -> dict[str, ParallelStyle]:
             "moe.shared_experts.w3": ColwiseParallel(),
         }
     return plan
+
+
+def shard_experts_over_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard every MoE's routed experts over their hidden units (`ExpertTensorParallel`), in
+    place: what TP does to the experts unless expert parallelism spreads them over the TP ranks."""
+    for block in model.layers.values():
+        if hasattr(block, "moe"):
+            parallelize_module(block.moe.experts, tp_mesh, ExpertTensorParallel())
 
 
 def mlp_plan(block: nn.Module, tp: int) -> dict[str, ParallelStyle]:
