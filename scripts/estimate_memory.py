@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -186,6 +187,31 @@ def balanced_expert_routing():
         yield
     finally:
         _ExpertParallelHooks.dispatch = dispatch
+
+
+@contextlib.contextmanager
+def fused_attention_for_unequal_head_dims():
+    """SDPA calls whose values have another head dim than the queries (DeepSeek's MLA: 192 vs
+    128) run on values zero-padded to the queries' head dim, and the padding is sliced off.
+
+    The CPU has no fused kernel for unequal head dims and would run SDPA's math kernel, whose
+    batch x heads x seq x seq scores and their gradients the estimate would then count; a GPU
+    runs a fused kernel that holds none (memory-efficient attention). Padded, the CPU's fused
+    kernel holds what that one does, plus the padded output.
+    """
+    sdpa = F.scaled_dot_product_attention
+
+    def padded(q, k, v, *args, **kwargs):
+        if v.shape[-1] == q.shape[-1]:
+            return sdpa(q, k, v, *args, **kwargs)
+        out = sdpa(q, k, F.pad(v, (0, q.shape[-1] - v.shape[-1])), *args, **kwargs)
+        return out[..., : v.shape[-1]]
+
+    F.scaled_dot_product_attention = padded
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
 
 
 def _refuse_fp32_moe(cfg: JobConfig, model: torch.nn.Module) -> None:
@@ -390,7 +416,10 @@ def measure(cfg: JobConfig, ngpu: int, fake: bool = True) -> dict[str, int]:
             model = build_model(cfg, parallel_dims, device)
             if fake:
                 _refuse_fp32_moe(cfg, model)
-            with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+            with (
+                FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
+                fused_attention_for_unequal_head_dims() if fake else contextlib.nullcontext(),
+            ):
                 return breakdown(_tracked_step(cfg, model, parallel_dims, device))
 
 

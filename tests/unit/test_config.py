@@ -1,5 +1,6 @@
 """The config loader: precedence, CLI syntax, shipped files, and every bad-input message."""
 
+import re
 import subprocess
 import sys
 
@@ -8,6 +9,8 @@ import tomllib
 
 from torchtitan.config import ConfigError, JobConfig, parse_args
 from torchtitan.config.manager import find_config_dirs, format_help, resolve_config_path, to_toml
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.train import main
 
 SHIPPED = sorted(p for d in find_config_dirs() for p in d.glob("*.toml"))
@@ -359,3 +362,15 @@ def test_config_reference_doc_is_generated_from_the_schema():
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     assert gen.OUT.read_text() == gen.render(), "run: python scripts/gen_config_reference.py"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_config_names_a_flavor_and_degrees_that_fit_the_gpus_its_header_names(path):
+    """A production config says "on N GPUs" in its header; its parallel degrees must lay out on
+    N ranks and its expert parallel degree divide the flavor's experts (debug configs: 1 rank)."""
+    cfg = parse_args(["--config", str(path)], env={})
+    flavor = get_train_spec(cfg.model.name).get_flavor(cfg.model.flavor)
+    named = re.search(r"on (\d+)\+? GPUs", path.read_text())
+    dims = ParallelDims.from_config(cfg.parallelism, int(named.group(1)) if named else 1)
+    if dims.ep_enabled:
+        assert flavor.moe_args.num_experts % dims.ep == 0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
@@ -193,3 +194,28 @@ def test_wrapper_script_forwards_its_arguments():
     assert "debugmodel, local batch" in proc.stdout
     assert "on 2 rank(s): dp_replicate 1 x dp_shard 2 x tp 1, FSDP;" in proc.stdout
     assert _table_row(proc.stdout, "**peak total**")["full"] > 0
+
+
+def test_attention_with_another_value_head_dim_is_estimated_on_a_fused_kernel_with_equal_output():
+    """DeepSeek's MLA (queries and keys 192 wide, values 128): the CPU would run SDPA's math
+    kernel and the estimate would count its seq x seq scores, which a GPU's fused kernel never
+    holds. Under the estimator, the CPU's fused kernel runs instead, and gives the same output."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 4, 64, 48, generator=generator) for _ in range(2))
+    v = torch.randn(1, 4, 64, 32, generator=generator)
+    math = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with em.fused_attention_for_unequal_head_dims(), Ops() as ops:
+        fused = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in ops.seen
+    assert "aten.bmm.default" not in ops.seen
+    torch.testing.assert_close(fused, math, rtol=1e-5, atol=1e-6)
+    assert F.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"  # restored
