@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import read_metrics, run_trainer
 from tests.integration.workers import run_worker, shut_down
@@ -44,6 +45,13 @@ def test_tp2_gradients_equal_one_process(gradient_report, model, ac):
     result = gradient_report[model][ac]
     assert result["loss_error"] <= 1e-6, result
     assert result["params"] > 20 and result["worst"] == [], result
+
+
+@pytest.mark.parametrize("ac", list(AC_MODES))
+def test_tp2_moe_backward_all_reduces_no_more_than_its_input(gradient_report, ac):
+    """The routed tokens' partial gradient is summed once per token (2 x 64 tokens x 256 wide),
+    not once per routed row (top-2: twice as many)."""
+    assert gradient_report["largest backward all-reduce"][ac] == 2 * 64 * 256
 
 
 def _build(name, flavor, overrides, tp, ac):
@@ -86,10 +94,35 @@ def _close(grad: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.allclose(grad, want, rtol=0, atol=GRAD_RTOL * want.abs().max().item())
 
 
+class _LargestBackwardAllReduce(TorchDispatchMode):
+    """The most elements any all-reduce moves in backward (active over forward and backward:
+    a backward-only mode breaks SAC recompute)."""
+
+    def __init__(self):
+        super().__init__()
+        self.backward, self.largest = False, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.backward and func is torch.ops._c10d_functional.all_reduce.default:
+            self.largest = max(self.largest, args[0].numel())
+        return func(*args, **(kwargs or {}))
+
+
+def _largest_backward_all_reduce(model, parallel_dims, cfg, tokens) -> int:
+    with _LargestBackwardAllReduce() as counter, loss_context(parallel_dims, cfg):
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        counter.backward = True
+        loss.backward()
+    return counter.largest
+
+
 def _worker() -> None:
     dist.init_process_group("gloo")
     tokens = torch.randint(0, 2048, (2, 65), generator=torch.Generator().manual_seed(0))
-    report = {}
+    moe_tp2 = {ac: _build("qwen3", "debugmodel_moe", {}, 2, ac) for ac in AC_MODES}
+    report = {"largest backward all-reduce": {
+        ac: _largest_backward_all_reduce(*built, tokens) for ac, built in moe_tp2.items()
+    }}  # fmt: skip
     for label, (name, flavor, overrides) in MODELS.items():
         reference = _loss_and_grads(*_build(name, flavor, overrides, 1, "none"), tokens)
         report[label] = {}

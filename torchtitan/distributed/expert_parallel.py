@@ -111,19 +111,16 @@ class _SplitRowsOverTP:
     Before dispatch: keep rows [n * r / tp, n * (r + 1) / tp) of the expert-sorted rows and
     their per-expert counts; after combine: zeros for the other ranks' rows, so that the MoE
     output is a partial sum over TP, reduced with the shared experts' partial output. The rows'
-    gradient is likewise this rank's share, so it is summed over TP on the way in.
+    gradient is likewise this rank's share; the TP plan sums it over TP at the MoE's
+    `routed_input`, once per token.
     """
 
     def __init__(self, tp_mesh: DeviceMesh):
-        self.mesh = tp_mesh
         self.tp, self.rank = tp_mesh.size(), tp_mesh.get_local_rank()
         self._pad: tuple[int, int] | None = None
 
     def keep_own_rows(self, module: nn.Module, args: tuple):
-        from torchtitan.distributed.tensor_parallel import sum_grad_over_tp
-
         x, counts = args
-        x = sum_grad_over_tp(x, self.mesh)
         rows = x.shape[0]
         lo, hi = rows * self.rank // self.tp, rows * (self.rank + 1) // self.tp
         ends = counts.cumsum(0)

@@ -136,7 +136,8 @@ class ExpertTensorParallel(ParallelStyle):
     [E, dim, hidden] on dim 2): each rank runs every expert on every routed token for its slice
     of the hidden units and returns a partial sum, reduced with the rest of the MoE output.
 
-    The routed tokens' gradient is a partial sum too, so it is summed over TP on the way in.
+    The routed tokens' gradient is a partial sum too; `moe_plan` sums it over TP at the MoE's
+    `routed_input`, before the tokens are gathered into routed rows.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -146,11 +147,7 @@ class ExpertTensorParallel(ParallelStyle):
                 sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(dim)]), param.requires_grad)
                 mod.register_parameter(param_name, sharded)
 
-        def sum_token_grads(_module, inputs, mesh):
-            tokens, counts = inputs
-            return sum_grad_over_tp(tokens, mesh), counts
-
-        return distribute_module(module, device_mesh, partition_fn=shard_hidden, input_fn=sum_token_grads)
+        return distribute_module(module, device_mesh, partition_fn=shard_hidden)
 
 
 def dense_mlp_plan() -> dict[str, ParallelStyle]:
@@ -194,6 +191,9 @@ def moe_plan(moe: nn.Module, tp: int) -> dict[str, ParallelStyle]:
             use_local_output=True,
         ),
         "moe.router": RouterTensorParallel(),
+        # Each rank's routed experts see all tokens but return a partial sum, so the tokens'
+        # gradient is partial too: summed here, over T rows rather than the T * top_k routed rows.
+        "moe.routed_input": SumGradOverTP(),
     }
     if moe.shared_experts is not None:
         plan |= {
