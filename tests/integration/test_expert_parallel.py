@@ -54,18 +54,24 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor
 TP2_EP_OVER_TP = ["--parallelism.tensor_parallel_degree", "2",
                   "--parallelism.expert_tensor_parallel_degree", "1"]  # fmt: skip
 EP4 = ["--parallelism.expert_parallel_degree", "4"]
+REPLICATE2 = ["--parallelism.data_parallel_replicate_degree", "2"]
 LAYOUTS = {
     "EP 2": (2, EP2),
     "FSDP 4, EP 2": (4, EP2),
-    "HSDP 2 x 2, EP 2": (4, EP2 + ["--parallelism.data_parallel_replicate_degree", "2"]),
+    "HSDP 2 x 2, EP 2": (4, EP2 + REPLICATE2),
     "EP 2 x TP 2": (4, EP2 + TP2),
     # 8 processes: each TP-sharded expert slice also FSDP-sharded over the 2 ranks holding it.
     "FSDP 4 x EP 2 x TP 2": (8, EP2 + TP2),
     "EP 2 over TP 2": (2, EP2 + TP2_EP_OVER_TP),
     "FSDP 2 x TP 2, EP 4 over TP": (4, EP4 + TP2_EP_OVER_TP),
+    # 8 processes: the EP-over-TP experts FSDP-sharded across the 2 replicas.
+    "HSDP 2 x 2 x TP 2, EP 4 over TP": (8, EP4 + TP2_EP_OVER_TP + REPLICATE2),
 }
 # Layouts too slow on 2 cores for the whole AC matrix run these (model, AC) cases only.
-ONLY_CASES = {"FSDP 4 x EP 2 x TP 2": {("qwen3 moe", "full"), ("deepseek_v3", "selective op")}}
+ONLY_CASES = {
+    "FSDP 4 x EP 2 x TP 2": {("qwen3 moe", "full"), ("deepseek_v3", "selective op")},
+    "HSDP 2 x 2 x TP 2, EP 4 over TP": {("qwen3 moe", "selective op"), ("deepseek_v3", "full")},
+}
 # What runs by default (full, full replay and op-SAC in at least one layout, each layout at least
 # once); the rest of the model x layout x AC matrix is `-m full_matrix`.
 # AC none on EP 2 is test_ep2_with_two_micro_batches_matches_one_process.
