@@ -333,11 +333,13 @@ def test_expert_parallel_resume_from_step_5_repeats_steps_6_to_10_bit_for_bit(sa
     assert all(resumed[s] == original[s] for s in resumed), (resumed, original)
 
 
-# EP 2 runs under full_matrix: EP 2 x TP 2 takes the same plain-slice path, plus TP.
+# EP 2 and EP 2 x TP 2 run under full_matrix: the load into experts split over EP across the TP
+# ranks and FSDP-sharded reshards into a DTensor over a 2-D mesh, as EP 2 x TP 2's does; EP 2 x
+# TP 2's experts are saved in the default run (test_hf_export_under_expert_parallelism...).
 @pytest.mark.parametrize(
     "target",
-    ["1 process", pytest.param("EP 2", marks=pytest.mark.full_matrix), "EP 2 x TP 2",
-     "FSDP 2 x TP 2, EP 4 over TP"],
+    ["1 process", pytest.param("EP 2", marks=pytest.mark.full_matrix),
+     pytest.param("EP 2 x TP 2", marks=pytest.mark.full_matrix), "FSDP 2 x TP 2, EP 4 over TP"],
 )  # fmt: skip
 def test_expert_parallel_checkpoint_loads_into_another_layout(target, saved_by_fsdp4_x_ep2, tmp_path):
     """Saved with the experts split over EP and FSDP-sharded: the whole expert weights and

@@ -17,6 +17,7 @@ CONFIGS = [
     "qwen3_debug_model_flex_attn.toml",
     "deepseek_v3_debug_model_flex_attn.toml",
 ]
+MOE_CONFIGS = {"deepseek_v3_debug_model_flex_attn.toml"}  # its blocks after the first are MoE
 OP_SAC = ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"]
 AC_MODES = {
     "op-SAC": OP_SAC,
@@ -61,6 +62,9 @@ def test_flex_config_trains_on_two_processes_and_loss_falls(config, mode, runs):
         assert "attention full +" in logs  # flex without compile: attention under full AC
     if mode == "op-SAC + compile":
         assert "Compiled each transformer block" in logs and "attention full +" not in logs
+        # The AC module's rule for MoE blocks: routing splits the block's graph, so attention
+        # and MoE are two SAC regions.
+        assert ("attention op-SAC + moe op-SAC" in logs) == (config in MOE_CONFIGS)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -79,9 +83,12 @@ def test_compiled_training_equals_eager(config, runs):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a, b)
 
 
+# Under full_matrix: the DeepSeek-V3 flex config's compiled run above takes the same rule.
+@pytest.mark.full_matrix
 @needs_checkpointed_scalar_capture
-def test_moe_flex_flavor_with_compile_checkpoints_attention_and_moe_separately(tmp_path):
-    """flex + op-SAC + compile on MoE blocks: two SAC regions per block (the AC module's rule)."""
+def test_moe_flex_flavor_with_compile_and_captured_scalars_checkpoints_attention_and_moe_separately(tmp_path):
+    """flex + op-SAC + compile on Qwen3 MoE blocks, capture_scalar_outputs on: two SAC regions
+    per block (the AC module's rule)."""
     dump = tmp_path / "moe_flex"
     flavor = ["--model.flavor", "debugmodel_moe_flex_attn"]
     compile_all = [*AC_MODES["op-SAC + compile"], "--compile.capture_scalar_outputs"]

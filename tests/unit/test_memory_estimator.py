@@ -109,9 +109,11 @@ def test_expert_parallel_estimate_holds_the_share_of_the_experts_fsdp_would():
     assert expert_parallel["optimizer state"] <= 3 * fsdp["parameters"]  # 2 Adam moments + step temporaries
 
 
+# EP 2 x TP 2 runs under full_matrix: both layouts build their meshes through ParallelDims, and
+# EP 4 over FSDP 2 x TP 2 is torchtitan's default.
 @pytest.mark.parametrize(
     "layout",
-    [["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"],
+    [pytest.param([*EP2, "--parallelism.expert_tensor_parallel_degree", "2"], marks=pytest.mark.full_matrix),
      ["--parallelism.expert_parallel_degree", "4", "--parallelism.expert_tensor_parallel_degree", "1"]],
     ids=["EP 2 x TP 2", "EP 4 over FSDP 2 x TP 2"],
 )  # fmt: skip
