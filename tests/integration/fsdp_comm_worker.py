@@ -1,5 +1,6 @@
 """Run under torchrun (2 processes): count FSDP all-gathers and reduce-scatters in one step
-per AC mode. Rank 0 prints {mode: {"all_gather": n, "reduce_scatter": n}} as JSON."""
+per AC mode, and without AC per `fsdp_reshard_after_forward` policy. Rank 0 prints
+{mode or "reshard <policy>": {"all_gather": n, "reduce_scatter": n}} as JSON."""
 
 import json
 from collections import Counter
@@ -29,8 +30,8 @@ def count_calls(kind: str, name: str) -> None:
     setattr(dist, name, counted)
 
 
-def one_step(parallel_dims, mode: str) -> dict:
-    model = build_debug_model(parallel_dims, mode)
+def one_step(parallel_dims, mode: str, extra_args: tuple = ()) -> dict:
+    model = build_debug_model(parallel_dims, mode, extra_args)
     optimizer = torch.optim.AdamW(model.parameters())
     tokens = torch.randint(0, 2048, (2, 65))
     counts.clear()
@@ -48,6 +49,9 @@ def main():
     parallel_dims = ParallelDims(1, -1, 1, dist.get_world_size())
     parallel_dims.build_mesh("cpu")
     report = {mode: one_step(parallel_dims, mode) for mode in MODES}
+    for policy in ("always", "never"):
+        extra = ("--parallelism.fsdp_reshard_after_forward", policy)
+        report[f"reshard {policy}"] = one_step(parallel_dims, "none", extra)
     if dist.get_rank() == 0:
         print(json.dumps(report))
     shut_down()

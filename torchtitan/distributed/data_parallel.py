@@ -14,13 +14,15 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.tools.dtypes import TORCH_DTYPES
 
 
-def _reshard_policy(setting: str) -> tuple[bool, bool]:
-    """(blocks, root) reshard_after_forward for `parallelism.fsdp_reshard_after_forward`.
+def _reshard_policy(setting: str) -> tuple[bool, bool, bool]:
+    """(blocks, last block, root) reshard_after_forward for `parallelism.fsdp_reshard_after_forward`.
 
-    "default" frees each block's gathered weights after its forward but keeps the root's
-    (embedding, norm, output), which backward needs first anyway.
+    "default" frees each block's gathered weights after its forward, except those of the last
+    block and the root (embedding, norm, output): backward needs them first, so freeing them
+    would only make FSDP gather them again at once.
     """
-    return {"default": (True, False), "always": (True, True), "never": (False, False)}[setting]
+    policies = {"default": (True, False, False), "always": (True, True, True), "never": (False, False, False)}
+    return policies[setting]
 
 
 def data_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
@@ -57,17 +59,24 @@ def apply_fsdp(
     }
     if t.enable_cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    reshard_blocks, reshard_root = _reshard_policy(job_config.parallelism.fsdp_reshard_after_forward)
+    policy = job_config.parallelism.fsdp_reshard_after_forward
+    reshard_blocks, reshard_last, reshard_root = _reshard_policy(policy)
+    blocks = list(model.layers.values())
+
+    def reshard(module: nn.Module) -> bool:
+        in_last_block = any(module is m for m in blocks[-1].modules())
+        return reshard_last if in_last_block else reshard_blocks
+
     if experts and parallel_dims.expert_dp_degree > 1:
         expert_kwargs = {**kwargs, "mesh": parallel_dims.expert_dp_mesh()}
         for module in experts:
-            fully_shard(module, reshard_after_forward=reshard_blocks, **expert_kwargs)
+            fully_shard(module, reshard_after_forward=reshard(module), **expert_kwargs)
             mark_expert_params(module)
     elif experts:
         # Every unit needs them: the root would otherwise take the blocks' ignored ones.
         kwargs["ignored_params"] = {p for module in experts for p in module.parameters()}
-    for block in model.layers.values():
-        fully_shard(block, reshard_after_forward=reshard_blocks, **kwargs)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard(block), **kwargs)
     fully_shard(model, reshard_after_forward=reshard_root, **kwargs)
 
 
