@@ -60,6 +60,10 @@ STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 # Test hook: a rank that reads this step from the environment dies after writing its shards and
 # before the checkpoint becomes visible, as a preempted or crashed save would.
 CRASH_DURING_SAVE_ENV = "TORCHTITAN_TEST_CRASH_DURING_SAVE"
+# torch before 2.13 closes a DefaultStager's copier at the end of every copy, which drops its
+# host buffers and empties its deepcopy table: a second copy fails (KeyError: <class 'type'>).
+# There each save gets a stager of its own.
+STAGER_REUSABLE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
 
 
 @dataclass
@@ -307,7 +311,11 @@ class CheckpointManager:
     def _stager(self) -> DefaultStager:
         """The one stager of `async_with_pinned_mem`, reused by every save so that its host
         buffers (pinned on an accelerator) are allocated once. Built at the first save: its
-        copy stream must come after the training stream exists."""
+        copy stream must come after the training stream exists. Before torch 2.13 (see
+        STAGER_REUSABLE) each save builds a new one; the previous save's copy is done by then."""
+        if self.stager is not None and not STAGER_REUSABLE:
+            self.stager.close()
+            self.stager = None
         if self.stager is None:
             accelerator = self.device.type != "cpu"
             if not accelerator:
