@@ -142,17 +142,20 @@ def test_memory_budget_without_compile_is_refused():
         _debug_model(ActivationCheckpoint(mode="memory_budget"))
 
 
-def test_memory_budget_sets_the_partitioner_budget_and_wraps_nothing(monkeypatch, tmp_path):
-    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 1.0)
-    monkeypatch.setattr(torch._functorch.config, "visualize_memory_budget_pareto", False)
-    monkeypatch.setattr(torch._functorch.config, "memory_budget_pareto_dir", None)
+def test_memory_budget_sets_the_partitioner_budget_and_wraps_nothing(tmp_path):
+    # The config's own patch() restores the settings after; pytest's monkeypatch deleted them
+    # from torch 2.11's config module on undo, which broke every later compile in the session.
+    defaults = {"activation_memory_budget": 1.0, "visualize_memory_budget_pareto": False,
+                "memory_budget_pareto_dir": None}  # fmt: skip
     model = nn.Module()
     model.layers = nn.ModuleList([nn.Linear(2, 2)])
     cfg = ActivationCheckpoint(mode="memory_budget", memory_budget=0.3, visualize_memory_budget_pareto=True)
-    apply_ac(model, cfg, model_compile_enabled=True, base_folder=str(tmp_path))
-    assert torch._functorch.config.activation_memory_budget == 0.3
-    assert torch._functorch.config.memory_budget_pareto_dir == str(tmp_path)
-    assert _wrapped(model) == []
+    with torch._functorch.config.patch(defaults):
+        apply_ac(model, cfg, model_compile_enabled=True, base_folder=str(tmp_path))
+        assert torch._functorch.config.activation_memory_budget == 0.3
+        assert torch._functorch.config.memory_budget_pareto_dir == str(tmp_path)
+        assert _wrapped(model) == []
+    assert torch._functorch.config.activation_memory_budget == 1.0
 
 
 def test_force_recompute_fqn_on_non_linear_is_refused():
