@@ -35,6 +35,18 @@ def compiles_checkpointed_scalars(torch_version: str = torch.__version__) -> boo
     return (int(major), int(minor)) >= _FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS
 
 
+def checked_backend(job_config: JobConfig) -> str:
+    """`compile.backend`, once torch.compile is known to have it (ConfigError otherwise, which
+    torch would raise as a traceback at the first compile)."""
+    backend = job_config.compile.backend
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ConfigError(
+            f"'compile.backend' = '{backend}' is not a torch.compile backend of torch {torch.__version__}; "
+            f"use one of {', '.join(torch._dynamo.list_backends())} ('inductor' is the default)."
+        )
+    return backend
+
+
 def check_compile_supported(model: nn.Module, job_config: JobConfig, torch_version: str = torch.__version__):
     """Refuse compile settings that this torch is known to get wrong (ConfigError, exit code 2)."""
     c, ac = job_config.compile, job_config.activation_checkpoint
@@ -107,7 +119,7 @@ def apply_compile(model: nn.Module, job_config: JobConfig, device: torch.device)
     for name, block in list(model.layers.named_children()):
         fullgraph = not _has_moe(block)
         kinds.add("full graph" if fullgraph else "graph breaks allowed (MoE)")
-        compiled = torch.compile(block, backend=job_config.compile.backend, fullgraph=fullgraph)
+        compiled = torch.compile(block, backend=checked_backend(job_config), fullgraph=fullgraph)
         model.layers.register_module(name, compiled)
     logger.info(
         f"Compiled each transformer block with torch.compile ({job_config.compile.backend}; "

@@ -3,6 +3,8 @@
 import torch
 import torch.nn.functional as F
 
+from torchtitan.components.compile import checked_backend
+
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy; logits are upcast so bf16 training keeps an exact loss."""
@@ -12,5 +14,5 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 def build_cross_entropy_loss(job_config):
     """The loss function, compiled when `compile.components` includes "loss"."""
     if job_config.compile.enable and "loss" in job_config.compile.components:
-        return torch.compile(cross_entropy_loss, backend=job_config.compile.backend)
+        return torch.compile(cross_entropy_loss, backend=checked_backend(job_config))
     return cross_entropy_loss

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from torchtitan.components.compile import apply_compile, model_compile_enabled
+from torchtitan.components.compile import apply_compile, checked_backend, model_compile_enabled
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.activation_checkpoint import apply_ac
@@ -50,6 +50,8 @@ def parallelize_decoder(
     collectives, compile sees the wrapped blocks, and FSDP's hooks stay outside AC.
     """
     compile_model = model_compile_enabled(job_config)
+    if compile_model:
+        checked_backend(job_config)
     maybe_enable_async_tp(parallel_dims, job_config, device)
     if parallel_dims.tp_enabled:
         if apply_tp is None:
