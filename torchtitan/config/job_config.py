@@ -163,7 +163,12 @@ class ActivationCheckpoint:
         "or replay their saved outputs (least communication)",
     )
     preserve_rng_state: bool = opt(False, "replay RNG in recompute (needed with dropout)")
-    memory_budget: float = opt(0.5, "memory_budget mode: 0 = recompute all, 1 = save all", min=0.0, max=1.0)
+    memory_budget: float = opt(
+        0.5,
+        "memory_budget mode: 0 = keep only each block's inputs, 1 = compile's default choice",
+        min=0.0,
+        max=1.0,
+    )
     visualize_memory_budget_pareto: bool = opt(False, "dump the partitioner's pareto plot")
 
 

@@ -94,7 +94,12 @@ def _warn_once(message: str) -> None:
         logger.warning(message)
 
 
-def _validate(ac_config: ActivationCheckpoint, model_compile_enabled: bool) -> None:
+# The torch.compile backends whose partitioner (min-cut rematerialization) applies
+# `activation_memory_budget`; others, "eager" first, save what they always save.
+MEMORY_BUDGET_BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
+
+
+def _validate(ac_config: ActivationCheckpoint, model_compile_enabled: bool, compile_backend: str) -> None:
     valid_modes = ("none", "full", "selective", "memory_budget")
     if ac_config.mode not in valid_modes:
         raise ConfigError(
@@ -116,6 +121,12 @@ def _validate(ac_config: ActivationCheckpoint, model_compile_enabled: bool) -> N
         raise ConfigError(
             "'activation_checkpoint.mode' = 'memory_budget' works through torch.compile's "
             'partitioner: set compile.enable = true with "model" in compile.components.'
+        )
+    if ac_config.mode == "memory_budget" and compile_backend not in MEMORY_BUDGET_BACKENDS:
+        raise ConfigError(
+            f"'activation_checkpoint.mode' = 'memory_budget' has no effect with 'compile.backend' = "
+            f"'{compile_backend}', which does not apply the budget; use one of "
+            f"{', '.join(MEMORY_BUDGET_BACKENDS)}, or another AC mode."
         )
 
 
@@ -270,6 +281,7 @@ def apply_ac(
     use_flex_attn: bool = False,
     op_sac_save_list: frozenset | set | None = None,
     base_folder: str = "",
+    compile_backend: str = "inductor",
 ) -> None:
     """Apply `[activation_checkpoint]` to every block in `model.layers`, in place.
 
@@ -281,6 +293,8 @@ def apply_ac(
         use_flex_attn: whether attention runs flex_attention.
         op_sac_save_list: ops whose outputs op-SAC saves; default `DEFAULT_SAVE_LIST`.
         base_folder: where memory_budget writes its pareto plot (the dump folder).
+        compile_backend: the torch.compile backend of the blocks; memory_budget needs one of
+            `MEMORY_BUDGET_BACKENDS`.
 
     Pitfalls: call after tensor parallelism and before torch.compile and FSDP, so that the
     checkpoint sees the collectives TP adds and FSDP's hooks stay outside it. Models with
@@ -289,7 +303,7 @@ def apply_ac(
     Raises:
         ConfigError: for an invalid setting or one the rest of the config cannot support.
     """
-    _validate(ac_config, model_compile_enabled)
+    _validate(ac_config, model_compile_enabled, compile_backend)
     if ac_config.mode == "none":
         return
     if ac_config.mode == "memory_budget":

@@ -87,6 +87,7 @@ def parallelize_decoder(
         use_flex_attn=use_flex_attn,
         op_sac_save_list=op_sac_save_list,
         base_folder=job_config.job.dump_folder,
+        compile_backend=job_config.compile.backend,
     )
     if compile_model:
         apply_compile(model, job_config, device)

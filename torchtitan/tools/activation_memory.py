@@ -1,10 +1,14 @@
-"""Measure the activation bytes a forward leaves alive for backward (works under FakeTensorMode).
+"""Measure the activation bytes a forward leaves alive for backward.
 
-A dispatch mode records the storage of every tensor an op creates during forward; once
-forward returns, the storages still alive (held by autograd, a checkpoint or a SAC cache)
-are what backward needs. The forward's output and pre-existing storages (parameters,
-buffers, inputs) are not counted. Pitfall: keep the mode active over forward only; a
-dispatch mode entered for backward alone breaks selective-AC recompute.
+`bytes_held_for_backward` (works under FakeTensorMode): a dispatch mode records the storage
+of every tensor an op creates during forward; once forward returns, the storages still alive
+(held by autograd, a checkpoint or a SAC cache) are what backward needs. The forward's output
+and pre-existing storages (parameters, buffers, inputs) are not counted. Pitfalls: keep the
+mode active over forward only (a dispatch mode entered for backward alone breaks
+selective-AC recompute); it cannot see inside torch.compile'd code, whose kernels allocate
+without dispatching.
+
+`bytes_saved_for_backward`: for compiled modules, what autograd is asked to save.
 """
 
 import torch
@@ -51,3 +55,27 @@ def bytes_held_for_backward(module: torch.nn.Module, *inputs: torch.Tensor) -> i
     held = recorder.alive_bytes(exclude=_storage_keys(tree_leaves(out)))
     del out
     return held
+
+
+def bytes_saved_for_backward(module: torch.nn.Module, *inputs: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for backward during `module(*inputs)`,
+    the module's parameters and buffers and the inputs themselves excluded.
+
+    A compiled region saves what its partitioner chose through autograd, so this measures
+    that choice (e.g. under `memory_budget` AC) where `bytes_held_for_backward` sees nothing.
+    Pitfall: an eager checkpoint installs its own saved-tensor hooks, which hide its saves
+    from these; use `bytes_held_for_backward` for eager modules.
+    """
+    excluded = _storage_keys(list(module.parameters()) + list(module.buffers()) + list(inputs))
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = StorageWeakRef(tensor.untyped_storage()).cdata
+        if key not in excluded:
+            saved[key] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = module(*inputs)
+    del out
+    return sum(saved.values())
