@@ -158,6 +158,19 @@ def test_memory_budget_sets_the_partitioner_budget_and_wraps_nothing(tmp_path):
     assert torch._functorch.config.activation_memory_budget == 1.0
 
 
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+def test_every_other_mode_clears_a_previous_models_memory_budget(mode):
+    # Left at 0, the partitioner keeps only graph inputs and compiled op-SAC recomputes all.
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(2, 2)])
+    with torch._functorch.config.patch(activation_memory_budget=1.0):
+        zero_budget = ActivationCheckpoint(mode="memory_budget", memory_budget=0.0)
+        apply_ac(model, zero_budget, model_compile_enabled=True)
+        assert torch._functorch.config.activation_memory_budget == 0.0
+        apply_ac(_second_meta_model(), ActivationCheckpoint(mode=mode, selective_ac_option="op"))
+        assert torch._functorch.config.activation_memory_budget == 1.0
+
+
 def test_force_recompute_fqn_on_non_linear_is_refused():
     cfg = replace(OP_SAC, per_op_sac_force_recompute_mm_shapes_by_fqns=["attention_norm"])
     with pytest.raises(ConfigError, match="not an nn.Linear"):

@@ -298,16 +298,23 @@ def apply_ac(
 
     Pitfalls: call after tensor parallelism and before torch.compile and FSDP, so that the
     checkpoint sees the collectives TP adds and FSDP's hooks stay outside it. Models with
-    dropout need `preserve_rng_state = true`, or recompute draws different masks.
+    dropout need `preserve_rng_state = true`, or recompute draws different masks. Every mode
+    sets torch's process-wide partitioner budget (`activation_memory_budget`, 1.0 = none
+    outside memory_budget), which compiles read when they happen: build and compile (first
+    step) one model before applying AC to another with a different budget.
 
     Raises:
         ConfigError: for an invalid setting or one the rest of the config cannot support.
     """
     _validate(ac_config, model_compile_enabled, compile_backend)
-    if ac_config.mode == "none":
-        return
     if ac_config.mode == "memory_budget":
         _apply_memory_budget(ac_config, base_folder)
+        return
+    # The partitioner's budget is process-wide and read when a block compiles: left at a
+    # previous model's memory_budget, it would override this model's policy (at 0, compiled
+    # op-SAC recomputes everything).
+    torch._functorch.config.activation_memory_budget = 1.0
+    if ac_config.mode == "none":
         return
     is_op_sac = ac_config.mode == "selective" and ac_config.selective_ac_option == "op"
     every = int(ac_config.selective_ac_option) if ac_config.mode == "selective" and not is_op_sac else 1
