@@ -5,9 +5,13 @@ round by round so machine noise hits all alike, and reports the median step time
 `none` and the activation bytes held for backward per transformer layer.
 Table 2 measures one Llama 3 8B block at seq_len 8192 in bf16 under FakeTensorMode (nothing
 is allocated), relative to its block input (b * s * h * 2 bytes).
+Table 3 does what table 1 does with every block compiled (inductor, as `compile.enable`
+does), adding `memory_budget` at several budgets; its bytes are what the compiled blocks save
+for backward (`bytes_saved_for_backward`), relative to compiled `none`. Its modes run one after
+another (see `compiled_table`), so machine noise is not spread over them as in table 1.
 
     python benchmarks/activation_checkpoint.py [--batch 2] [--seq-len 1024] [--rounds 3]
-        [--steps-per-round 3] [--warmup 2]
+        [--steps-per-round 3] [--warmup 2] [--tables 1,2,3]
 """
 
 import argparse
@@ -21,12 +25,14 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from torchtitan.config import ActivationCheckpoint
+from torchtitan.config.manager import parse_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import Transformer, TransformerBlock
-from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
+from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST, parallelize_llama
 from torchtitan.models.rope import precompute_rope_cache
-from torchtitan.tools.activation_memory import bytes_held_for_backward
+from torchtitan.tools.activation_memory import bytes_held_for_backward, bytes_saved_for_backward
 
 MODES = {
     "none": ActivationCheckpoint(mode="none"),
@@ -34,6 +40,20 @@ MODES = {
     "selective 1": ActivationCheckpoint(mode="selective", selective_ac_option="1"),
     "selective 2": ActivationCheckpoint(mode="selective", selective_ac_option="2"),
     "selective op": ActivationCheckpoint(mode="selective", selective_ac_option="op"),
+}
+
+_MODE, _OPTION, _BUDGET = (
+    "--activation_checkpoint.mode",
+    "--activation_checkpoint.selective_ac_option",
+    "--activation_checkpoint.memory_budget",
+)
+COMPILED_MODES = {
+    "none": [_MODE, "none"],
+    "memory_budget 0.5": [_MODE, "memory_budget", _BUDGET, "0.5"],
+    "memory_budget 0.2": [_MODE, "memory_budget", _BUDGET, "0.2"],
+    "memory_budget 0": [_MODE, "memory_budget", _BUDGET, "0"],
+    "full": [_MODE, "full"],
+    "selective op": [_MODE, "selective", _OPTION, "op"],
 }
 
 
@@ -60,9 +80,21 @@ def build_model(args, ac: ActivationCheckpoint) -> Transformer:
     return model
 
 
+def build_compiled_model(args, ac_argv: list[str], seq_len: int) -> Transformer:
+    """The model as the trainer builds it with `compile.enable` (AC, then per-block inductor)."""
+    cfg = parse_args(["--training.seq_len", str(seq_len), "--compile.enable", *ac_argv], env={})
+    with torch.device("meta"):
+        model = Transformer(args)
+    parallelize_llama(model, ParallelDims(1, 1, 1, 1), cfg, torch.device("cpu"))
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    return model
+
+
 class ModeRun:
-    def __init__(self, args, ac, tokens):
-        self.model = build_model(args, ac)
+    def __init__(self, model, tokens):
+        self.model = model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=True)
         self.tokens = tokens
         self.times: list[float] = []
@@ -82,16 +114,12 @@ def debug_model_table(cli) -> list[str]:
     tokens = torch.randint(
         0, args.vocab_size, (cli.batch, cli.seq_len + 1), generator=torch.Generator().manual_seed(0)
     )
-    runs = {name: ModeRun(args, ac, tokens) for name, ac in MODES.items()}
+    runs = {name: ModeRun(build_model(args, ac), tokens) for name, ac in MODES.items()}
     for run in runs.values():
         for _ in range(cli.warmup):
             run.step(record=False)
-    for _ in range(cli.rounds):
-        for run in runs.values():
-            for _ in range(cli.steps_per_round):
-                run.step(record=True)
-    h = torch.randn(cli.batch, cli.seq_len, args.dim, requires_grad=True)
-    rope = precompute_rope_cache(args.head_dim, cli.seq_len, args.rope_theta)
+    _timed_rounds(runs, cli)
+    h, rope = _block_inputs(args, cli)
     base_time = statistics.median(runs["none"].times)
     base_bytes = bytes_held_for_backward(BlockStack(runs["none"].model), h, rope) / args.n_layers
     lines = [
@@ -111,6 +139,59 @@ def debug_model_table(cli) -> list[str]:
             f"{held / 2**20:.2f}",
             f"{held / base_bytes:.2f}",
         ]
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    return lines
+
+
+def _timed_rounds(runs: dict, cli) -> None:
+    """Interleave the modes round by round, so that machine noise hits all alike."""
+    for _ in range(cli.rounds):
+        for run in runs.values():
+            for _ in range(cli.steps_per_round):
+                run.step(record=True)
+
+
+def _block_inputs(args, cli) -> tuple[torch.Tensor, torch.Tensor]:
+    h = torch.randn(cli.batch, cli.seq_len, args.dim, requires_grad=True)
+    return h, precompute_rope_cache(args.head_dim, cli.seq_len, args.rope_theta)
+
+
+def compiled_table(cli) -> list[str]:
+    """Table 1 with compiled blocks, memory_budget included.
+
+    The modes run one after another, not interleaved: torch's partitioner budget is
+    process-wide and read when a graph compiles, and dynamo's cache is process-wide too, so a
+    model is compiled, measured and timed before the next one resets the cache (interleaved,
+    the earlier models recompiled under the last model's budget).
+    """
+    args = replace(llama3_flavors["debugmodel"], max_seq_len=cli.seq_len)
+    tokens = torch.randint(
+        0, args.vocab_size, (cli.batch, cli.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
+    h, rope = _block_inputs(args, cli)
+    runs, saved = {}, {}
+    with torch._functorch.config.patch(activation_memory_budget=1.0):
+        for name, ac_argv in COMPILED_MODES.items():
+            torch._dynamo.reset()
+            run = runs[name] = ModeRun(build_compiled_model(args, ac_argv, cli.seq_len), tokens)
+            for _ in range(max(cli.warmup, 1)):
+                run.step(record=False)
+            saved[name] = bytes_saved_for_backward(BlockStack(run.model), h, rope) / args.n_layers
+            for _ in range(cli.rounds * cli.steps_per_round):
+                run.step(record=True)
+    base_time, base_bytes = statistics.median(runs["none"].times), saved["none"]
+    lines = [
+        f"Llama 3 debugmodel, every block compiled (inductor), batch {cli.batch} x {cli.seq_len}, fp32, "
+        f"CPU ({torch.get_num_threads()} threads), median of {cli.rounds * cli.steps_per_round} steps, "
+        f"torch {torch.__version__}",
+        "",
+        "| mode | step (ms) | time vs none | saved MiB / layer | memory vs none |",
+        "|---|---|---|---|---|",
+    ]
+    for name, run in runs.items():
+        step = statistics.median(run.times)
+        row = [f"{1000 * step:.0f}", f"{step / base_time:.2f}", f"{saved[name] / 2**20:.2f}",
+               f"{saved[name] / base_bytes:.2f}"]  # fmt: skip
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     return lines
 
@@ -154,9 +235,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--tables", default="1,2,3", help="which tables, e.g. 3 or 1,2")
     cli = parser.parse_args()
-    print("\n".join(block_8b_table()), end="\n\n", flush=True)
-    print("\n".join(debug_model_table(cli)))
+    tables = {"2": block_8b_table, "1": lambda: debug_model_table(cli), "3": lambda: compiled_table(cli)}
+    wanted = [t for t in ("2", "1", "3") if t in cli.tables.split(",")]
+    for index, table in enumerate(wanted):
+        print(("\n" if index else "") + "\n".join(tables[table]()), flush=True)
 
 
 if __name__ == "__main__":
