@@ -3,7 +3,7 @@ debug model (2 blocks, CPU fp32, inductor) compiled equal eager, under full AC a
 `compile.capture_scalar_outputs` off (the checkpointed MoE block falls back to eager, with a
 warning) and on (the block compiles as one graph). The sequence aux loss is on throughout: the
 block sets it as a side effect, which compile must trace, not break on. Torch releases known to
-fail that combination are refused."""
+fail that combination are refused. Full AC with capture on is under `full_matrix`."""
 
 import logging
 from dataclasses import replace
@@ -65,11 +65,17 @@ def eager():
 
 
 @pytest.mark.parametrize(
-    "capture",
-    [False, pytest.param(True, marks=needs_checkpointed_scalar_capture)],
-    ids=["capture_scalar_outputs off", "on"],
+    "ac, capture",
+    [
+        pytest.param("full", False, id="full-capture_scalar_outputs off"),
+        pytest.param("selective op", False, id="selective op-capture_scalar_outputs off"),
+        # The slowest compile of the suite (about a minute); op-SAC takes the same path by default.
+        pytest.param(
+            "full", True, id="full-on", marks=[needs_checkpointed_scalar_capture, pytest.mark.full_matrix]
+        ),
+        pytest.param("selective op", True, id="selective op-on", marks=needs_checkpointed_scalar_capture),
+    ],
 )
-@pytest.mark.parametrize("ac", list(AC))
 def test_compiled_moe_training_equals_eager(eager, ac, capture, caplog):
     torch._dynamo.reset()
     counters.clear()
