@@ -1,5 +1,6 @@
 """Shared test setup: a private token cache per session, and helpers to run the trainer."""
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -16,6 +17,16 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 needs_checkpointed_scalar_capture = pytest.mark.skipif(
     not compiles_checkpointed_scalars(), reason="this torch refuses capture_scalar_outputs with AC on MoE"
 )
+
+
+def load_script(relative_path: str):
+    """Import a script of this repo (say "scripts/estimate_memory.py") as a module, by path:
+    scripts are not a package."""
+    path = PROJECT_ROOT / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def python_path(*first: str | Path) -> str:

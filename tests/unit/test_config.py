@@ -7,6 +7,7 @@ import sys
 import pytest
 import tomllib
 
+from tests.conftest import load_script
 from torchtitan.config import ConfigError, JobConfig, parse_args
 from torchtitan.config.manager import find_config_dirs, format_help, resolve_config_path, to_toml
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -354,13 +355,7 @@ def test_help_exits_0_and_prints_options(capsys):
 
 
 def test_config_reference_doc_is_generated_from_the_schema():
-    import importlib.util
-
-    from tests.conftest import PROJECT_ROOT
-
-    spec = importlib.util.spec_from_file_location("gen", PROJECT_ROOT / "scripts" / "gen_config_reference.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = load_script("scripts/gen_config_reference.py")
     assert gen.OUT.read_text() == gen.render(), "run: python scripts/gen_config_reference.py"
 
 

@@ -1,6 +1,5 @@
 """scripts/download_hf_assets.py against a fake Hub served from a temporary folder (no network)."""
 
-import importlib.util
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +14,8 @@ from huggingface_hub.errors import (  # noqa: E402
     RepositoryNotFoundError,
 )
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "download_hf_assets.py"
+from tests.conftest import load_script  # noqa: E402
+
 REPO_ID = "example-org/Tiny-Model-1B"
 REPO_FILES = {
     "tokenizer.json": '{"model": {}}',
@@ -39,10 +39,7 @@ SAFETENSORS_FILES = [
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("download_hf_assets", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/download_hf_assets.py")
 
 
 class FakeHub:

@@ -1,7 +1,6 @@
 """State-dict adapters, checked against transformers itself: the HF keys and shapes, the
 config.json, the logits either way, the safetensors files, and the conversion scripts."""
 
-import importlib.util
 import json
 import logging
 import os
@@ -15,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from tests.conftest import python_path
+from tests.conftest import load_script, python_path
 from tests.forked_launcher import launch
 from torchtitan.components.hf_io import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, load_hf, save_hf
 from torchtitan.models.rope import RoPEScaling, YaRNScaling
@@ -155,10 +154,7 @@ def hf_checkpoints(transformers, tmp_path_factory):
 
 
 def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"scripts/checkpoint_conversion/{name}.py")
 
 
 @pytest.fixture(scope="module")
