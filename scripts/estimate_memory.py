@@ -19,9 +19,13 @@ unsharded copies, in `training.mixed_precision_param`, that FSDP all-gathers for
 `--all-ac-modes`: one column per activation-checkpointing mode (none, full, selective op,
 selective 2). A config mistake prints one message and exits with code 2.
 
-Expert parallelism is estimated with balanced routing: every rank sends and receives an equal
-share of its routed rows. A step whose routing is imbalanced holds more in the experts'
-activations (up to ep times as many received rows on the busiest rank).
+Expert parallelism is estimated with balanced routing by default: every rank sends and receives
+an equal share of its routed rows. `--ep-imbalance F` makes the shown rank the busiest one: in
+every MoE layer it receives F times its balanced share (1 <= F <= ep; ep means every rank routes
+all its rows to it), while it still sends a balanced share. The trainer logs `moe_imbalance`,
+max / mean tokens per expert in the worst layer, counted over all data-parallel ranks. A rank's
+load is the mean of its experts' loads, so that figure bounds F when the EP group spans every
+data-parallel rank, and approximates it when the group spans fewer.
 
 Not modelled: torch.compile (the step runs eagerly), the caching allocator's rounding,
 fragmentation and reserved memory, and CUDA/NCCL context memory; keep some headroom. DDP
@@ -34,7 +38,8 @@ import contextlib
 import dataclasses
 import gc
 import sys
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 
@@ -104,6 +109,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def at_least_one(text: str) -> float:
+    """argparse type: a number >= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
 def parse_cli(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
     """The estimator's own options, and the JobConfig from the rest; raises ConfigError."""
     parser = argparse.ArgumentParser(
@@ -114,6 +130,15 @@ def parse_cli(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
     parser.add_argument("--ngpu", type=positive_int, required=True, help="number of ranks (GPUs) to simulate")
     parser.add_argument(
         "--all-ac-modes", action="store_true", help="one column per AC mode: " + ", ".join(AC_MODES)
+    )
+    parser.add_argument(
+        "--ep-imbalance",
+        type=at_least_one,
+        default=1.0,
+        metavar="F",
+        help="expert parallelism: the shown rank receives F times its balanced share of routed rows "
+        "in every MoE layer (default 1, balanced; at most the EP degree). The trainer's log line "
+        "shows moe_imbalance, the largest expert load over the mean: a guide to F",
     )
     args, rest = parser.parse_known_args(argv)
     return args, parse_args(rest)
@@ -163,30 +188,63 @@ def _refuse_real_expert_parallel(cfg: JobConfig) -> None:
         )
 
 
+def _even_split(rows: int, parts: int) -> list[int]:
+    return [rows // parts + (part < rows % parts) for part in range(parts)]
+
+
 @contextlib.contextmanager
-def balanced_expert_routing():
-    """Expert-parallel dispatches size their all-to-alls as if routing were balanced: each rank
-    sends an equal share of its routed rows to every EP rank and receives as many.
+def simulated_expert_routing(imbalance: float = 1.0):
+    """Expert-parallel dispatches size their all-to-alls from simulated token counts: this rank
+    sends an equal share of its routed rows to every EP rank, and receives `imbalance` times
+    the rows it sends (1: balanced; ep: every rank routes all its rows here), an equal number
+    from each source.
 
     A real dispatch reads the token counts on the host, which fake tensors do not have. Patched
     on the class before the model is built, since the hooks bind the method at registration.
     """
     dispatch, to_host = _ExpertParallelHooks.dispatch, expert_parallel._tokens_per_rank_to_host
 
-    def balanced_dispatch(hooks, module, args):
+    def simulated_dispatch(hooks, module, args):
         rows, ep = args[0].shape[0], hooks.ep
-        even = [rows // ep + (rank < rows % ep) for rank in range(ep)]
-        expert_parallel._tokens_per_rank_to_host = lambda counts, counts_recv, ep: (even, even)
+        send = _even_split(rows, ep)
+        recv = _even_split(min(round(imbalance * rows), ep * rows), ep)
+        expert_parallel._tokens_per_rank_to_host = lambda counts, counts_recv, ep: (send, recv)
         try:
             return dispatch(hooks, module, args)
         finally:
             expert_parallel._tokens_per_rank_to_host = to_host
 
-    _ExpertParallelHooks.dispatch = balanced_dispatch
+    _ExpertParallelHooks.dispatch = simulated_dispatch
     try:
         yield
     finally:
         _ExpertParallelHooks.dispatch = dispatch
+
+
+def _refuse_impossible_imbalance(cfg: JobConfig, imbalance: float) -> None:
+    """`imbalance` must lie in [1, ep], and means nothing without expert parallelism."""
+    ep = cfg.parallelism.expert_parallel_degree
+    if imbalance != 1.0 and ep <= 1:
+        raise ConfigError(
+            f"--ep-imbalance {imbalance:g} needs expert parallelism, but "
+            f"'parallelism.expert_parallel_degree' = {ep}; without it every rank runs its own rows "
+            "through all experts. Drop --ep-imbalance, or set --parallelism.expert_parallel_degree."
+        )
+    if imbalance > ep:
+        raise ConfigError(
+            f"--ep-imbalance {imbalance:g} exceeds 'parallelism.expert_parallel_degree' = {ep}: a rank "
+            f"receives at most every EP rank's rows, {ep} times its balanced share. Use a value in [1, {ep}]."
+        )
+
+
+@contextlib.contextmanager
+def no_warning_for_fake_collective_views():
+    """Silence FSDP2's warning that a wrapped module (the FSDP-sharded experts under expert
+    parallelism) returned a view: with fake tensors and the fake process group the all-to-all's
+    output is a view, where a real one's is not (a gloo run of that layout does not warn)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        yield
 
 
 @contextlib.contextmanager
@@ -374,10 +432,22 @@ def train_step(cfg, parallel_dims, model, optimizer, loss_fn, batch, tracker: Me
     optimizer.step()
 
 
-def _tracked_step(cfg: JobConfig, model, parallel_dims: ParallelDims, device: torch.device) -> dict:
-    """Give `model` storage, build its optimizer, run one tracked step; the peak snapshot."""
+def tracked_step(
+    cfg: JobConfig,
+    model,
+    parallel_dims: ParallelDims,
+    device: torch.device,
+    prepare: Callable[[torch.nn.Module], None] | None = None,
+) -> dict:
+    """Give `model` storage, build its optimizer, run one tracked step; the peak snapshot.
+
+    `prepare(model)` runs once the model has storage, before the optimizer exists: a real
+    (not fake) run's weight init, for example.
+    """
     spec = get_train_spec(cfg.model.name)
     model.to_empty(device=device).train()
+    if prepare is not None:
+        prepare(model)
     optimizer = spec.build_optimizer_fn(model, cfg, device)
     _prime_optimizer(model, optimizer)
     batch = _batch(cfg, device)
@@ -395,13 +465,16 @@ def breakdown(snapshot: dict) -> dict[str, int]:
     return rows
 
 
-def measure(cfg: JobConfig, ngpu: int, fake: bool = True) -> dict[str, int]:
+def measure(cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 1.0) -> dict[str, int]:
     """Peak bytes on rank 0 of `ngpu` during one steady-state training step, by report row.
 
     `fake=False` runs the same path on real CPU tensors, allocating one rank's memory. Needs
-    a process without a process group. Raises ConfigError for a layout the config cannot have.
+    a process without a process group. `ep_imbalance`: under expert parallelism, rank 0
+    receives this many times its balanced share of routed rows (see `simulated_expert_routing`).
+    Raises ConfigError for a layout the config cannot have.
     """
     cfg = _eager(cfg)
+    _refuse_impossible_imbalance(cfg, ep_imbalance)
     device = torch.device("cpu")
     gc.collect()
     with fake_world(ngpu):
@@ -412,22 +485,25 @@ def measure(cfg: JobConfig, ngpu: int, fake: bool = True) -> dict[str, int]:
         else:
             _refuse_real_expert_parallel(cfg)
         parallel_dims.build_mesh(device.type)
-        with balanced_expert_routing() if fake else contextlib.nullcontext():
+        with simulated_expert_routing(ep_imbalance) if fake else contextlib.nullcontext():
             model = build_model(cfg, parallel_dims, device)
             if fake:
                 _refuse_fp32_moe(cfg, model)
             with (
                 FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
                 fused_attention_for_unequal_head_dims() if fake else contextlib.nullcontext(),
+                no_warning_for_fake_collective_views() if fake else contextlib.nullcontext(),
             ):
-                return breakdown(_tracked_step(cfg, model, parallel_dims, device))
+                return breakdown(tracked_step(cfg, model, parallel_dims, device))
 
 
-def estimate(cfg: JobConfig, ngpu: int, modes: Iterable[str] | None = None) -> dict[str, dict[str, int]]:
+def estimate(
+    cfg: JobConfig, ngpu: int, modes: Iterable[str] | None = None, ep_imbalance: float = 1.0
+) -> dict[str, dict[str, int]]:
     """Fake-mode `measure` per AC mode named in `modes` (default: the config's own mode)."""
     if modes is None:
-        return {mode_label(cfg.activation_checkpoint): measure(cfg, ngpu)}
-    return {name: measure(with_ac(cfg, AC_MODES[name]), ngpu) for name in modes}
+        return {mode_label(cfg.activation_checkpoint): measure(cfg, ngpu, ep_imbalance=ep_imbalance)}
+    return {name: measure(with_ac(cfg, AC_MODES[name]), ngpu, ep_imbalance=ep_imbalance) for name in modes}
 
 
 # ----- output --------------------------------------------------------------------------------
@@ -450,12 +526,17 @@ def format_table(results: dict[str, dict[str, int]]) -> str:
     return "\n".join(lines)
 
 
-def describe(cfg: JobConfig, ngpu: int) -> str:
+def describe(cfg: JobConfig, ngpu: int, ep_imbalance: float = 1.0) -> str:
     """One line naming the model, layout, batch and dtypes that were estimated."""
     t, dims = cfg.training, parallel_dims_for(cfg, ngpu)
+    routing = ""
+    if cfg.parallelism.expert_parallel_degree > 1:
+        routing = "; balanced expert routing"
+        if ep_imbalance != 1.0:
+            routing = f"; this rank receives {ep_imbalance:g}x its balanced share of routed rows"
     return (
         f"{cfg.model.name} {cfg.model.flavor}, local batch {t.local_batch_size} x {t.seq_len} tokens, "
-        f"on {describe_layout(cfg, dims)}"
+        f"on {describe_layout(cfg, dims)}{routing}"
     )
 
 
@@ -464,17 +545,18 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args, cfg = parse_cli(argv)
-        results = estimate(cfg, args.ngpu, list(AC_MODES) if args.all_ac_modes else None)
-        title = describe(cfg, args.ngpu)
+        modes = list(AC_MODES) if args.all_ac_modes else None
+        results = estimate(cfg, args.ngpu, modes, ep_imbalance=args.ep_imbalance)
+        title = describe(cfg, args.ngpu, args.ep_imbalance)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if cfg.compile.enable:
         print("note: torch.compile is not simulated; this is the eager step's memory.", file=sys.stderr)
-    if cfg.parallelism.expert_parallel_degree > 1:
+    if cfg.parallelism.expert_parallel_degree > 1 and args.ep_imbalance == 1.0:
         print(
             "note: expert parallelism is estimated with balanced routing; an imbalanced step holds "
-            "more on the ranks that receive the most tokens.",
+            "more on the ranks that receive the most tokens (see --ep-imbalance).",
             file=sys.stderr,
         )
     print(f"Estimated peak memory per rank: {title}\n\n{format_table(results)}")

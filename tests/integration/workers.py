@@ -53,11 +53,11 @@ def shut_down() -> None:
     dist.destroy_process_group()
 
 
-def run_worker(name: str, nproc: int = 2) -> dict:
-    """Run tests/integration/<name>.py on `nproc` ranks, as torchrun would (see
+def run_worker(name: str, nproc: int = 2, argv: list[str] | None = None) -> dict:
+    """Run tests/integration/<name>.py with `argv` on `nproc` ranks, as torchrun would (see
     tests/forked_launcher.py), and return the JSON its rank 0 printed last."""
     script = PROJECT_ROOT / "tests" / "integration" / f"{name}.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
-    proc = launch(("script", str(script)), [], nproc, env, PROJECT_ROOT, timeout=600)
+    proc = launch(("script", str(script)), argv or [], nproc, env, PROJECT_ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,7 +1,6 @@
 """scripts/estimate_memory.py: fake-mode estimates against real runs of the same step, what the
 table shows, and the inputs it refuses."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
+from tests.conftest import load_script
 from torchtitan.config import parse_args
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
@@ -26,14 +26,7 @@ FSDP_SMALL = ["--config", "debug_model.toml", "--training.local_batch_size", "1"
 FSDP_SMALL += ["--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full"]
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("estimate_memory", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-em = _load_script()
+em = load_script("scripts/estimate_memory.py")
 
 
 def _config(argv: list[str], mode: str | None = None):
@@ -109,6 +102,13 @@ def test_expert_parallel_estimate_holds_the_share_of_the_experts_fsdp_would():
     assert expert_parallel["optimizer state"] <= 3 * fsdp["parameters"]  # 2 Adam moments + step temporaries
 
 
+def test_fsdp_sharded_experts_estimate_without_fsdp_view_warning(recwarn):
+    """EP 2 on 4 ranks shards each expert over 2 ranks with FSDP, whose view warning the fake
+    all-to-all would raise on every estimate (a real run does not)."""
+    em.measure(_config(MOE + EP2), 4)
+    assert not [w for w in recwarn if "returned a view tensor" in str(w.message)]
+
+
 # EP 2 x TP 2 runs under full_matrix: both layouts build their meshes through ParallelDims, and
 # EP 4 over FSDP 2 x TP 2 is torchtitan's default.
 @pytest.mark.parametrize(
@@ -174,6 +174,36 @@ def test_config_refused_after_parsing_exits_2_with_its_message(argv, expected, c
         em.main(["--config", "debug_model.toml", *argv])
     assert info.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--config", "debug_model.toml", "--ngpu", "1", "--ep-imbalance", "2"], "needs expert parallelism"),
+        ([*MOE, *EP2, "--ngpu", "2", "--ep-imbalance", "2.5"], "Use a value in [1, 2]"),
+    ],
+    ids=["without-expert-parallelism", "above-the-ep-degree"],
+)
+def test_ep_imbalance_the_layout_cannot_have_exits_2_with_its_message(argv, expected, capsys):
+    with pytest.raises(SystemExit) as info:
+        em.main(argv)
+    assert info.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0.5", "many"])
+def test_ep_imbalance_below_1_or_not_a_number_is_a_usage_error(value, capsys):
+    with pytest.raises(SystemExit) as info:
+        em.main([*MOE, *EP2, "--ngpu", "2", "--ep-imbalance", value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and "--ep-imbalance" in err
+
+
+def test_the_title_names_the_routing_the_estimate_assumed():
+    cfg = _config(MOE + EP2)
+    assert em.describe(cfg, 2).endswith("; balanced expert routing")
+    assert em.describe(cfg, 2, 1.5).endswith("; this rank receives 1.5x its balanced share of routed rows")
 
 
 @pytest.mark.parametrize("argv", [[], ["--ngpu", "0"], ["--ngpu", "two"]], ids=["missing", "zero", "text"])
