@@ -22,10 +22,10 @@ selective 2). A config mistake prints one message and exits with code 2.
 Expert parallelism is estimated with balanced routing by default: every rank sends and receives
 an equal share of its routed rows. `--ep-imbalance F` makes the shown rank the busiest one: in
 every MoE layer it receives F times its balanced share (1 <= F <= ep; ep means every rank routes
-all its rows to it), while it still sends a balanced share. The trainer logs `moe_imbalance`,
-max / mean tokens per expert in the worst layer, counted over all data-parallel ranks. A rank's
-load is the mean of its experts' loads, so that figure bounds F when the EP group spans every
-data-parallel rank, and approximates it when the group spans fewer.
+all its rows to it), while it still sends a balanced share. A training run logs F each step as
+`moe_ep_imbalance` (the worst layer's busiest EP rank over the mean, counted over all
+data-parallel ranks: exact when the EP group spans every data-parallel rank, an approximation
+when it spans fewer).
 
 Not modelled: torch.compile (the step runs eagerly), the caching allocator's rounding,
 fragmentation and reserved memory, and CUDA/NCCL context memory; keep some headroom. DDP
@@ -137,8 +137,8 @@ def parse_cli(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
         default=1.0,
         metavar="F",
         help="expert parallelism: the shown rank receives F times its balanced share of routed rows "
-        "in every MoE layer (default 1, balanced; at most the EP degree). The trainer's log line "
-        "shows moe_imbalance, the largest expert load over the mean: a guide to F",
+        "in every MoE layer (default 1, balanced; at most the EP degree). A training run logs it "
+        "as moe_ep_imbalance",
     )
     args, rest = parser.parse_known_args(argv)
     return args, parse_args(rest)

@@ -132,6 +132,8 @@ def test_expert_parallel_layout_matches_one_process(model, layout, ac, tmp_path,
     config = ["--config", MODEL_CONFIGS[model]]
     records = _run(tmp_path, "ep", nproc, layout_argv + AC[ac], config)
     _assert_same_metrics(records, _single_process(model, tmp_path_factory), (model, layout, ac))
+    # A rank's load is the mean of its experts' loads: between balanced and the busiest expert's.
+    assert all(1 <= r["moe_ep_imbalance"] <= r["moe_imbalance"] for r in records), records
 
 
 @pytest.mark.full_matrix

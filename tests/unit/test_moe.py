@@ -15,6 +15,7 @@ from torchtitan.models.moe import (
     MoE,
     MoEArgs,
     TokenChoiceTopKRouter,
+    load_balance_step,
     pop_aux_loss,
     update_expert_bias,
 )
@@ -211,11 +212,31 @@ def test_aux_loss_is_none_when_its_coefficient_is_zero():
 def test_bias_update_favors_underloaded_experts_and_resets_counts():
     moe = _moe(num_experts=4, top_k=1, load_balance_coeff=0.1)
     moe.tokens_per_expert.copy_(torch.tensor([10.0, 0.0, 6.0, 4.0]))
-    imbalance = update_expert_bias(nn.Sequential(moe))
+    counts = update_expert_bias(nn.Sequential(moe))
     # sign(5 - n) = [-1, 1, -1, 1] sums to 0, so centering changes nothing here.
     torch.testing.assert_close(moe.expert_bias, torch.tensor([-0.1, 0.1, -0.1, 0.1]))
     assert torch.equal(moe.tokens_per_expert, torch.zeros(4))
-    assert {k: v.item() for k, v in imbalance.items()} == {"0": pytest.approx(2.0)}
+    assert {k: v.tolist() for k, v in counts.items()} == {"0": [10.0, 0.0, 6.0, 4.0]}
+
+
+def test_step_log_reports_the_worst_layers_expert_load_over_the_mean():
+    layers = nn.ModuleList([_moe(num_experts=4, top_k=1), _moe(num_experts=4, top_k=1)])
+    layers[0].tokens_per_expert.copy_(torch.tensor([10.0, 0.0, 6.0, 4.0]))  # max/mean 2
+    layers[1].tokens_per_expert.copy_(torch.tensor([15.0, 5.0, 0.0, 0.0]))  # max/mean 3
+    metrics = load_balance_step(layers)
+    assert list(metrics) == ["moe_imbalance"]  # no expert parallelism, no per-rank figure
+    assert metrics["moe_imbalance"].item() == pytest.approx(3.0)
+
+
+def test_step_log_under_expert_parallelism_reports_the_busiest_ranks_rows_over_the_mean():
+    layers = nn.ModuleList([_moe(num_experts=4, top_k=1), _moe(num_experts=4, top_k=1)])
+    for moe in layers:
+        moe.experts.num_experts = 2  # as expert parallelism over 2 ranks leaves it
+    layers[0].tokens_per_expert.copy_(torch.tensor([10.0, 2.0, 6.0, 6.0]))  # ranks 12, 12
+    layers[1].tokens_per_expert.copy_(torch.tensor([10.0, 8.0, 1.0, 1.0]))  # ranks 18, 2
+    metrics = load_balance_step(layers)
+    assert metrics["moe_imbalance"].item() == pytest.approx(2.0)  # 10 / 5, layer 1
+    assert metrics["moe_ep_imbalance"].item() == pytest.approx(1.8)  # 18 / 10, layer 1
 
 
 def test_bias_update_is_centered_and_skips_layers_without_a_coefficient():

@@ -389,8 +389,8 @@ def update_expert_bias(
             parallel if any); counts are summed over it, in one collective for all layers.
 
     Returns:
-        {layer FQN: max / mean tokens per expert}, 1.0 for a perfectly balanced layer, as
-        0-dim device tensors so that the step does not wait for the host; read them at log time.
+        {layer FQN: tokens per expert [num_experts]}, counted over `dp_group`, on the device so
+        that the step does not wait for the host; read them at log time.
 
     Pitfall: every rank of `dp_group` must call this at the same step, or the collective hangs.
     """
@@ -400,26 +400,41 @@ def update_expert_bias(
     counts = torch.cat([m.tokens_per_expert for _, m in layers])
     if dp_group is not None:
         dist.all_reduce(counts, group=dp_group)
-    imbalance = []
-    for (_, moe), n in zip(layers, counts.split([m.num_experts for _, m in layers])):
-        mean = n.mean()
+    per_layer = counts.split([m.num_experts for _, m in layers])
+    for (_, moe), n in zip(layers, per_layer):
         if moe.load_balance_coeff is not None:
-            delta = moe.load_balance_coeff * torch.sign(mean - n)
+            delta = moe.load_balance_coeff * torch.sign(n.mean() - n)
             moe.expert_bias.add_(delta - delta.mean())
         moe.tokens_per_expert.zero_()
-        imbalance.append(n.max() / mean.clamp_min(1e-9))
-    return dict(zip([name for name, _ in layers], torch.stack(imbalance).unbind()))
+    return dict(zip([name for name, _ in layers], per_layer))
+
+
+def _worst_max_over_mean(loads: list[torch.Tensor]) -> torch.Tensor:
+    """max / mean of each load vector (1.0 when balanced), the largest over the vectors."""
+    return torch.stack([n.max() / n.mean().clamp_min(1e-9) for n in loads]).max()
 
 
 def load_balance_step(model: nn.Module, dp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """`update_expert_bias`, summarized for the step log as the worst layer's max/mean load.
+    """`update_expert_bias`, summarized for the step log:
+    - `moe_imbalance`: the worst layer's max / mean tokens per expert;
+    - `moe_ep_imbalance`, under expert parallelism only: the worst layer's max / mean routed
+      rows per EP rank (the sum over the rank's experts). It is what the memory estimator's
+      `--ep-imbalance` asks for, exactly when the EP group spans all of `dp_group`.
 
     The signature of a TrainSpec's `post_optimizer_step_fn`; returns {} for a dense model.
     """
-    imbalance = update_expert_bias(model, dp_group)
-    if not imbalance:
+    counts = update_expert_bias(model, dp_group)
+    if not counts:
         return {}
-    return {"moe_imbalance": torch.stack(list(imbalance.values())).max()}
+    metrics = {"moe_imbalance": _worst_max_over_mean(list(counts.values()))}
+    per_rank = []
+    for name, moe in _moe_layers(model):
+        ep = moe.num_experts // moe.experts.num_experts
+        if ep > 1:
+            per_rank.append(counts[name].view(ep, -1).sum(dim=1))
+    if per_rank:
+        metrics["moe_ep_imbalance"] = _worst_max_over_mean(per_rank)
+    return metrics
 
 
 def pop_aux_loss(model: nn.Module) -> torch.Tensor | None:
