@@ -371,6 +371,87 @@ def test_flex_with_compile_and_dense_blocks_wraps_whole_blocks():
     assert all("context_fn" in block.checkpoint_fn.keywords for block in blocks)
 
 
+# ----- recompute checks: determinism_check and debug ---------------------------------------
+
+
+class _RecomputesOtherShape(nn.Module):
+    """A block whose recompute differs from its forward (it keeps half the features the second
+    time), as a block with hidden state or a data-dependent branch might."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.calls = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.proj(x)
+        return (y if self.calls == 1 else y[:, :2]).sin().sum()
+
+
+def _backward_error(ac: ActivationCheckpoint) -> Exception:
+    model = nn.Module()
+    model.layers = nn.ModuleList([_RecomputesOtherShape()])
+    apply_ac(model, ac)
+    with pytest.raises(Exception) as info:
+        model.layers[0](torch.randn(3, 4, requires_grad=True)).backward()
+    return info.value
+
+
+def test_default_determinism_check_names_the_mismatching_recomputed_tensor():
+    error = _backward_error(FULL)
+    assert type(error).__name__ == "CheckpointError"
+    assert "different metadata" in str(error) and "torch.Size([3, 2])" in str(error)
+
+
+def test_determinism_check_none_skips_the_recompute_check():
+    error = _backward_error(replace(FULL, determinism_check="none"))
+    assert type(error).__name__ != "CheckpointError"  # autograd's own shape error, later
+
+
+def test_debug_adds_the_operators_of_forward_and_recompute_to_the_error():
+    error = _backward_error(replace(FULL, debug=True))
+    assert "Stack traces of the operators that ran in the original forward" in str(error)
+    assert "Stack traces of the operators" not in str(_backward_error(FULL))
+
+
+def test_log_says_when_the_recompute_check_is_off_or_debug_is_on(caplog):
+    with torch.device("meta"):
+        model = Transformer(DEBUG_ARGS)
+    with caplog.at_level(logging.INFO):
+        apply_ac(model, replace(FULL, determinism_check="none", debug=True))
+    line = next(r.message for r in caplog.records if r.message.startswith("Activation checkpointing"))
+    assert line.endswith("5, recompute check off, debug traces on (slower)")
+
+
+@pytest.mark.parametrize("mode", ["selective 2", "full"])
+def test_determinism_check_and_debug_reach_every_wrapped_block(mode):
+    ac = replace(MODES[mode], determinism_check="none", debug=True)
+    with torch.device("meta"):
+        model = Transformer(DEBUG_ARGS)
+    apply_ac(model, ac)
+    wrapped = [block for block in model.layers.values() if _is_checkpointed(block)]
+    assert len(wrapped) == (3 if mode == "selective 2" else 6)
+    for block in wrapped:
+        assert block.checkpoint_fn.keywords["determinism_check"] == "none"
+        assert block.checkpoint_fn.keywords["debug"] is True
+
+
+@pytest.mark.parametrize(
+    "ac, moe, compiled, expected",
+    [(OP_SAC, False, False, "per-op selective AC"),
+     (FULL, True, False, "MoE blocks"),
+     (ActivationCheckpoint(mode="selective", selective_ac_option="2"), True, False, "MoE blocks"),
+     (FULL, False, True, "compiled blocks")],
+    ids=["op-SAC", "full AC of MoE blocks", "selective 2 of MoE blocks", "compiled blocks"],
+)  # fmt: skip
+def test_debug_where_torch_cannot_trace_is_refused_with_the_way_that_works(ac, moe, compiled, expected):
+    model = nn.Module()
+    model.layers = nn.ModuleList([_MoEBlock() if moe else nn.Linear(4, 4) for _ in range(2)])
+    with pytest.raises(ConfigError) as info:
+        apply_ac(model, replace(ac, debug=True), model_compile_enabled=compiled)
+    assert expected in str(info.value) and 'mode "full"' in str(info.value)
+
+
 # ----- every model, and the one-module rule ------------------------------------------------
 
 

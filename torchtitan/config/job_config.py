@@ -163,6 +163,12 @@ class ActivationCheckpoint:
         "or replay their saved outputs (least communication)",
     )
     preserve_rng_state: bool = opt(False, "replay RNG in recompute (needed with dropout)")
+    determinism_check: Literal["default", "none"] = opt(
+        "default",
+        'recompute check: "default" compares each recomputed tensor\'s shape, dtype and device '
+        'with the original\'s and raises on a mismatch; "none" skips the check',
+    )
+    debug: bool = opt(False, "on a recompute error, print the operators of the forward and the recompute")
     memory_budget: float = opt(
         0.5,
         "memory_budget mode: 0 = keep only each block's inputs, 1 = compile's default choice",

@@ -130,13 +130,35 @@ def _validate(ac_config: ActivationCheckpoint, model_compile_enabled: bool, comp
         )
 
 
+def _refuse_debug_with_a_policy(ac_config: ActivationCheckpoint, model: nn.Module, compiled: bool) -> None:
+    """torch's checkpoint debug mode replaces a checkpoint's `context_fn` with its own tracer,
+    and refuses one that is set: every policy-driven wrap here (op-SAC, full AC of MoE blocks)
+    and compiled blocks (which fail inside compile) would stop the run at its first step."""
+    if not ac_config.debug or ac_config.mode == "none":
+        return
+    if compiled:
+        conflict = 'compiled blocks (compile.enable with "model" in compile.components)'
+    elif ac_config.mode == "selective" and ac_config.selective_ac_option == "op":
+        conflict = 'per-op selective AC (selective_ac_option = "op"), which checkpoints by a policy'
+    elif any(hasattr(block, "moe") for block in model.layers.children()):
+        conflict = "MoE blocks, whose full AC saves the routing by a policy"
+    else:
+        return
+    raise ConfigError(
+        f"'activation_checkpoint.debug' = true cannot trace {conflict}: torch's checkpoint "
+        'debug mode only wraps blocks checkpointed without a policy. Trace with mode "full" (or '
+        "selective N) on a dense model with compile off, or set debug = false."
+    )
+
+
 def _checkpoint(module: nn.Module, ac_config: ActivationCheckpoint, context_fn=None) -> nn.Module:
     kwargs = {"context_fn": context_fn} if context_fn is not None else {}
     return ptd_checkpoint_wrapper(
         module,
         preserve_rng_state=ac_config.preserve_rng_state,
         early_stop=ac_config.early_stop,
-        determinism_check="default",
+        determinism_check=ac_config.determinism_check,
+        debug=ac_config.debug,
         **kwargs,
     )
 
@@ -307,6 +329,7 @@ def apply_ac(
         ConfigError: for an invalid setting or one the rest of the config cannot support.
     """
     _validate(ac_config, model_compile_enabled, compile_backend)
+    _refuse_debug_with_a_policy(ac_config, model, model_compile_enabled)
     if ac_config.mode == "memory_budget":
         _apply_memory_budget(ac_config, base_folder)
         return
@@ -346,6 +369,8 @@ def apply_ac(
         f"Activation checkpointing: mode {ac_config.mode}"
         + (f" ({ac_config.selective_ac_option})" if ac_config.mode == "selective" else "")
         + f", {described}"
+        + (", recompute check off" if ac_config.determinism_check == "none" else "")
+        + (", debug traces on (slower)" if ac_config.debug else "")
     )
 
 
