@@ -23,13 +23,15 @@ from torchtitan.models.moe import MoE
 
 pytestmark = pytest.mark.integration
 
-# Big enough a batch that the experts' activations are a visible share of the peak.
-MOE_EP2 = ["--config", "qwen3_debug_model_moe.toml", "--training.local_batch_size", "4",
-           "--training.seq_len", "256", "--training.mixed_precision_param", "bfloat16",
+MOE_EP2 = ["--config", "qwen3_debug_model_moe.toml", "--training.seq_len", "256",
+           "--training.mixed_precision_param", "bfloat16",
            "--parallelism.expert_parallel_degree", "2"]  # fmt: skip
-AC_MODES = {"none": ["--activation_checkpoint.mode", "none"],
+# Batches big enough that the experts' activations are a visible share of the peak. op-SAC
+# needs 4 sequences: at 2 its peak falls in the optimizer step, where routing does not matter.
+AC_MODES = {"none": ["--activation_checkpoint.mode", "none", "--training.local_batch_size", "2"],
             "selective op": ["--activation_checkpoint.mode", "selective",
-                             "--activation_checkpoint.selective_ac_option", "op"]}  # fmt: skip
+                             "--activation_checkpoint.selective_ac_option", "op",
+                             "--training.local_batch_size", "4"]}  # fmt: skip
 # The estimate matched the real step to the byte in both modes; 1% leaves room for allocator
 # details that differ between torch versions.
 ESTIMATE_RTOL = 0.01
@@ -65,7 +67,7 @@ def test_ep_imbalance_2_estimate_equals_a_real_step_that_routes_everything_to_ra
 
 @pytest.mark.parametrize("ac", MODES)
 def test_balanced_estimate_falls_short_of_a_real_step_that_routes_everything_to_rank_0(estimator, ac):
-    """Why the option exists: here the balanced estimate misses rank 0's peak by 9-11%."""
+    """Why the option exists: here the balanced estimate misses rank 0's peak by 8-9%."""
     real = _real_rank_0_peak(ac)[estimator.TOTAL]
     balanced = estimator.measure(_config(ac), 2)[estimator.TOTAL]
     assert balanced < 0.95 * real, (balanced, real)

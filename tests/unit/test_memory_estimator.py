@@ -102,6 +102,7 @@ def test_expert_parallel_estimate_holds_the_share_of_the_experts_fsdp_would():
     assert expert_parallel["optimizer state"] <= 3 * fsdp["parameters"]  # 2 Adam moments + step temporaries
 
 
+@pytest.mark.full_matrix  # cosmetic, and 10 s
 def test_fsdp_sharded_experts_estimate_without_fsdp_view_warning(recwarn):
     """EP 2 on 4 ranks shards each expert over 2 ranks with FSDP, whose view warning the fake
     all-to-all would raise on every estimate (a real run does not)."""
