@@ -3,7 +3,8 @@ debug model (2 blocks, CPU fp32, inductor) compiled equal eager, under full AC a
 `compile.capture_scalar_outputs` off (the checkpointed MoE block falls back to eager, with a
 warning) and on (the block compiles as one graph). The sequence aux loss is on throughout: the
 block sets it as a side effect, which compile must trace, not break on. Torch releases known to
-fail that combination are refused. Full AC with capture on is under `full_matrix`."""
+fail that combination are refused. Capture on (the opt-in option, a minute of compiling per AC
+mode on 2 cores) is under `full_matrix`."""
 
 import logging
 from dataclasses import replace
@@ -69,11 +70,16 @@ def eager():
     [
         pytest.param("full", False, id="full-capture_scalar_outputs off"),
         pytest.param("selective op", False, id="selective op-capture_scalar_outputs off"),
-        # The slowest compile of the suite (about a minute); op-SAC takes the same path by default.
+        # The slowest compiles of the suite, about a minute each.
         pytest.param(
             "full", True, id="full-on", marks=[needs_checkpointed_scalar_capture, pytest.mark.full_matrix]
         ),
-        pytest.param("selective op", True, id="selective op-on", marks=needs_checkpointed_scalar_capture),
+        pytest.param(
+            "selective op",
+            True,
+            id="selective op-on",
+            marks=[needs_checkpointed_scalar_capture, pytest.mark.full_matrix],
+        ),
     ],
 )
 def test_compiled_moe_training_equals_eager(eager, ac, capture, caplog):

@@ -48,8 +48,16 @@ def runs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("mode", list(AC_MODES))
-@pytest.mark.parametrize("config", CONFIGS)
+def _cases(modes):
+    """(config, mode) params; the MoE config compiled (a minute on 2 cores) is under full_matrix,
+    its wrapping rule unit-tested by default in tests/unit/test_activation_checkpoint.py."""
+    for config in CONFIGS:
+        for mode in modes:
+            slow = config in MOE_CONFIGS and mode == "op-SAC + compile"
+            yield pytest.param(config, mode, marks=[pytest.mark.full_matrix] if slow else [])
+
+
+@pytest.mark.parametrize("config, mode", list(_cases(AC_MODES)))
 def test_flex_config_trains_on_two_processes_and_loss_falls(config, mode, runs):
     proc, records = runs(config, mode)
     first, last = records[0]["loss"], records[-1]["loss"]
@@ -75,9 +83,9 @@ def test_op_sac_and_full_ac_train_alike(config, runs):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
 
 
-@pytest.mark.parametrize("config", CONFIGS)
-def test_compiled_training_equals_eager(config, runs):
-    eager, compiled = runs(config, "op-SAC")[1], runs(config, "op-SAC + compile")[1]
+@pytest.mark.parametrize("config, mode", list(_cases(["op-SAC + compile"])))
+def test_compiled_training_equals_eager(config, mode, runs):
+    eager, compiled = runs(config, "op-SAC")[1], runs(config, mode)[1]
     assert len(compiled) == len(eager) == STEPS
     for a, b in zip(compiled, eager):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a, b)
