@@ -15,6 +15,14 @@ import typing
 from pathlib import Path
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.upstream import (
+    ANY,
+    CONVERTER_SECTIONS,
+    QUANTIZE_FLOAT8,
+    RENAMED_KEYS,
+    UNBUILT_KEYS,
+    UPSTREAM_ONLY_SECTIONS,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -32,22 +40,8 @@ NOT_BUILT_YET = {
     "parallelism.context_parallel_degree": "context parallelism",
     "parallelism.pipeline_parallel_degree": "pipeline parallelism",
 }
-# Sections of upstream torchtitan's config for converters not built here. Upstream files carry
-# them switched off, so they are ignored with a warning; naming their converter is refused.
-# (Upstream's [quantize.linear.float8] is read as [float8].)
-CONVERTER_SECTIONS = {
-    "mx": "MX (microscaling) training",
-    "quantize": "quantized training",
-}
 # `model.converters` entries, upstream's newer spelling included, and the converter each names.
 CONVERTERS = {"float8": "float8", "quantize.linear.float8": "float8"}
-_QUANTIZE_FLOAT8 = ("linear", "float8")
-# Sections of upstream torchtitan's config with no counterpart here, and what they configure.
-UPSTREAM_ONLY_SECTIONS = {
-    "fault_tolerance": "TorchFT fault tolerance",
-    "experimental": "experimental model modules",
-    "memory_estimation": "memory estimation inside the trainer (use ./run_memory_estimation.sh instead)",
-}
 
 
 class ConfigError(ValueError):
@@ -123,9 +117,79 @@ def _unknown_key_error(where: str, section: str, key: str) -> ConfigError:
             f"Valid sections: {', '.join(sections)}."
         )
     fields = _section_fields(sections[section])
+    owners = _sections_with_key(key)
+    # A key of exactly one other section, and no near-miss of one here: most likely written
+    # under the section where upstream torchtitan used to keep it (parallel degrees in [training]).
+    if len(owners) == 1 and not difflib.get_close_matches(key, fields, n=1, cutoff=0.75):
+        return ConfigError(
+            f"'{section}.{key}' in {where}: '{key}' is a key of [{owners[0]}], not of [{section}]; "
+            f"write it as '{owners[0]}.{key}'."
+        )
     return ConfigError(
         f"unknown key '{section}.{key}' in {where}.{_closest(key, fields)} "
         f"Valid keys of [{section}]: {', '.join(fields)}."
+    )
+
+
+def _is_own_key(section: str, key: str) -> bool:
+    sections = _sections()
+    return section in sections and key in _section_fields(sections[section])
+
+
+def _is_bool_key(section: str, key: str) -> bool:
+    return _is_own_key(section, key) and typing.get_type_hints(_sections()[section])[key] is bool
+
+
+def _cli_value(text: str | None, like):
+    """A command-line value as the type of `like`, to compare with it (the text if it does not parse)."""
+    if text is None:
+        return True
+    if like is ANY or like is None:
+        return text
+    try:
+        return _parse_text(text, list[str] if isinstance(like, list) else type(like))
+    except ValueError:
+        return text
+
+
+def _resolve_key(section: str, key: str, value, where: str, from_text: bool) -> tuple[str, str] | None:
+    """The key of this trainer that `section.key` sets: itself, or this trainer's name for an
+    upstream torchtitan key; None for an upstream key that is ignored (with a warning).
+
+    `value` is the TOML value, or with `from_text` the command line's text (None for a flag).
+
+    Raises:
+        ConfigError: for an unknown key, or an upstream key whose feature is not built here
+            set to anything but upstream's default.
+    """
+    if _is_own_key(section, key):
+        return section, key
+    name = f"{section}.{key}"
+    if name in RENAMED_KEYS:
+        logger.warning(
+            f"Reading '{name}' in {where} as '{RENAMED_KEYS[name]}', its name here (upstream "
+            "torchtitan's earlier spelling); rename it to silence this warning."
+        )
+        new_section, _, new_key = RENAMED_KEYS[name].partition(".")
+        return new_section, new_key
+    spec = UNBUILT_KEYS.get(name)
+    if spec is None:
+        raise _unknown_key_error(where, section, key)
+    value = _cli_value(value, spec.default) if from_text else value
+    if spec.default is ANY or value == spec.default:
+        logger.warning(
+            f"Ignoring '{name}' in {where}: upstream torchtitan's key for {spec.feature}, which has "
+            "no effect here. Remove the key to silence this warning."
+        )
+        return None
+    if spec.fix:
+        raise ConfigError(
+            f"'{name}' = {value!r} in {where} is upstream torchtitan's key for {spec.feature}, "
+            f"which is not read here; {spec.fix}."
+        )
+    raise ConfigError(
+        f"'{name}' = {value!r} in {where} is upstream torchtitan's key for {spec.feature}, "
+        f"which this trainer does not build; remove the key or set it to {spec.default!r}."
     )
 
 
@@ -257,14 +321,14 @@ def _ignored_converter_section(section: str, where: str) -> bool:
 
 def _apply_quantize_float8(config: JobConfig, table: dict, where: str) -> dict:
     """Read upstream's [quantize.linear.float8] into [float8]; return what else [quantize] holds."""
-    linear = table.get(_QUANTIZE_FLOAT8[0])
-    if not isinstance(linear, dict) or not isinstance(linear.get(_QUANTIZE_FLOAT8[1]), dict):
+    linear = table.get(QUANTIZE_FLOAT8[0])
+    if not isinstance(linear, dict) or not isinstance(linear.get(QUANTIZE_FLOAT8[1]), dict):
         return table
-    for key, value in linear[_QUANTIZE_FLOAT8[1]].items():
+    for key, value in linear[QUANTIZE_FLOAT8[1]].items():
         _set_value(config, "float8", key, value, f"{where} [quantize.linear.float8]", from_text=False)
-    rest_of_linear = {k: v for k, v in linear.items() if k != _QUANTIZE_FLOAT8[1]}
-    rest = {k: v for k, v in table.items() if k != _QUANTIZE_FLOAT8[0]}
-    return rest | ({_QUANTIZE_FLOAT8[0]: rest_of_linear} if rest_of_linear else {})
+    rest_of_linear = {k: v for k, v in linear.items() if k != QUANTIZE_FLOAT8[1]}
+    rest = {k: v for k, v in table.items() if k != QUANTIZE_FLOAT8[0]}
+    return rest | ({QUANTIZE_FLOAT8[0]: rest_of_linear} if rest_of_linear else {})
 
 
 def _set_value(config: JobConfig, section: str, key: str, value, where: str, from_text: bool):
@@ -291,17 +355,55 @@ def _apply_toml(config: JobConfig, path: Path) -> None:
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}.") from None
+    problems: list[str] = []
+    written_as: dict[tuple[str, str], tuple[str, object]] = {}
     for section, table in data.items():
-        if not isinstance(table, dict):
-            raise _top_level_key_error(path, section, table)
-        if section == "quantize":
-            table = _apply_quantize_float8(config, table, str(path))
-            if not table:
+        try:
+            _apply_toml_section(config, section, table, path, problems, written_as)
+        except ConfigError as e:
+            problems.append(str(e))
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        # All at once, so that a file from upstream torchtitan is fixed in one pass.
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise ConfigError(f"{len(problems)} problems in {path}:\n{listed}")
+
+
+def _apply_toml_section(
+    config: JobConfig, section: str, table, path: Path, problems: list[str], written_as: dict
+) -> None:
+    """Set one section's keys; a bad key's message goes to `problems` and the rest still apply.
+    `written_as` maps each key set so far to the name and value the file gave it."""
+    if not isinstance(table, dict):
+        raise _top_level_key_error(path, section, table)
+    if section == "quantize":
+        table = _apply_quantize_float8(config, table, str(path))
+        if not table:
+            return
+    if _ignored_converter_section(section, str(path)):
+        return
+    if section not in _sections():
+        raise _unknown_key_error(str(path), section, "")
+    for key, value in table.items():
+        try:
+            target = _resolve_key(section, key, value, str(path), from_text=False)
+            if target is None:
                 continue
-        if _ignored_converter_section(section, str(path)):
-            continue
-        for key, value in table.items():
-            _set_value(config, section, key, value, str(path), from_text=False)
+            _refuse_two_spellings(written_as, target, f"{section}.{key}", value, path)
+            _set_value(config, *target, value, str(path), from_text=False)
+        except ConfigError as e:
+            problems.append(str(e))
+
+
+def _refuse_two_spellings(written_as: dict, target: tuple[str, str], name: str, value, path: Path) -> None:
+    """An upstream name and this trainer's name of one key, set to different values in a file."""
+    earlier = written_as.setdefault(target, (name, value))
+    if earlier[0] != name and earlier[1] != value:
+        raise ConfigError(
+            f"{path} sets '{earlier[0]}' = {earlier[1]!r} and '{name}' = {value!r}, which are the "
+            f"same key here ('{'.'.join(target)}'); keep one."
+        )
 
 
 def _split_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | None]]]:
@@ -340,25 +442,26 @@ def _split_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | 
 
 def _apply_override(config: JobConfig, section: str, key: str, text: str | None) -> None:
     where = "the command line"
-    prefix = ".".join(_QUANTIZE_FLOAT8) + "."
+    prefix = ".".join(QUANTIZE_FLOAT8) + "."
     if section == "quantize" and key.startswith(prefix):
         section, key = "float8", key[len(prefix) :]
     if _ignored_converter_section(section, where):
         return
-    sections = _sections()
+    negated = not _is_own_key(section, key) and key.startswith("no_") and _is_bool_key(section, key[3:])
+    if text is None and negated:
+        setattr(getattr(config, section), key[3:], False)
+        return
+    target = _resolve_key(section, key, text, where, from_text=True)
+    if target is None:
+        return
+    section, key = target
     if text is not None:
         _set_value(config, section, key, text, where, from_text=True)
-        return
-    fields = _section_fields(sections[section]) if section in sections else {}
-    hints = typing.get_type_hints(sections[section]) if section in sections else {}
-    if hints.get(key) is bool:
+    elif _is_bool_key(section, key):
         setattr(getattr(config, section), key, True)
-    elif key.startswith("no_") and hints.get(key[3:]) is bool:
-        setattr(getattr(config, section), key[3:], False)
-    elif key in fields:
-        raise ConfigError(f"--{section}.{key} needs a value ({describe_type(hints[key])}).")
     else:
-        raise _unknown_key_error(where, section, key)
+        hint = typing.get_type_hints(_sections()[section])[key]
+        raise ConfigError(f"--{section}.{key} needs a value ({describe_type(hint)}).")
 
 
 def _check_ranges(config: JobConfig) -> None:

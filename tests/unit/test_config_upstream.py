@@ -1,0 +1,152 @@
+"""A config written for upstream torchtitan, current or earlier, loads here or says what to change."""
+
+import pytest
+
+from torchtitan.config import ConfigError, JobConfig, parse_args
+from torchtitan.config.manager import _is_own_key
+from torchtitan.config.upstream import RENAMED_KEYS, UNBUILT_KEYS
+from torchtitan.train import main
+
+EARLIER_NAMES = """
+[training]
+batch_size = 3
+compile = true
+warmup_steps = 7
+
+[lr_scheduler]
+lr_min = 0.25
+
+[checkpoint]
+enable_checkpoint = true
+model_weights_only = false
+
+[validation]
+enabled = true
+seq_len = 512
+"""
+
+
+def _load(tmp_path, text: str, *argv: str) -> JobConfig:
+    path = tmp_path / "upstream.toml"
+    path.write_text(text)
+    return parse_args(["--config", str(path), *argv], env={})
+
+
+def _error(tmp_path, text: str, *argv: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        _load(tmp_path, text, *argv)
+    return str(info.value)
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_earlier_key_names_in_a_file_set_the_keys_they_were_renamed_to(tmp_path):
+    cfg = _load(tmp_path, EARLIER_NAMES)
+    assert cfg.training.local_batch_size == 3 and cfg.compile.enable
+    assert cfg.lr_scheduler.warmup_steps == 7 and cfg.lr_scheduler.min_lr_factor == 0.25
+    assert cfg.checkpoint.enable and cfg.checkpoint.last_save_model_only is False
+    assert cfg.validation.enable and cfg.validation.seq_len == 512
+
+
+def test_each_earlier_key_name_is_warned_about_with_its_new_name(tmp_path, caplog):
+    _load(tmp_path, EARLIER_NAMES)
+    warnings = _warnings(caplog)
+    assert len(warnings) == 7
+    assert any("'training.batch_size'" in w and "as 'training.local_batch_size'" in w for w in warnings)
+    assert all("rename it to silence this warning" in w for w in warnings)
+
+
+def test_earlier_key_names_on_the_command_line_set_the_new_keys(tmp_path):
+    cfg = _load(tmp_path, "", "--training.compile", "--checkpoint.enable_checkpoint", "true",
+                "--training.batch_size", "5")  # fmt: skip
+    assert cfg.compile.enable and cfg.checkpoint.enable and cfg.training.local_batch_size == 5
+
+
+def test_a_key_set_under_both_names_with_different_values_is_refused(tmp_path):
+    message = _error(tmp_path, "[training]\ncompile = false\n[compile]\nenable = true\n")
+    assert "'training.compile' = False" in message and "'compile.enable' = True" in message
+    assert "same key here ('compile.enable'); keep one" in message
+
+
+def test_a_key_set_under_both_names_with_one_value_loads(tmp_path):
+    assert _load(tmp_path, "[checkpoint]\nenable = true\nenable_checkpoint = true\n").checkpoint.enable
+
+
+def test_an_upstream_key_of_an_unbuilt_feature_at_its_default_is_ignored_with_a_warning(tmp_path, caplog):
+    text = "[optimizer]\nearly_step_in_backward = false\n[job]\nuse_for_integration_test = true\n"
+    cfg = _load(tmp_path, text)
+    assert cfg.optimizer == JobConfig().optimizer and cfg.job.description == JobConfig().job.description
+    warnings = _warnings(caplog)
+    assert [w.split(" in ")[0] for w in warnings] == [
+        "Ignoring 'optimizer.early_step_in_backward'",
+        "Ignoring 'job.use_for_integration_test'",
+    ]
+    assert all("has no effect here" in w for w in warnings)
+
+
+@pytest.mark.parametrize(
+    "text, argv",
+    [("[optimizer]\nearly_step_in_backward = true\n", ()),
+     ("", ("--optimizer.early_step_in_backward",))],
+    ids=["file", "command-line flag"],
+)  # fmt: skip
+def test_an_upstream_key_of_an_unbuilt_feature_set_on_is_refused(tmp_path, text, argv):
+    message = _error(tmp_path, text, *argv)
+    assert "'optimizer.early_step_in_backward' = True" in message
+    assert "optimizer steps inside backward, which this trainer does not build" in message
+    assert "remove the key or set it to False" in message
+
+
+def test_an_unbuilt_list_key_given_empty_on_the_command_line_is_ignored(tmp_path):
+    assert _load(tmp_path, "", "--float8.moe_fqns_prototype", "").float8 == JobConfig().float8
+    assert "[]" in _error(tmp_path, "", "--float8.moe_fqns_prototype", "experts")
+
+
+@pytest.mark.parametrize(
+    "text, fix",
+    [('[model]\ntokenizer_path = "assets/tokenizer.model"\n', "set 'model.hf_assets_path' to the folder"),
+     ("[float8]\nenable_float8_linear = true\n", "add \"float8\" to 'model.converters' instead"),
+     ("[metrics]\nrank_0_only = false\n", "set 'metrics.save_for_all_ranks' = true instead")],
+    ids=["tokenizer_path", "enable_float8_linear", "rank_0_only"],
+)  # fmt: skip
+def test_an_upstream_key_replaced_by_another_setting_names_that_setting(tmp_path, text, fix):
+    message = _error(tmp_path, text)
+    assert "which is not read here" in message and fix in message
+
+
+def test_a_key_under_the_section_upstream_used_to_keep_it_in_names_its_section(tmp_path):
+    message = _error(tmp_path, "[training]\ntensor_parallel_degree = 2\n")
+    assert "'tensor_parallel_degree' is a key of [parallelism], not of [training]" in message
+    assert "write it as 'parallelism.tensor_parallel_degree'" in message
+
+
+def test_a_misspelling_near_a_key_of_its_own_section_is_not_sent_elsewhere(tmp_path):
+    message = _error(tmp_path, "[checkpoint]\nintervall = 5\n")
+    assert "Did you mean 'interval'?" in message and "write it as" not in message
+
+
+def test_every_problem_in_a_file_is_reported_at_once(tmp_path):
+    text = "[training]\ntensor_parallel_degree = 2\nstepz = 3\n[optimizer]\nearly_step_in_backward = true\n"
+    message = _error(tmp_path, text)
+    assert message.startswith("3 problems in ")
+    lines = message.splitlines()[1:]
+    assert len(lines) == 3 and all(line.startswith("  - ") for line in lines)
+    assert "tensor_parallel_degree" in lines[0] and "stepz" in lines[1] and "early_step" in lines[2]
+
+
+def test_a_file_with_several_problems_exits_with_code_2_listing_them(tmp_path, capsys):
+    path = tmp_path / "upstream.toml"
+    path.write_text("[training]\nstepz = 3\nbatch_sise = 1\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "2 problems in" in err and "stepz" in err and "batch_sise" in err and "Traceback" not in err
+
+
+def test_the_tables_name_only_keys_that_are_not_this_trainers_own():
+    for old, new in RENAMED_KEYS.items():
+        assert not _is_own_key(*old.split(".")) and _is_own_key(*new.split(".")), (old, new)
+    assert not [name for name in UNBUILT_KEYS if _is_own_key(*name.split("."))]
