@@ -244,7 +244,10 @@ class Profiling:
 class Comm:
     init_timeout_seconds: int = opt(300, "collective timeout until the first step ends", min=1)
     train_timeout_seconds: int = opt(100, "collective timeout after the first step", min=1)
-    trace_buf_size: int = opt(20000, "NCCL flight recorder entries", min=0)
+    trace_buf_size: int = opt(20000, "NCCL flight recorder entries per rank (0: off)", min=0)
+    save_traces_folder: str = opt(
+        "comm_traces", "where each rank's flight recorder is dumped on a collective timeout (in dump_folder)"
+    )
 
 
 @dataclass

@@ -1,12 +1,15 @@
 """Device and process-group setup, layout-independent init, and global-norm clipping."""
 
 import datetime
+import logging
 import math
 import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+logger = logging.getLogger(__name__)
 
 
 def device_type() -> str:
@@ -39,25 +42,48 @@ def local_device() -> torch.device:
 
 
 def init_distributed(
-    device: torch.device, timeout_seconds: int, trace_buf_size: int, cpu_collectives: bool = False
+    device: torch.device,
+    timeout_seconds: int,
+    trace_buf_size: int,
+    cpu_collectives: bool = False,
+    trace_dump_folder: str = "",
 ) -> int:
     """Join the process group when launched by torchrun; returns the world size.
 
     A plain `python -m torchtitan.train` (no WORLD_SIZE) runs as one process with no group.
-    `cpu_collectives`: see `backend_for`.
+    `cpu_collectives`: see `backend_for`. Under nccl the flight recorder keeps each rank's
+    last `trace_buf_size` collectives and, on a collective timeout, writes them to
+    `trace_dump_folder/rank_N` (created here), so that on several nodes they land in the run's
+    dump folder rather than in each node's /tmp. Environment variables the user set win.
     """
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         return 1
-    # TORCH_NCCL_TRACE_BUFFER_SIZE is the deprecated spelling; a user's setting of either wins.
-    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
+    backend = backend_for(device.type, cpu_collectives)
+    _configure_flight_recorder(trace_buf_size, trace_dump_folder if "nccl" in backend else "")
     dist.init_process_group(
-        backend=backend_for(device.type, cpu_collectives),
+        backend=backend,
         timeout=datetime.timedelta(seconds=timeout_seconds),
         device_id=device if device.type != "cpu" else None,
     )
     return dist.get_world_size()
+
+
+def _configure_flight_recorder(trace_buf_size: int, trace_dump_folder: str) -> None:
+    # The TORCH_NCCL_* names are the deprecated spellings of the TORCH_FR_* ones.
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
+    user_chose_a_file = {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} & set(os.environ)
+    if trace_buf_size == 0 or not trace_dump_folder or user_chose_a_file:
+        return
+    folder = os.path.abspath(trace_dump_folder)
+    os.makedirs(folder, exist_ok=True)
+    os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(folder, "rank_")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    logger.info(
+        f"Flight recorder: each rank's last {trace_buf_size} NCCL collectives are written to "
+        f"{folder}/rank_<rank> if a collective times out"
+    )
 
 
 def set_collective_timeout(timeout_seconds: int) -> None:
