@@ -150,3 +150,19 @@ def test_the_tables_name_only_keys_that_are_not_this_trainers_own():
     for old, new in RENAMED_KEYS.items():
         assert not _is_own_key(*old.split(".")) and _is_own_key(*new.split(".")), (old, new)
     assert not [name for name in UNBUILT_KEYS if _is_own_key(*name.split("."))]
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [(("--training.dataset", "c4_test"), "use 'smoke'"),
+     (("--validation.enable", "--validation.dataset", "c4_validation"), "use 'smoke_validation'")],
+    ids=["training", "validation"],
+)  # fmt: skip
+def test_upstream_bundled_samples_name_the_bundled_corpus_here(tmp_path, argv, named):
+    message = _error(tmp_path, "", *argv)
+    assert "is upstream torchtitan's bundled C4 sample" in message and named in message
+
+
+def test_a_disabled_validation_section_may_keep_upstreams_sample_name(tmp_path):
+    cfg = _load(tmp_path, '[validation]\nenabled = false\ndataset = "c4_validation"\n')
+    assert cfg.validation.dataset == "c4_validation" and cfg.validation.enable is False

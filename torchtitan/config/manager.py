@@ -21,6 +21,7 @@ from torchtitan.config.upstream import (
     QUANTIZE_FLOAT8,
     RENAMED_KEYS,
     UNBUILT_KEYS,
+    UPSTREAM_BUNDLED_DATASETS,
     UPSTREAM_ONLY_SECTIONS,
 )
 
@@ -520,6 +521,7 @@ def _check_consistency(config: JobConfig) -> None:
         )
     _check_expert_parallel(p)
     _check_converters(config)
+    _check_upstream_datasets(config)
     _check_validation(config.validation, t)
     if config.compile.enable:
         unknown = sorted(set(config.compile.components) - {"model", "loss"})
@@ -556,6 +558,19 @@ def _check_converters(config: JobConfig) -> None:
             "[float8] is set but has no effect: float8 training is on only when model.converters "
             'includes "float8". Add it, or remove the section to silence this warning.'
         )
+
+
+def _check_upstream_datasets(config: JobConfig) -> None:
+    """Upstream's bundled samples would otherwise be looked up on the hub, which fails (or hangs
+    offline) only once the ranks have started."""
+    for section in ("training", "validation") if config.validation.enable else ("training",):
+        name = getattr(config, section).dataset
+        if name in UPSTREAM_BUNDLED_DATASETS and getattr(config, section).dataset_path is None:
+            raise ConfigError(
+                f"'{section}.dataset' = '{name}' is upstream torchtitan's bundled C4 sample, which is "
+                f"not shipped here; use '{UPSTREAM_BUNDLED_DATASETS[name]}' (the bundled corpus here), "
+                f"'c4' (streamed from the hub), or set '{section}.dataset_path' to local files."
+            )
 
 
 def _check_validation(v, t) -> None:

@@ -87,3 +87,6 @@ UNBUILT_KEYS = {
     ),
     "float8.moe_fqns_prototype": UnbuiltKey("float8 grouped experts", []),
 }
+
+# Upstream's bundled dataset samples (in its tests/assets), and this trainer's bundled counterparts.
+UPSTREAM_BUNDLED_DATASETS = {"c4_test": "smoke", "c4_validation": "smoke_validation"}
