@@ -4,7 +4,7 @@ import pytest
 
 from torchtitan.config import ConfigError, JobConfig, parse_args
 from torchtitan.config.manager import _is_own_key
-from torchtitan.config.upstream import RENAMED_KEYS, UNBUILT_KEYS
+from torchtitan.config.upstream import RENAMED_FOLDER_KEYS, RENAMED_KEYS, UNBUILT_KEYS
 from torchtitan.train import main
 
 EARLIER_NAMES = """
@@ -99,9 +99,9 @@ def test_an_upstream_key_of_an_unbuilt_feature_set_on_is_refused(tmp_path, text,
     assert "remove the key or set it to False" in message
 
 
-def test_an_unbuilt_list_key_given_empty_on_the_command_line_is_ignored(tmp_path):
-    assert _load(tmp_path, "", "--float8.moe_fqns_prototype", "").float8 == JobConfig().float8
-    assert "[]" in _error(tmp_path, "", "--float8.moe_fqns_prototype", "experts")
+def test_an_unbuilt_key_given_its_default_on_the_command_line_is_ignored(tmp_path):
+    assert _load(tmp_path, "", "--model.norm_type", "rmsnorm").model == JobConfig().model
+    assert "set it to 'rmsnorm'" in _error(tmp_path, "", "--model.norm_type", "layernorm")
 
 
 @pytest.mark.parametrize(
@@ -146,8 +146,14 @@ def test_a_file_with_several_problems_exits_with_code_2_listing_them(tmp_path, c
     assert "2 problems in" in err and "stepz" in err and "batch_sise" in err and "Traceback" not in err
 
 
+def test_a_tokenizer_path_naming_a_folder_is_read_as_hf_assets_path(tmp_path, caplog):
+    cfg = _load(tmp_path, '[model]\ntokenizer_path = "./assets/hf/deepseek-moe-16b-base/"\n')
+    assert cfg.model.hf_assets_path == "./assets/hf/deepseek-moe-16b-base/"
+    assert "as 'model.hf_assets_path'" in _warnings(caplog)[0]
+
+
 def test_the_tables_name_only_keys_that_are_not_this_trainers_own():
-    for old, new in RENAMED_KEYS.items():
+    for old, new in (RENAMED_KEYS | RENAMED_FOLDER_KEYS).items():
         assert not _is_own_key(*old.split(".")) and _is_own_key(*new.split(".")), (old, new)
     assert not [name for name in UNBUILT_KEYS if _is_own_key(*name.split("."))]
 
@@ -166,3 +172,11 @@ def test_upstream_bundled_samples_name_the_bundled_corpus_here(tmp_path, argv, n
 def test_a_disabled_validation_section_may_keep_upstreams_sample_name(tmp_path):
     cfg = _load(tmp_path, '[validation]\nenabled = false\ndataset = "c4_validation"\n')
     assert cfg.validation.dataset == "c4_validation" and cfg.validation.enable is False
+
+
+def test_float8_grouped_experts_are_refused_only_with_float8_on(tmp_path):
+    text = '[float8]\nmoe_fqns = ["experts"]\n'
+    assert _load(tmp_path, text).float8.moe_fqns == ["experts"]
+    message = _error(tmp_path, text, "--model.converters", "float8")
+    assert "'float8.moe_fqns' = ['experts'] asks for float8 grouped experts" in message
+    assert "set moe_fqns = []" in message

@@ -19,6 +19,7 @@ from torchtitan.config.upstream import (
     ANY,
     CONVERTER_SECTIONS,
     QUANTIZE_FLOAT8,
+    RENAMED_FOLDER_KEYS,
     RENAMED_KEYS,
     UNBUILT_KEYS,
     UPSTREAM_BUNDLED_DATASETS,
@@ -148,7 +149,7 @@ def _cli_value(text: str | None, like):
     if like is ANY or like is None:
         return text
     try:
-        return _parse_text(text, list[str] if isinstance(like, list) else type(like))
+        return _parse_text(text, type(like))
     except ValueError:
         return text
 
@@ -166,12 +167,15 @@ def _resolve_key(section: str, key: str, value, where: str, from_text: bool) -> 
     if _is_own_key(section, key):
         return section, key
     name = f"{section}.{key}"
-    if name in RENAMED_KEYS:
+    new_name = RENAMED_KEYS.get(name)
+    if name in RENAMED_FOLDER_KEYS and isinstance(value, str) and not value.endswith(".model"):
+        new_name = RENAMED_FOLDER_KEYS[name]
+    if new_name:
         logger.warning(
-            f"Reading '{name}' in {where} as '{RENAMED_KEYS[name]}', its name here (upstream "
+            f"Reading '{name}' in {where} as '{new_name}', its name here (upstream "
             "torchtitan's earlier spelling); rename it to silence this warning."
         )
-        new_section, _, new_key = RENAMED_KEYS[name].partition(".")
+        new_section, _, new_key = new_name.partition(".")
         return new_section, new_key
     spec = UNBUILT_KEYS.get(name)
     if spec is None:
@@ -547,6 +551,12 @@ def _check_converters(config: JobConfig) -> None:
                 f"'float8.enable_fsdp_float8_all_gather' = true needs recipe_name 'tensorwise' (one scale "
                 f"per weight), but recipe_name = '{f8.recipe_name}'; set recipe_name = 'tensorwise' or "
                 "turn the float8 all-gather off."
+            )
+        if f8.moe_fqns:
+            raise ConfigError(
+                f"'float8.moe_fqns' = {f8.moe_fqns} asks for float8 grouped experts, which this trainer "
+                "does not build (float8 converts nn.Linear layers; the experts train in the "
+                "high-precision dtype); set moe_fqns = [] or remove it."
             )
         if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
             raise ConfigError(

@@ -32,7 +32,11 @@ RENAMED_KEYS = {
     "training.warmup_steps": "lr_scheduler.warmup_steps",
     "lr_scheduler.lr_min": "lr_scheduler.min_lr_factor",
     "validation.enabled": "validation.enable",
+    "float8.moe_fqns_prototype": "float8.moe_fqns",
 }
+# Earlier names read as the new key only when the value names a folder, as the new key does:
+# upstream's tokenizer_path held either such a folder or a tokenizer.model file (see below).
+RENAMED_FOLDER_KEYS = {"model.tokenizer_path": "model.hf_assets_path"}
 
 
 ANY = object()
@@ -57,9 +61,9 @@ UNBUILT_KEYS = {
     "job.use_for_integration_test": UnbuiltKey("choosing its integration-test configs", ANY),
     "model.print_after_conversion": UnbuiltKey("printing the model after its converters", ANY),
     "model.tokenizer_path": UnbuiltKey(
-        "the tokenizer file of earlier releases",
+        "a tokenizer.model file (tiktoken or SentencePiece)",
         None,
-        fix="set 'model.hf_assets_path' to the folder that holds tokenizer.json "
+        fix="set 'model.hf_assets_path' to the folder that holds the model's tokenizer.json "
         "(scripts/download_hf_assets.py fetches it) and remove the key",
     ),
     "model.norm_type": UnbuiltKey("choosing the norm layer, which each model fixes here", "rmsnorm"),
@@ -85,7 +89,6 @@ UNBUILT_KEYS = {
     "float8.force_recompute_fp8_weight_in_bwd": UnbuiltKey(
         "a float8 option that torchao has deprecated", ANY
     ),
-    "float8.moe_fqns_prototype": UnbuiltKey("float8 grouped experts", []),
 }
 
 # Upstream's bundled dataset samples (in its tests/assets), and this trainer's bundled counterparts.
