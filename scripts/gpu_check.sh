@@ -9,25 +9,46 @@
 #   4. building the block_causal BlockMask eagerly vs compiled at 4 x 8192 (time, peak memory).
 #
 #   scripts/gpu_check.sh [--quick]     # --quick: step 3 on the debug model at seq_len 2048
+#   scripts/gpu_check.sh --cpu-dry-run  # every step on the CPU at toy sizes (4-9 minutes on 2
+#                                       # cores): checks the script itself before GPU time is spent
 #
-# Needs the project importable (`pip install -e .`, or PYTHONPATH holding the repo and its
-# dependencies); runs $PYTHON (default python3); writes logs under ${GPU_CHECK_DIR:-/tmp/gpu_check}.
+# Needs the project's dependencies importable (the repo itself is put on PYTHONPATH); runs
+# $PYTHON (default python3); writes logs under ${GPU_CHECK_DIR:-/tmp/gpu_check}.
 # Exit code: 0 when every step passed, else the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${GPU_CHECK_DIR:-/tmp/gpu_check}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# The benchmarks run as scripts, whose folder, not the repo, heads sys.path.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The GPU tests launch each trainer as a plain process, as a user's run starts, not forked
 # from the CPU suite's pre-imported interpreter (tests/forked_launcher.py).
 export TORCHTITAN_TEST_LAUNCH=subprocess
 py="${PYTHON:-python3}"
+mode="${1:-}"
 
-if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "gpu_check.sh needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)." >&2
-    exit 2
+if [[ "$mode" == "--cpu-dry-run" ]]; then
+    echo "CPU dry run: toy sizes, numbers meaningless; checks that every step runs and reports."
+    train_steps=3
+    bench=(--config debug_model.toml --seq-len 256 --batch 2 --steps 3 --warmup 1)
+    mask_size=(--batch 1 --seq-len 1024)
+    "$py" -c "import torch; print('torch', torch.__version__, 'on the CPU')"
+else
+    if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+        echo "gpu_check.sh needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)." >&2
+        exit 2
+    fi
+    train_steps=10
+    if [[ "$mode" == "--quick" ]]; then
+        bench=(--config debug_model.toml --seq-len 2048 --batch 4 --steps 8 --warmup 3)
+    else
+        # Llama 3 1B on the bundled corpus and tokenizer (nothing to download), bf16 autocast.
+        bench=(--config debug_model.toml --flavor 1B --seq-len 8192 --batch 1 --steps 8 --warmup 3)
+    fi
+    mask_size=(--batch 4 --seq-len 8192)
+    "$py" -c "import torch; print('torch', torch.__version__, 'on', torch.cuda.get_device_name(0))"
 fi
-"$py" -c "import torch; print('torch', torch.__version__, 'on', torch.cuda.get_device_name(0))"
 failed=0
 start=$SECONDS
 
@@ -36,7 +57,7 @@ if ! "$py" -m pytest -q -m gpu tests/gpu 2>&1 | tee "$out/gpu_tests.log"; then
     failed=$((failed + 1))
 fi
 
-echo "== 2. flex-attention debug configs: op-SAC + compile, then full AC (10 steps each; at $((SECONDS - start)) s)"
+echo "== 2. flex-attention debug configs: op-SAC + compile, then full AC ($train_steps steps each; at $((SECONDS - start)) s)"
 printf "| config | AC | first loss | last loss | tokens/s | peak GiB |\n|---|---|---|---|---|---|\n" > "$out/flex.md"
 for config in debug_model_flex_attn qwen3_debug_model_flex_attn deepseek_v3_debug_model_flex_attn; do
     for ac in op_sac_compile full; do
@@ -46,7 +67,7 @@ for config in debug_model_flex_attn qwen3_debug_model_flex_attn deepseek_v3_debu
         esac
         dump="$out/$config-$ac"
         rm -rf "$dump"
-        if "$py" -m torchtitan.train --config "$config.toml" --training.steps 10 --metrics.log_freq 1 \
+        if "$py" -m torchtitan.train --config "$config.toml" --training.steps "$train_steps" --metrics.log_freq 1 \
             "${ac_args[@]}" --job.dump_folder "$dump" > "$dump.log" 2>&1; then
             "$py" - "$dump/metrics.jsonl" "$config" "$ac" >> "$out/flex.md" <<'EOF'
 import json, sys
@@ -64,19 +85,13 @@ done
 cat "$out/flex.md"
 
 echo "== 3. AC modes through the trainer (at $((SECONDS - start)) s)"
-if [[ "${1:-}" == "--quick" ]]; then
-    bench=(--config debug_model.toml --seq-len 2048 --batch 4 --steps 8 --warmup 3)
-else
-    # Llama 3 1B on the bundled corpus and tokenizer (nothing to download), bf16 autocast.
-    bench=(--config debug_model.toml --flavor 1B --seq-len 8192 --batch 1 --steps 8 --warmup 3)
-fi
 if ! "$py" benchmarks/ac_modes_trainer.py "${bench[@]}" -- --training.mixed_precision_param bfloat16 \
     2>&1 | tee "$out/ac_modes.md"; then
     failed=$((failed + 1))
 fi
 
-echo "== 4. BlockMask build, eager vs compiled, block_causal at 4 x 8192 (at $((SECONDS - start)) s)"
-if ! "$py" benchmarks/block_mask_build.py --batch 4 --seq-len 8192 --mask-type block_causal \
+echo "== 4. BlockMask build, eager vs compiled, block_causal (${mask_size[*]}; at $((SECONDS - start)) s)"
+if ! "$py" benchmarks/block_mask_build.py "${mask_size[@]}" --mask-type block_causal \
     2>&1 | tee "$out/block_mask.md"; then
     failed=$((failed + 1))
 fi
