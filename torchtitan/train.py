@@ -67,7 +67,9 @@ class Trainer:
             cfg.comm.init_timeout_seconds,
             cfg.comm.trace_buf_size,
             cpu_collectives=cfg.training.enable_cpu_offload,
-            trace_dump_folder=os.path.join(cfg.job.dump_folder, cfg.comm.save_traces_folder),
+            trace_dump_prefix=os.path.join(
+                cfg.job.dump_folder, cfg.comm.save_traces_folder, cfg.comm.save_traces_file_prefix
+            ),
         )
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)

@@ -251,6 +251,7 @@ class Comm:
     save_traces_folder: str = opt(
         "comm_traces", "where each rank's flight recorder is dumped on a collective timeout (in dump_folder)"
     )
+    save_traces_file_prefix: str = opt("rank_", "name of each rank's trace file, before the rank number")
 
 
 @dataclass

@@ -46,21 +46,21 @@ def init_distributed(
     timeout_seconds: int,
     trace_buf_size: int,
     cpu_collectives: bool = False,
-    trace_dump_folder: str = "",
+    trace_dump_prefix: str = "",
 ) -> int:
     """Join the process group when launched by torchrun; returns the world size.
 
     A plain `python -m torchtitan.train` (no WORLD_SIZE) runs as one process with no group.
     `cpu_collectives`: see `backend_for`. Under nccl the flight recorder keeps each rank's
-    last `trace_buf_size` collectives and, on a collective timeout, writes them to
-    `trace_dump_folder/rank_N` (created here), so that on several nodes they land in the run's
-    dump folder rather than in each node's /tmp. Environment variables the user set win.
+    last `trace_buf_size` collectives and, on a collective timeout, writes them to the file
+    `trace_dump_prefix` + rank (its folder created here), so that on several nodes they land
+    in the run's dump folder rather than in each node's /tmp. Variables the user set win.
     """
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         return 1
     backend = backend_for(device.type, cpu_collectives)
-    _configure_flight_recorder(trace_buf_size, trace_dump_folder if "nccl" in backend else "")
+    _configure_flight_recorder(trace_buf_size, trace_dump_prefix if "nccl" in backend else "")
     dist.init_process_group(
         backend=backend,
         timeout=datetime.timedelta(seconds=timeout_seconds),
@@ -69,20 +69,20 @@ def init_distributed(
     return dist.get_world_size()
 
 
-def _configure_flight_recorder(trace_buf_size: int, trace_dump_folder: str) -> None:
+def _configure_flight_recorder(trace_buf_size: int, trace_dump_prefix: str) -> None:
     # The TORCH_NCCL_* names are the deprecated spellings of the TORCH_FR_* ones.
     if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
     user_chose_a_file = {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} & set(os.environ)
-    if trace_buf_size == 0 or not trace_dump_folder or user_chose_a_file:
+    if trace_buf_size == 0 or not trace_dump_prefix or user_chose_a_file:
         return
-    folder = os.path.abspath(trace_dump_folder)
-    os.makedirs(folder, exist_ok=True)
-    os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(folder, "rank_")
+    prefix = os.path.abspath(trace_dump_prefix)
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    os.environ["TORCH_FR_DUMP_TEMP_FILE"] = prefix
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     logger.info(
         f"Flight recorder: each rank's last {trace_buf_size} NCCL collectives are written to "
-        f"{folder}/rank_<rank> if a collective times out"
+        f"{prefix}<rank> if a collective times out"
     )
 
 
