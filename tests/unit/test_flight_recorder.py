@@ -39,6 +39,12 @@ def test_a_relative_folder_is_made_absolute_so_a_change_of_directory_cannot_move
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "out" / "comm_traces" / "rank_")
 
 
+def test_an_empty_file_prefix_names_the_files_by_rank_inside_the_folder(clean_env, tmp_path):
+    _configure_flight_recorder(10, str(tmp_path / "comm_traces") + os.sep)
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "comm_traces") + os.sep
+    assert (tmp_path / "comm_traces").is_dir()
+
+
 @pytest.mark.parametrize("variable", ["TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"])
 def test_a_dump_file_the_user_chose_wins(clean_env, tmp_path, variable):
     clean_env.setenv(variable, "/elsewhere/trace_")

@@ -66,7 +66,7 @@ UNBUILT_KEYS = {
         fix="set 'model.hf_assets_path' to the folder that holds the model's tokenizer.json "
         "(scripts/download_hf_assets.py fetches it) and remove the key",
     ),
-    "model.norm_type": UnbuiltKey("choosing the norm layer, which each model fixes here", "rmsnorm"),
+    "model.norm_type": UnbuiltKey("the norm layer's type (fixed per model here)", "rmsnorm"),
     "metrics.rank_0_only": UnbuiltKey(
         "the metrics' ranks in earlier releases",
         True,

@@ -76,7 +76,8 @@ def _configure_flight_recorder(trace_buf_size: int, trace_dump_prefix: str) -> N
     user_chose_a_file = {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} & set(os.environ)
     if trace_buf_size == 0 or not trace_dump_prefix or user_chose_a_file:
         return
-    prefix = os.path.abspath(trace_dump_prefix)
+    # abspath drops a trailing separator, which an empty file prefix leaves.
+    prefix = os.path.abspath(trace_dump_prefix) + (os.sep if trace_dump_prefix.endswith(os.sep) else "")
     os.makedirs(os.path.dirname(prefix), exist_ok=True)
     os.environ["TORCH_FR_DUMP_TEMP_FILE"] = prefix
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
