@@ -140,6 +140,8 @@ class Trainer:
         model = self.spec.build_meta_model(self.model_args, TORCH_DTYPES[cfg.training.dtype])
         self.converters = build_model_converters(cfg, self.parallel_dims, self.device)
         self.converters.convert(model)
+        if cfg.model.print_after_conversion:
+            logger.info(f"Model after its converters ({cfg.model.converters or 'none'}):\n{model}")
         self.num_params, self.flops_per_token = self.model_args.num_flops_per_token(
             model, cfg.training.seq_len
         )

@@ -74,3 +74,12 @@ def test_moe_tp2_float8_matches_one_process(config, tmp_path):
     # Looser than the dense model's: a float8 rounding flip can also flip an expert choice
     # (DeepSeek-V3's loss is 2e-4 off by step 4).
     _assert_close(_train(tmp_path / "tp2", 2, 2, moe + tp, converted=False), reference, 5e-4, 1e-2)
+
+
+def test_print_after_conversion_logs_the_model_with_its_float8_layers(tmp_path):
+    argv = FLOAT8 + ["--training.steps", "1", "--training.local_batch_size", "4"]
+    argv += ["--model.print_after_conversion"]
+    proc = run_trainer(argv + ["--job.dump_folder", str(tmp_path)], nproc=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = proc.stderr.split("Model after its converters (['float8']):\n", 1)[1]
+    assert "(wq): Float8Linear(in_features=256" in printed and "(output): Linear(in_features=256" in printed

@@ -52,6 +52,7 @@ class Model:
     converters: list[str] = opt(
         [], "model converters applied before parallelizing: float8 (torchao Float8Linear; see [float8])"
     )
+    print_after_conversion: bool = opt(False, "log the model's modules after its converters run")
 
 
 @dataclass

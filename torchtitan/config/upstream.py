@@ -59,7 +59,6 @@ class UnbuiltKey:
 
 UNBUILT_KEYS = {
     "job.use_for_integration_test": UnbuiltKey("choosing its integration-test configs", ANY),
-    "model.print_after_conversion": UnbuiltKey("printing the model after its converters", ANY),
     "model.tokenizer_path": UnbuiltKey(
         "a tokenizer.model file (tiktoken or SentencePiece)",
         None,
