@@ -180,3 +180,8 @@ def test_float8_grouped_experts_are_refused_only_with_float8_on(tmp_path):
     message = _error(tmp_path, text, "--model.converters", "float8")
     assert "'float8.moe_fqns' = ['experts'] asks for float8 grouped experts" in message
     assert "set moe_fqns = []" in message
+
+
+def test_a_list_written_as_a_comma_separated_string_is_read_as_on_the_command_line(tmp_path):
+    cfg = _load(tmp_path, '[model]\nconverters = "float8"\n[float8]\nfilter_fqns = "output, router.gate"\n')
+    assert cfg.model.converters == ["float8"] and cfg.float8.filter_fqns == ["output", "router.gate"]

@@ -296,6 +296,9 @@ def _coerce(value, tp):
                 pass
         raise ValueError(value)
     if origin is list:
+        if isinstance(value, str):
+            # As on the command line; upstream torchtitan's files wrote lists this way too.
+            return _parse_text(value, tp)
         if not isinstance(value, list):
             raise ValueError(value)
         return [_coerce(v, typing.get_args(tp)[0]) for v in value]
