@@ -9,6 +9,7 @@ import sys
 import typing
 from pathlib import Path
 
+from torchtitan.config import upstream
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import describe_type
 
@@ -33,7 +34,33 @@ def render() -> str:
             default = getattr(getattr(defaults, section.name), f.name)
             kind = describe_type(hints[f.name]).replace("|", "\\|")
             lines.append(f"| `{f.name}` | {kind} | `{default!r}` | {f.metadata.get('help', '')} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _upstream_lines()) + "\n"
+
+
+def _upstream_lines() -> list[str]:
+    """What upstream torchtitan's keys that are not keys here do (torchtitan/config/upstream.py)."""
+    lines = [
+        "",
+        "## Upstream torchtitan keys",
+        "",
+        "A config written for upstream torchtitan may hold keys that are not keys here. Renamed ones",
+        "are read as their key here, with a warning; keys of features not built here are ignored",
+        "(with a warning) at the value shown, and refused at any other.",
+        "",
+        "| upstream key | here |",
+        "|---|---|",
+    ]
+    lines += [f"| `{old}` | read as `{new}` |" for old, new in upstream.RENAMED_KEYS.items()]
+    folders = upstream.RENAMED_FOLDER_KEYS.items()
+    lines += [f"| `{old}` naming a folder | read as `{new}` |" for old, new in folders]
+    for name, spec in upstream.UNBUILT_KEYS.items():
+        if spec.default is None:
+            lines.append(f"| `{name}` naming {spec.feature} | refused: {spec.fix} |")
+            continue
+        ignored = "any value" if spec.default is upstream.ANY else f"`{spec.default!r}`"
+        instead = f"; otherwise: {spec.fix}" if spec.fix else ""
+        lines.append(f"| `{name}` | {spec.feature}: ignored at {ignored}{instead} |")
+    return lines
 
 
 def main() -> int:
