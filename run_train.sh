@@ -9,7 +9,7 @@ export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)${PYTHONPATH:+:${PYTHONPATH}}"
 
 # Check the config once, here: under torchrun a mistake fails on every rank and comes back as
 # torchrun's ChildFailedError traceback (exit 1) instead of one line and exit code 2.
-python -m torchtitan.config.check "$@" || exit $?
+python -m torchtitan.config.check --errors-only "$@" || exit $?
 
 if [ -z "${NGPU:-}" ]; then
   NGPU=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 1)")

@@ -42,3 +42,24 @@ def test_config_check_passes_a_good_config_without_importing_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["0", "False"], proc.stderr
+
+
+def _check_stderr(tmp_path, *check_args: str) -> str:
+    config = tmp_path / "upstream.toml"
+    config.write_text("[training]\nbatch_size = 2\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan.config.check", *check_args, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr
+
+
+def test_config_check_shows_an_upstream_key_warning_when_run_by_hand(tmp_path):
+    assert "'training.batch_size'" in _check_stderr(tmp_path)
+
+
+def test_config_check_for_a_launcher_leaves_the_warnings_to_rank_0(tmp_path):
+    assert "'training.batch_size'" not in _check_stderr(tmp_path, "--errors-only")
