@@ -23,6 +23,7 @@ from torchtitan.components.compile import tag_compile_caches_with_process_groups
 from torchtitan.components.dataloader import build_validation_dataloader
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.model_converter import build_model_converters
+from torchtitan.components.optimizer import OptimizerInBackward, check_early_step_in_backward
 from torchtitan.components.profiling import MemorySnapshotter, maybe_profile
 from torchtitan.components.training_step import (
     autocast_context,
@@ -86,6 +87,7 @@ class Trainer:
         self.tokenizer = self.spec.build_tokenizer_fn(cfg)
         self._check_vocab()
         self.accum_steps = gradient_accumulation_steps(cfg, self.parallel_dims.dp_degree)
+        check_early_step_in_backward(cfg, self.parallel_dims, self.accum_steps)
         dp_rank, dp_degree = self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
         self.dataloader = self.spec.build_dataloader_fn(cfg, self.tokenizer, dp_rank, dp_degree)
 
@@ -189,6 +191,10 @@ class Trainer:
         tensors stay on the device so nothing waits for the host here.
         """
         self.optimizer.zero_grad(set_to_none=True)
+        steps_in_backward = isinstance(self.optimizer, OptimizerInBackward)
+        if steps_in_backward:
+            # An async_with_pinned_mem save of the last step may still be copying these weights.
+            self.checkpointer.wait_for_staging()
         total_loss = torch.zeros((), device=self.device)
         data_seconds = 0.0
         for micro_batch in range(self.accum_steps):
@@ -207,10 +213,12 @@ class Trainer:
                 self.job_config,
                 self.spec.extra_loss_fn,
             )
-        grad_norm = dist_utils.clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm)
-        # An async_with_pinned_mem save of the last step may still be copying these weights.
-        self.checkpointer.wait_for_staging()
-        self.optimizer.step()
+        if steps_in_backward:
+            grad_norm = self.optimizer.grad_norm()
+        else:
+            grad_norm = dist_utils.clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm)
+            self.checkpointer.wait_for_staging()
+            self.optimizer.step()
         # Read before the scheduler advances: the log line reports the lr this step used.
         self.lr = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()

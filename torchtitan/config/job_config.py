@@ -66,6 +66,11 @@ class Optimizer:
     implementation: Literal["fused", "foreach", "for-loop"] = opt(
         "fused", "optimizer kernel; fused falls back to foreach on devices without it"
     )
+    early_step_in_backward: bool = opt(
+        False,
+        "step each parameter as soon as backward has its gradient, then free it (saves the "
+        "gradients' memory); needs training.max_norm = 0, no gradient accumulation, and no DDP",
+    )
 
 
 @dataclass

@@ -526,6 +526,12 @@ def _check_consistency(config: JobConfig) -> None:
             "'training.dtype' = 'bfloat16' with 'training.mixed_precision_param' = 'float32' "
             "would upcast bf16 weights; set mixed_precision_param to 'bfloat16'."
         )
+    if config.optimizer.early_step_in_backward and t.max_norm > 0:
+        raise ConfigError(
+            f"'training.max_norm' = {t.max_norm} clips by the norm of all gradients, which "
+            "'optimizer.early_step_in_backward' = true frees one by one as it steps; set "
+            "training.max_norm = 0 (grad_norm is still logged) or early_step_in_backward = false."
+        )
     _check_expert_parallel(p)
     _check_converters(config)
     _check_upstream_datasets(config)

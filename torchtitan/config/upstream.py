@@ -76,7 +76,6 @@ UNBUILT_KEYS = {
         False,
         fix="add \"float8\" to 'model.converters' instead",
     ),
-    "optimizer.early_step_in_backward": UnbuiltKey("optimizer steps inside backward", False),
     "training.gc_debug": UnbuiltKey("a gc.collect() every step to find reference cycles", ANY),
     "parallelism.enable_compiled_autograd": UnbuiltKey("compiled autograd", False),
     "parallelism.context_parallel_rotate_method": UnbuiltKey("context parallelism", ANY),

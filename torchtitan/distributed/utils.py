@@ -124,54 +124,65 @@ def init_param_(param: torch.Tensor, fill_) -> None:
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """Clip gradients by their global 2-norm and return the norm before clipping.
 
-    DTensor gradients (FSDP or TP shards) sum their shards' squares across the mesh dims they
-    are sharded on (see `_norm64`), so the norm is the true global one whatever the layout.
-    Per-tensor norms accumulate in float64: a float32 reduction over millions of elements
-    drifts by ~1e-5, enough for the same gradients to show different norms on different
-    layouts. `max_norm <= 0` only measures.
-
-    Expert-parallel gradients (parameters marked `_ep_local`, plain, FSDP- or TP-sharded) differ
-    across the EP group: their squared norms are summed over the parameter's `_ep_group` and
-    added to the rest.
+    The norm is `GradSquareSums`' (float64, the true global one whatever the layout, expert
+    parallelism included). `max_norm <= 0` only measures.
     """
     params = [p for p in parameters if p.grad is not None]
-    shared = [p for p in params if not getattr(p, "_ep_local", False)]
-    ep_params = [p for p in params if getattr(p, "_ep_local", False)]
-    norm = _norm64([p.grad for p in shared])
-    if ep_params:
-        norm = (norm.square() + _ep_square_sum(ep_params, norm.device)).sqrt()
-    norm = norm.float()
+    squares = GradSquareSums()
+    squares.add(params)
+    norm = squares.global_norm().float()
     if max_norm > 0:
         # clip_grads_with_norm_ takes the parameters and scales their .grad; EP parameters live
         # on another mesh (or none), so each kind gets its own foreach call.
+        shared = [p for p in params if not getattr(p, "_ep_local", False)]
+        ep_params = [p for p in params if getattr(p, "_ep_local", False)]
         for group in (shared, ep_params):
             if group:
                 torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
 
 
-def _norm64(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The global 2-norm of `grads` together, as a plain float64 tensor (0 for none).
+class GradSquareSums:
+    """Squared gradient norms, summed per layout, from which `global_norm` makes the global norm.
 
-    Norms accumulate in float64 over local tensors. A DTensor contributes its local shard; the
-    squares of the DTensors sharing a layout are summed, then all-reduced once over each mesh
-    dim they are sharded on. (DTensor's own norm would stack partial norms of different
-    layouts, redistributing each and warning on every FSDP x TP run.)
+    Norms accumulate in float64 over local tensors: a float32 reduction over millions of
+    elements drifts by ~1e-5, enough for the same gradients to show different norms on
+    different layouts. A DTensor gradient contributes its local shard; the squares of the
+    gradients sharing a layout are summed, then all-reduced once over each mesh dim they are
+    sharded on. (DTensor's own norm would stack partial norms of different layouts,
+    redistributing each and warning on every FSDP x TP run.) Expert-parallel parameters
+    (`_ep_local`) differ across their `_ep_group`, which their squares are summed over too.
+
+    Gradients may be added a few at a time, as optimizer-in-backward does before it frees each
+    one. Pitfall: every rank must add the same layouts in the same order, since `global_norm`
+    all-reduces one sum per layout in the order they first appeared.
     """
-    if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    grads = [_without_partial(g) for g in grads]
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    squares: dict[tuple, torch.Tensor] = {}
-    for grad, norm in zip(grads, torch._foreach_norm(local, 2.0, dtype=torch.float64)):
-        key = _sharded_groups(grad)
-        squares[key] = squares[key] + norm.square() if key in squares else norm.square()
-    total = torch.zeros((), dtype=torch.float64, device=local[0].device)
-    for groups, square in squares.items():
-        for group in groups:
-            dist.all_reduce(square, group=group)
-        total = total + square.to(total.device)
-    return total.sqrt()
+
+    def __init__(self) -> None:
+        self._by_layout: dict[tuple, torch.Tensor] = {}
+        self._device: torch.device | None = None
+
+    def add(self, params: list[torch.Tensor]) -> None:
+        """Add the squared norms of `params`' gradients (each must have one)."""
+        if not params:
+            return
+        grads = [_without_partial(p.grad) for p in params]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        self._device = self._device or local[0].device
+        for param, grad, norm in zip(params, grads, torch._foreach_norm(local, 2.0, dtype=torch.float64)):
+            key = _sharded_groups(grad) + ((param._ep_group,) if getattr(param, "_ep_local", False) else ())
+            square = norm.square()
+            self._by_layout[key] = self._by_layout[key] + square if key in self._by_layout else square
+
+    def global_norm(self) -> torch.Tensor:
+        """The global 2-norm of everything added, as a float64 tensor (0 for nothing); resets."""
+        total = torch.zeros((), dtype=torch.float64, device=self._device)
+        for groups, square in self._by_layout.items():
+            for group in groups:
+                dist.all_reduce(square, group=group)
+            total = total + square.to(total.device)
+        self._by_layout, self._device = {}, None
+        return total.sqrt()
 
 
 def _without_partial(grad: torch.Tensor) -> torch.Tensor:
@@ -191,19 +202,6 @@ def _sharded_groups(grad: torch.Tensor) -> tuple:
         return ()
     mesh = grad.device_mesh
     return tuple(mesh.get_group(dim) for dim, p in enumerate(grad.placements) if not p.is_replicate())
-
-
-def _ep_square_sum(ep_params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squared gradient norms of `_ep_local` parameters over each one's `_ep_group`."""
-    by_group: dict = {}
-    for p in ep_params:
-        by_group.setdefault(p._ep_group, []).append(p.grad)
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for group, grads in by_group.items():
-        square = _norm64(grads).to(device).square()
-        dist.all_reduce(square, group=group)
-        total = total + square
-    return total
 
 
 def plain_tensor(t: torch.Tensor) -> torch.Tensor:
