@@ -8,7 +8,8 @@ The model is built through its TrainSpec on the meta device in `training.dtype` 
 by the spec's own `parallelize_fn` for a world of `--ngpu` ranks, in this one process (a fake
 process group; rank 0 is shown, all ranks hold the same). Then, under FakeTensorMode, it gets
 storage and one training step runs as the trainer runs it (forward, the spec's loss in the loss
-context, backward, per micro-batch; grad clipping; optimizer step) under PyTorch's MemTracker
+context, backward, per micro-batch; grad clipping; optimizer step, or with
+`optimizer.early_step_in_backward` each parameter's step inside backward) under PyTorch's MemTracker
 (FSDPMemTracker when FSDP shards the model). The optimizer state is created beforehand by a
 step on zero gradients, so the measured step is a steady-state one. Nothing is allocated and no
 weights are initialized.
@@ -56,6 +57,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 from torchtitan.components.model_converter import build_model_converters
+from torchtitan.components.optimizer import OptimizerInBackward, check_early_step_in_backward
 from torchtitan.components.training_step import (
     describe_layout,
     forward_backward,
@@ -428,6 +430,8 @@ def train_step(cfg, parallel_dims, model, optimizer, loss_fn, batch, tracker: Me
         if micro_batch:
             tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root otherwise
         forward_backward(model, loss_fn, inputs, labels, accum_steps, parallel_dims, cfg)
+    if isinstance(optimizer, OptimizerInBackward):
+        return  # each parameter stepped, and its gradient was freed, during backward
     dist_utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
     optimizer.step()
 
@@ -479,7 +483,9 @@ def measure(cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 
     gc.collect()
     with fake_world(ngpu):
         parallel_dims = parallel_dims_for(cfg, ngpu)
-        gradient_accumulation_steps(cfg, parallel_dims.dp_degree)  # refuse a bad batch before building
+        # Refuse a bad batch, or steps in backward that cannot be, before building.
+        accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
+        check_early_step_in_backward(cfg, parallel_dims, accum_steps)
         if fake:
             _refuse_ddp(parallel_dims)
         else:
@@ -534,9 +540,10 @@ def describe(cfg: JobConfig, ngpu: int, ep_imbalance: float = 1.0) -> str:
         routing = "; balanced expert routing"
         if ep_imbalance != 1.0:
             routing = f"; this rank receives {ep_imbalance:g}x its balanced share of routed rows"
+    early = "; the optimizer steps in backward" if cfg.optimizer.early_step_in_backward else ""
     return (
         f"{cfg.model.name} {cfg.model.flavor}, local batch {t.local_batch_size} x {t.seq_len} tokens, "
-        f"on {describe_layout(cfg, dims)}{routing}"
+        f"on {describe_layout(cfg, dims)}{routing}{early}"
     )
 
 

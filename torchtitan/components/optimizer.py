@@ -121,7 +121,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
             one.state = self.state
 
 
-def check_early_step_in_backward(job_config: JobConfig, parallel_dims: ParallelDims, accum_steps: int) -> None:
+def check_early_step_in_backward(
+    job_config: JobConfig, parallel_dims: ParallelDims, accum_steps: int
+) -> None:
     """Refuse `optimizer.early_step_in_backward` where a step needs every gradient at once.
 
     Raises:
