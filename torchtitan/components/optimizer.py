@@ -5,6 +5,7 @@ import logging
 
 import torch
 import torch.nn as nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
@@ -17,16 +18,18 @@ logger = logging.getLogger(__name__)
 def build_optimizer(model: nn.Module, job_config: JobConfig, device: torch.device):
     """Adam or AdamW over all trainable parameters of `model`.
 
-    `implementation = "fused"` uses the fused kernel on CUDA and falls back to foreach
-    elsewhere, where PyTorch has no fused Adam for every dtype and layout. MoE expert weights
-    get a param group of their own, same hyperparameters: under expert parallelism they are
-    plain local tensors (or DTensors on another mesh), which the multi-tensor kernels refuse to
-    mix with FSDP's DTensors. They get it in every layout, so that the optimizer and LR
-    scheduler states of one layout load into another.
+    `implementation = "fused"` uses the fused kernel where the device has one (CUDA, and the
+    CPU, so that CPU runs and the memory estimator take the GPU's path) and foreach elsewhere.
+    Fused keeps no temporaries; foreach's step makes some about the size of the parameters.
+
+    MoE expert weights get a param group of their own, same hyperparameters: under expert
+    parallelism they are plain local tensors (or DTensors on another mesh), which the
+    multi-tensor kernels refuse to mix with FSDP's DTensors. They get it in every layout, so
+    that the optimizer and LR scheduler states of one layout load into another.
     """
     cfg = job_config.optimizer
     impl = cfg.implementation
-    if impl == "fused" and device.type != "cuda":
+    if impl == "fused" and device.type not in _get_fused_kernels_supported_devices():
         impl = "foreach"
     cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
     experts = {id(p) for p in _expert_weights(model)}
