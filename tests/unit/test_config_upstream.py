@@ -75,12 +75,12 @@ def test_a_key_set_under_both_names_with_one_value_loads(tmp_path):
 
 
 def test_an_upstream_key_of_an_unbuilt_feature_at_its_default_is_ignored_with_a_warning(tmp_path, caplog):
-    text = "[optimizer]\nearly_step_in_backward = false\n[job]\nuse_for_integration_test = true\n"
+    text = "[parallelism]\nenable_compiled_autograd = false\n[job]\nuse_for_integration_test = true\n"
     cfg = _load(tmp_path, text)
-    assert cfg.optimizer == JobConfig().optimizer and cfg.job.description == JobConfig().job.description
+    assert cfg.parallelism == JobConfig().parallelism and cfg.job.description == JobConfig().job.description
     warnings = _warnings(caplog)
     assert [w.split(" in ")[0] for w in warnings] == [
-        "Ignoring 'optimizer.early_step_in_backward'",
+        "Ignoring 'parallelism.enable_compiled_autograd'",
         "Ignoring 'job.use_for_integration_test'",
     ]
     assert all("has no effect here" in w for w in warnings)
@@ -88,14 +88,14 @@ def test_an_upstream_key_of_an_unbuilt_feature_at_its_default_is_ignored_with_a_
 
 @pytest.mark.parametrize(
     "text, argv",
-    [("[optimizer]\nearly_step_in_backward = true\n", ()),
-     ("", ("--optimizer.early_step_in_backward",))],
+    [("[parallelism]\nenable_compiled_autograd = true\n", ()),
+     ("", ("--parallelism.enable_compiled_autograd",))],
     ids=["file", "command-line flag"],
 )  # fmt: skip
 def test_an_upstream_key_of_an_unbuilt_feature_set_on_is_refused(tmp_path, text, argv):
     message = _error(tmp_path, text, *argv)
-    assert "'optimizer.early_step_in_backward' = True" in message
-    assert "optimizer steps inside backward, which this trainer does not build" in message
+    assert "'parallelism.enable_compiled_autograd' = True" in message
+    assert "compiled autograd, which this trainer does not build" in message
     assert "remove the key or set it to False" in message
 
 
@@ -128,12 +128,15 @@ def test_a_misspelling_near_a_key_of_its_own_section_is_not_sent_elsewhere(tmp_p
 
 
 def test_every_problem_in_a_file_is_reported_at_once(tmp_path):
-    text = "[training]\ntensor_parallel_degree = 2\nstepz = 3\n[optimizer]\nearly_step_in_backward = true\n"
+    text = (
+        "[training]\ntensor_parallel_degree = 2\nstepz = 3\n"
+        "[parallelism]\nenable_compiled_autograd = true\n"
+    )
     message = _error(tmp_path, text)
     assert message.startswith("3 problems in ")
     lines = message.splitlines()[1:]
     assert len(lines) == 3 and all(line.startswith("  - ") for line in lines)
-    assert "tensor_parallel_degree" in lines[0] and "stepz" in lines[1] and "early_step" in lines[2]
+    assert "tensor_parallel_degree" in lines[0] and "stepz" in lines[1] and "compiled_autograd" in lines[2]
 
 
 def test_a_file_with_several_problems_exits_with_code_2_listing_them(tmp_path, capsys):
