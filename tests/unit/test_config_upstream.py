@@ -129,8 +129,7 @@ def test_a_misspelling_near_a_key_of_its_own_section_is_not_sent_elsewhere(tmp_p
 
 def test_every_problem_in_a_file_is_reported_at_once(tmp_path):
     text = (
-        "[training]\ntensor_parallel_degree = 2\nstepz = 3\n"
-        "[parallelism]\nenable_compiled_autograd = true\n"
+        "[training]\ntensor_parallel_degree = 2\nstepz = 3\n[parallelism]\nenable_compiled_autograd = true\n"
     )
     message = _error(tmp_path, text)
     assert message.startswith("3 problems in ")
