@@ -52,9 +52,11 @@ def test_fsdp2_float8_with_op_sac_matches_one_process_taking_the_same_micro_batc
 def test_tp2_float8_with_full_ac_matches_one_process(one_process, tmp_path):
     tp = _train(tmp_path, 2, 2, ["--parallelism.tensor_parallel_degree", "2",
                                  "--activation_checkpoint.mode", "full"])  # fmt: skip
-    # Float8 on and off differ by up to 1.4e-3 in loss and 1e-2 in gradient norm (step 4), so
-    # these bounds still tell them apart.
-    _assert_close(tp, one_process, 1e-4, 5e-3)
+    # TP's partial sums round differently before the casts, and float8 amplifies that, by how
+    # much depends on the CPU: 1.3e-4 in loss and 1.4e-3 in gradient norm by step 5 on an AMD
+    # EPYC (under 1e-4 on the machines before). Float8 on and off differ by 1.4e-3 in loss and
+    # 1.1e-2 in gradient norm at step 4, so these bounds still tell them apart.
+    _assert_close(tp, one_process, 5e-4, 5e-3)
 
 
 @pytest.mark.full_matrix
