@@ -55,9 +55,12 @@ def test_a_checkpoint_of_the_usual_optimizer_resumes_stepping_in_backward(steppi
 
 
 LAYOUTS = {
+    "tp2": (2, 1, ["--parallelism.tensor_parallel_degree", "2"]),
     "fsdp2_tp2": (4, 2, ["--parallelism.tensor_parallel_degree", "2"]),
     "hsdp2x2": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2"]),
-}
+    "fsdp2_compiled_op_sac": (2, 2, ["--compile.enable", "--activation_checkpoint.mode", "selective",
+                                     "--activation_checkpoint.selective_ac_option", "op"]),
+}  # fmt: skip
 
 
 @pytest.mark.full_matrix
