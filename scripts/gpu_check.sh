@@ -53,7 +53,8 @@ failed=0
 start=$SECONDS
 
 echo "== 1. GPU-marked tests (at $((SECONDS - start)) s)"
-if ! "$py" -m pytest -q -m gpu tests/gpu 2>&1 | tee "$out/gpu_tests.log"; then
+# -rP prints what passing tests print (the optimizer-in-backward peak memory figures).
+if ! "$py" -m pytest -q -rP -m gpu tests/gpu 2>&1 | tee "$out/gpu_tests.log"; then
     failed=$((failed + 1))
 fi
 

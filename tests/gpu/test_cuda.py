@@ -1,7 +1,8 @@
 """What only a CUDA GPU can check: flex_attention's compiled BlockMask path against the exact
 dense path, the bf16 grouped-matmul experts against the loop, the GPU attention kernel under
-op-SAC, short bf16 and float8 training runs, the CUDA memory snapshots and a resume from a
-pinned-memory async save. Marked `gpu`; skipped without CUDA. `scripts/gpu_check.sh` runs them with
+op-SAC, short bf16 and float8 training runs, the CUDA memory snapshots, a resume from a
+pinned-memory async save, and the memory the optimizer saves by stepping in backward. Marked
+`gpu`; skipped without CUDA. `scripts/gpu_check.sh` runs them with
 `python -m pytest -m gpu tests/gpu`.
 """
 
@@ -12,17 +13,22 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import read_metrics, run_trainer
+from torchtitan.components.optimizer import build_optimizer
 from torchtitan.config import ActivationCheckpoint
+from torchtitan.config.manager import parse_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.attention import FlexAttention, build_attention_masks
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import TransformerBlock
 from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
 from torchtitan.models.moe import GroupedExperts
 from torchtitan.models.rope import precompute_rope_cache
+from torchtitan.protocols.train_spec import get_train_spec
 
 pytestmark = [
     pytest.mark.gpu,
@@ -162,3 +168,49 @@ def test_float8_training_with_op_sac_and_compile_learns(tmp_path):
     assert "Float8 training (tensorwise): 42 Linear layers converted" in proc.stderr
     records = read_metrics(tmp_path)
     assert records[-1]["loss"] <= 0.6 * records[0]["loss"], records
+
+
+def _second_step(early_step_in_backward: bool, device: torch.device = CUDA) -> tuple[int, float, int]:
+    """The peak allocated bytes and the loss of a steady-state step (the second) of the Llama 3
+    debug model in fp32 without AC, and the bytes of its gradients."""
+    argv = ["--config", "debug_model.toml", "--training.max_norm", "0",
+            "--activation_checkpoint.mode", "none",
+            "--optimizer.early_step_in_backward", str(early_step_in_backward).lower()]  # fmt: skip
+    cfg = parse_args(argv, env={})
+    spec = get_train_spec(cfg.model.name)
+    with torch.device("meta"):
+        model = spec.model_cls(spec.flavors[cfg.model.flavor])
+    spec.parallelize_fn(model, ParallelDims(1, 1, 1, 1), cfg, device)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    model.init_weights()
+    optimizer = build_optimizer(model, cfg, device)
+    tokens = torch.randint(0, 2048, (1, 33), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        if not early_step_in_backward:
+            optimizer.step()
+        return loss.item()
+
+    step()  # creates the optimizer state
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    loss = step()
+    torch.cuda.synchronize(device)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return torch.cuda.max_memory_allocated(device), loss, grad_bytes
+
+
+def test_stepping_in_backward_lowers_a_steps_peak_by_most_of_the_gradients():
+    """At 1 x 32 tokens the activations are far smaller than the weights, so the usual step
+    peaks at the optimizer step (weights, gradients, Adam's moments); stepping in backward
+    holds only the gradients backward has not yet reached."""
+    after_peak, after_loss, grad_bytes = _second_step(False)
+    during_peak, during_loss, _ = _second_step(True)
+    print(f"peak of a step: {after_peak / 2**20:.1f} MiB stepping after backward, "
+          f"{during_peak / 2**20:.1f} MiB in it; gradients {grad_bytes / 2**20:.1f} MiB")  # fmt: skip
+    assert during_loss == pytest.approx(after_loss, rel=1e-6)
+    assert during_peak <= after_peak - grad_bytes // 2, (during_peak, after_peak, grad_bytes)
