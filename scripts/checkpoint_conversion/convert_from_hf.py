@@ -3,11 +3,12 @@
 The DCP holds ``{"model": {FQN: tensor}}``, model weights only, under the top-level key the
 trainer's checkpoints use for them. Parameters are stored in ``--dtype`` (default float32, the
 trainer's parameter dtype); buffers (MoE ``expert_bias``) keep the model's dtype for them.
-Runs in one process, without a process group.
+Runs in one process, without a process group. Block-scaled fp8 weights, as the published
+DeepSeek-V3 stores them, are dequantized on the way.
 
 Bad input (a missing folder, an unknown model or flavor, a checkpoint whose keys or shapes are
-not the flavor's, an output folder that is not empty) ends with exit code 2 and a one-paragraph
-message on stderr.
+not the flavor's, quantized weights other than block-scaled fp8, an output folder that is not
+empty) ends with exit code 2 and a one-paragraph message on stderr.
 
 Usage:
     python scripts/checkpoint_conversion/convert_from_hf.py --model llama3 --flavor 8B \\
@@ -23,7 +24,13 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan.components.hf_io import load_hf
+from torchtitan.components.hf_io import (
+    HFQuantizationError,
+    dequantize_fp8,
+    fp8_block_size,
+    load_hf_tensors,
+    read_hf_layout,
+)
 from torchtitan.config.manager import ConfigError
 from torchtitan.protocols.state_dict_adapter import (
     StateDictMismatchError,
@@ -34,7 +41,13 @@ from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.dtypes import TORCH_DTYPES
 
 EXIT_BAD_INPUT = 2
-BAD_INPUT_ERRORS = (ConfigError, StateDictMismatchError, FileNotFoundError, FileExistsError)
+BAD_INPUT_ERRORS = (
+    ConfigError,
+    StateDictMismatchError,
+    HFQuantizationError,
+    FileNotFoundError,
+    FileExistsError,
+)
 
 
 def convert_from_hf(model: str, flavor: str, hf: str | Path, out: str | Path, dtype: torch.dtype) -> None:
@@ -45,6 +58,10 @@ def convert_from_hf(model: str, flavor: str, hf: str | Path, out: str | Path, dt
         FileNotFoundError: `hf` is missing or holds no safetensors checkpoint.
         FileExistsError: `out` exists and is not empty.
         StateDictMismatchError: the checkpoint's keys or shapes are not the flavor's.
+        HFQuantizationError: quantized weights other than block-scaled fp8, or inconsistent ones.
+
+    Block-scaled fp8 weights (the published DeepSeek-V3's) are dequantized; tensors the
+    adapter ignores (DeepSeek-V3's multi-token-prediction layer) are not read.
     """
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -53,7 +70,9 @@ def convert_from_hf(model: str, flavor: str, hf: str | Path, out: str | Path, dt
     template = get_train_spec(model).build_meta_model(adapter.model_args, dtype).state_dict()
     not_this_flavor = f"'{hf}' is not a {model} {flavor} Hugging Face checkpoint"
     try:
-        state_dict = adapter.from_hf(load_hf(hf))
+        layout = read_hf_layout(hf)
+        wanted = [key for key in layout if not adapter.ignores_hf_key(key)]
+        state_dict = adapter.from_hf(dequantize_fp8(load_hf_tensors(layout, wanted), fp8_block_size(hf)))
     except StateDictMismatchError as error:
         raise StateDictMismatchError(f"{not_this_flavor}: {error}") from None
     if mismatch := describe_mismatch(_shapes(template), _shapes(state_dict)):

@@ -610,24 +610,45 @@ class CheckpointManager:
         whole model (140 GB for a 70B model in bf16, per rank). Before any data is read the
         conversion is checked on the files' headers: a checkpoint that lacks a tensor of this
         model, or holds one of another shape, is refused with ConfigError, where loading it
-        would silently keep those tensors' random initialization.
+        would silently keep those tensors' random initialization. Tensors the adapter ignores
+        (DeepSeek-V3's multi-token-prediction layer) are never read; block-scaled fp8 weights
+        (the published DeepSeek-V3's) are dequantized to float32 a layer at a time.
         """
-        from torchtitan.components.hf_io import keys_by_layer, load_hf_tensors, meta_tensors, read_hf_layout
+        from torchtitan.components.hf_io import (
+            FP8_SCALE_SUFFIX,
+            HFQuantizationError,
+            fp8_block_size,
+            keys_by_layer,
+            load_hf_tensors,
+            meta_tensors,
+            read_hf_layout,
+        )
 
         try:
             layout = read_hf_layout(path)
-            converted = self._own_experts(self.hf_adapter.from_hf(meta_tensors(layout)))
+            layout = {key: file for key, file in layout.items() if not self.hf_adapter.ignores_hf_key(key)}
+            block = fp8_block_size(path)
+            converted = self._from_hf(meta_tensors(layout), block)
         except (StateDictMismatchError, FileNotFoundError) as error:
             raise ConfigError(f"{self._not_this_model(path)}: {error}. {_HF_LOAD_FIX}") from None
+        except HFQuantizationError as error:
+            raise ConfigError(f"'checkpoint.initial_load_path' = '{path}': {error}") from None
         expected = {k: v.shape for k, v in self._model_state().items()}
         if mismatch := describe_mismatch(expected, {k: v.shape for k, v in converted.items()}):
             raise ConfigError(f"{self._not_this_model(path)}: {mismatch}. {_HF_LOAD_FIX}")
         self._warn_on_config_differences(path)
+        if scaled := sum(key.endswith(FP8_SCALE_SUFFIX) for key in layout):
+            logger.info(f"Dequantizing {scaled} fp8 weights ({block[0]} x {block[1]} blocks) to float32")
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
         for keys in keys_by_layer(layout):
-            state = self.hf_adapter.from_hf(load_hf_tensors(layout, keys))
-            if state:
-                set_model_state_dict(self.model, self._own_experts(state), options=options)
+            if state := self._from_hf(load_hf_tensors(layout, keys), block):
+                set_model_state_dict(self.model, state, options=options)
+
+    def _from_hf(self, hf_tensors: dict, fp8_block: tuple[int, int]) -> dict:
+        """Some of an HF checkpoint's tensors as this rank's part of our state dict."""
+        from torchtitan.components.hf_io import dequantize_fp8
+
+        return self._own_experts(self.hf_adapter.from_hf(dequantize_fp8(hf_tensors, fp8_block)))
 
     def _warn_on_config_differences(self, path: Path) -> None:
         """Warn when the checkpoint's config.json sets RoPE or norm constants other than this

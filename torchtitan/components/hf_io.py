@@ -3,9 +3,16 @@
 The files are the ones transformers' ``save_pretrained`` writes and ``from_pretrained`` reads:
 ``model-0000k-of-0000n.safetensors`` shards, ``model.safetensors.index.json`` mapping every key
 to its shard, and ``config.json``.
+
+Reading also understands the block-scaled float8 weights that DeepSeek-V3's published
+checkpoints (and Qwen3's -FP8 releases) store: each such ``X.weight`` is float8 e4m3 beside a
+float32 ``X.weight_scale_inv`` holding one multiplier per block of the weight (128 x 128 unless
+config.json's ``quantization_config.weight_block_size`` says otherwise); `dequantize_fp8` turns
+them back into float32 weights.
 """
 
 import json
+import math
 import re
 from collections import defaultdict
 from collections.abc import Mapping
@@ -19,6 +26,19 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+FP8_SCALE_SUFFIX = "_scale_inv"
+DEFAULT_FP8_BLOCK = (128, 128)
+_FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# safetensors' header names of dtypes; a dtype missing here reads as float32 in `meta_tensors`.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+class HFQuantizationError(ValueError):
+    """A quantized HF checkpoint this reader cannot turn back into full-precision weights."""
 
 
 def save_hf(
@@ -95,12 +115,18 @@ def read_hf_layout(folder: str | Path) -> dict[str, Path]:
 
 
 def meta_tensors(layout: Mapping[str, Path]) -> dict[str, torch.Tensor]:
-    """Meta tensors with the shapes of `layout`'s tensors, to check a conversion without data."""
-    shapes = {}
+    """Meta tensors with the shapes and dtypes of `layout`'s tensors, to check a conversion
+    without data."""
+    headers = {}
     for file, keys in _keys_by_file(layout, list(layout)).items():
         with safe_open(file, framework="pt") as f:
-            shapes.update({key: f.get_slice(key).get_shape() for key in keys})
-    return {key: torch.empty(shapes[key], device="meta") for key in layout}
+            for key in keys:
+                header = f.get_slice(key)
+                headers[key] = header.get_shape(), header.get_dtype()
+    return {
+        key: torch.empty(shape, dtype=_SAFETENSORS_DTYPES.get(dtype, torch.float32), device="meta")
+        for key, (shape, dtype) in headers.items()
+    }
 
 
 def load_hf_tensors(layout: Mapping[str, Path], keys: list[str]) -> dict[str, torch.Tensor]:
@@ -110,6 +136,78 @@ def load_hf_tensors(layout: Mapping[str, Path], keys: list[str]) -> dict[str, to
         with safe_open(file, framework="pt") as f:
             loaded.update({key: f.get_tensor(key) for key in file_keys})
     return {key: loaded[key] for key in keys}
+
+
+def fp8_block_size(folder: str | Path) -> tuple[int, int]:
+    """The block, (rows, columns), that one ``weight_scale_inv`` entry scales in the HF
+    checkpoint `folder`: config.json's ``quantization_config.weight_block_size``, else
+    `DEFAULT_FP8_BLOCK` (also for a checkpoint without config.json or without quantization).
+
+    Raises:
+        HFQuantizationError: config.json names another quantization method than block-scaled
+            fp8 (``quant_method`` "fp8"), or a block that is not two positive integers.
+    """
+    config_file = Path(folder) / CONFIG_FILE
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    quantization = config.get("quantization_config")
+    if quantization is None:
+        return DEFAULT_FP8_BLOCK
+    method = quantization.get("quant_method")
+    if method != "fp8":
+        raise HFQuantizationError(
+            f"{config_file}: quantization_config.quant_method = {method!r} is not supported; only "
+            "block-scaled fp8 weights (quant_method 'fp8', DeepSeek-V3's format) are dequantized on "
+            "load. Convert the checkpoint to bf16 or fp32 safetensors first."
+        )
+    block = quantization.get("weight_block_size", list(DEFAULT_FP8_BLOCK))
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise HFQuantizationError(
+            f"{config_file}: quantization_config.weight_block_size = {block!r} is not two positive "
+            "integers (rows, columns per scale); DeepSeek-V3's is [128, 128]."
+        )
+    return block[0], block[1]
+
+
+def dequantize_fp8(tensors: Mapping[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """`tensors` with each weight that has a ``<key>_scale_inv`` beside it replaced by its float32
+    value (each `block` of the weight times its scale), and the scale keys dropped; every other
+    tensor is passed through as it is. Works on meta tensors (shapes only).
+
+    Pass whole groups of keys (one decoder layer, say): a weight and its scale must come together.
+
+    Raises:
+        HFQuantizationError: a scale without its weight, a float8 tensor without its scale, or a
+            scale whose shape is not the weight's in blocks of `block` (naming the key).
+    """
+    plain = {}
+    for key, tensor in tensors.items():
+        if key.endswith(FP8_SCALE_SUFFIX):
+            if (weight_key := key.removesuffix(FP8_SCALE_SUFFIX)) not in tensors:
+                raise HFQuantizationError(f"'{key}' scales '{weight_key}', which is not there")
+            continue
+        scale = tensors.get(key + FP8_SCALE_SUFFIX)
+        if scale is not None:
+            tensor = _dequantized(key, tensor, scale, block)
+        elif tensor.dtype in _FLOAT8_DTYPES:
+            raise HFQuantizationError(
+                f"'{key}' is {tensor.dtype} without a '{key}{FP8_SCALE_SUFFIX}' to scale it; only "
+                "block-scaled fp8 weights can be loaded"
+            )
+        plain[key] = tensor
+    return plain
+
+
+def _dequantized(key: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    rows, columns = weight.shape if weight.dim() == 2 else (None, None)
+    want = (math.ceil(rows / block[0]), math.ceil(columns / block[1])) if rows else None
+    if want is None or tuple(scale.shape) != want:
+        raise HFQuantizationError(
+            f"'{key}{FP8_SCALE_SUFFIX}' has shape {tuple(scale.shape)}, but '{key}' {tuple(weight.shape)} "
+            f"in blocks of {block[0]} x {block[1]} needs {want or 'a 2-D weight'}; is "
+            "quantization_config.weight_block_size in config.json right?"
+        )
+    per_row = scale.float().repeat_interleave(block[0], 0)[:rows]
+    return weight.float() * per_row.repeat_interleave(block[1], 1)[:, :columns]
 
 
 def keys_by_layer(keys) -> list[list[str]]:
