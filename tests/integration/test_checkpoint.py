@@ -406,10 +406,12 @@ def test_hf_export_under_expert_parallelism_holds_every_expert(
 def test_initial_load_in_hf_under_expert_parallelism_starts_from_those_weights(
     layout, moe_hf_export_of_one_process, tmp_path
 ):
-    """Default seed, weights from the seed-1 export: the first loss is the seed-1 run's."""
+    """Default seed, weights from the seed-1 export: the first loss is the seed-1 run's. Each
+    rank reads only the experts it holds."""
     exported = moe_hf_export_of_one_process / "checkpoint" / "step-2-hf"
     start = ["--training.steps", "1", "--checkpoint.folder", "fresh", "--checkpoint.initial_load_in_hf",
              "--checkpoint.initial_load_path", str(exported)]  # fmt: skip
-    _train_moe(tmp_path, layout, start)
+    proc = _train_moe(tmp_path, layout, start)
+    assert "Reading only this rank's 4 of 8 experts per MoE layer" in proc.stdout + proc.stderr
     got, want = _losses(tmp_path)[1], _losses(moe_hf_export_of_one_process)[1]
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)

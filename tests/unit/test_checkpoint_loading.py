@@ -74,14 +74,14 @@ def test_a_whole_hf_checkpoint_loads_every_tensor(tmp_path):
 
 
 def test_an_hf_load_reads_one_decoder_layer_at_a_time(tmp_path, monkeypatch):
-    import torchtitan.components.hf_io as hf_io
+    import torchtitan.components.checkpoint as checkpoint
 
     model, adapter = _model()
     _export(model, adapter, tmp_path / "hf")
     reads = []
-    real_read = hf_io.load_hf_tensors
+    real_read = checkpoint.load_hf_tensors
     monkeypatch.setattr(
-        hf_io, "load_hf_tensors", lambda layout, keys: reads.append(keys) or real_read(layout, keys)
+        checkpoint, "load_hf_tensors", lambda layout, keys: reads.append(keys) or real_read(layout, keys)
     )
     target, _ = _model(seed=1)
 

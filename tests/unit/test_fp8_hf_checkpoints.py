@@ -159,12 +159,12 @@ def test_an_fp8_qwen3_checkpoint_loads_as_its_dequantized_weights(flavor, tmp_pa
 def test_an_fp8_load_logs_the_dequantization_and_never_reads_the_mtp_layer(
     deepseek_fp8, tmp_path, monkeypatch, caplog
 ):
-    import torchtitan.components.hf_io as hf_io
+    import torchtitan.components.checkpoint as checkpoint
 
     _, adapter, folder, _ = deepseek_fp8
-    reads, real_read = [], hf_io.load_hf_tensors
+    reads, real_read = [], checkpoint.load_hf_tensors
     monkeypatch.setattr(
-        hf_io, "load_hf_tensors", lambda layout, keys: reads.extend(keys) or real_read(layout, keys)
+        checkpoint, "load_hf_tensors", lambda layout, keys: reads.extend(keys) or real_read(layout, keys)
     )
     target, _ = _model("deepseek_v3", seed=1)
 

@@ -338,6 +338,27 @@ def test_from_hf_skips_the_deepseek_mtp_layer_and_derived_buffers():
     assert adapter.from_hf({**hf, **extra}).keys() == adapter.from_hf(hf).keys()
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3"])
+def test_a_rank_holding_some_experts_reads_only_theirs_and_gets_exactly_their_slice(case):
+    adapter = _adapter(case)
+    state_dict = _random_state_dict(case)
+    hf = adapter.to_hf(state_dict)
+    hf["model.layers.1.mlp.experts.5.up_proj.weight_scale_inv"] = torch.ones(1)  # fp8 scales follow
+
+    renamed = adapter.experts_to_read(hf, range(4, 8))
+
+    experts_read = {int(m.group(1)) for key in renamed if (m := re.search(r"\.experts\.(\d+)\.", key))}
+    assert experts_read == {4, 5, 6, 7}
+    assert renamed["model.layers.1.mlp.experts.5.up_proj.weight_scale_inv"] == (
+        "model.layers.1.mlp.experts.1.up_proj.weight_scale_inv"
+    )
+    assert all(renamed[key] == key for key in hf if ".experts." not in key)
+    del hf["model.layers.1.mlp.experts.5.up_proj.weight_scale_inv"]
+    ours = adapter.from_hf({renamed[key]: hf[key] for key in renamed if key in hf})
+    for key, tensor in state_dict.items():
+        assert torch.equal(ours[key], tensor[4:8] if ".experts." in key else tensor), key
+
+
 def test_to_hf_names_keys_it_does_not_know():
     with pytest.raises(StateDictMismatchError, match="layers.0.attention.extra"):
         _adapter("llama3").to_hf({"layers.0.attention.extra": torch.zeros(1)})

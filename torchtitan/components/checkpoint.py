@@ -44,6 +44,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from torchtitan.components.hf_io import (
+    CONFIG_FILE,
+    FP8_SCALE_SUFFIX,
+    HFQuantizationError,
+    dequantize_fp8,
+    fp8_block_size,
+    keys_by_layer,
+    load_hf_tensors,
+    meta_tensors,
+    read_hf_layout,
+    save_hf,
+)
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.expert_parallel import full_expert_tensor, global_expert_view, is_ep_local
@@ -400,8 +412,6 @@ class CheckpointManager:
         prune_checkpoints(self.folder, self.config.keep_latest_k)
 
     def _save_hf(self, folder: Path) -> None:
-        from torchtitan.components.hf_io import save_hf
-
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_model_state_dict(self.model, options=options)
         # full_state_dict gathers FSDP and TP shards, not expert-parallel slices: gather those
@@ -605,30 +615,48 @@ class CheckpointManager:
     def _load_hf(self, path: Path) -> None:
         """Load the HF checkpoint in `path` into the model, one decoder layer at a time.
 
-        Every rank reads the tensors it needs whole (each rank keeps its own shards of them),
-        so a layer at a time bounds each rank's host memory by one layer rather than the
-        whole model (140 GB for a 70B model in bf16, per rank). Before any data is read the
-        conversion is checked on the files' headers: a checkpoint that lacks a tensor of this
-        model, or holds one of another shape, is refused with ConfigError, where loading it
-        would silently keep those tensors' random initialization. Tensors the adapter ignores
-        (DeepSeek-V3's multi-token-prediction layer) are never read; block-scaled fp8 weights
-        (the published DeepSeek-V3's) are dequantized to float32 a layer at a time.
+        Each rank reads whole the tensors it needs (keeping its own shards of them); under
+        expert parallelism that is only its own experts' tensors. A layer at a time bounds each
+        rank's host memory by one layer rather than the whole model (140 GB for a 70B model in
+        bf16, per rank). Block-scaled fp8 weights (the published DeepSeek-V3's) are dequantized
+        to float32 as they are read. See `_check_hf_checkpoint` for what is refused up front.
         """
-        from torchtitan.components.hf_io import (
-            FP8_SCALE_SUFFIX,
-            HFQuantizationError,
-            fp8_block_size,
-            keys_by_layer,
-            load_hf_tensors,
-            meta_tensors,
-            read_hf_layout,
-        )
+        layout, block = self._check_hf_checkpoint(path)
+        if scaled := sum(key.endswith(FP8_SCALE_SUFFIX) for key in layout):
+            logger.info(f"Dequantizing {scaled} fp8 weights ({block[0]} x {block[1]} blocks) to float32")
+        experts = self._owned_experts()
+        if experts is not None:
+            logger.info(
+                f"Reading only this rank's {len(experts)} of {self._num_experts()} experts per MoE layer"
+            )
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        for keys in keys_by_layer(layout):
+            if state := self._read_hf_layer(layout, keys, block, experts):
+                set_model_state_dict(self.model, state, options=options)
 
+    def _read_hf_layer(self, layout: dict, keys: list[str], fp8_block: tuple, experts: range | None) -> dict:
+        """Our state dict from the HF `keys` of one layer; with `experts`, of those experts only."""
+        renamed = dict(zip(keys, keys)) if experts is None else self.hf_adapter.experts_to_read(keys, experts)
+        tensors = load_hf_tensors(layout, list(renamed))
+        return self.hf_adapter.from_hf(dequantize_fp8({renamed[k]: t for k, t in tensors.items()}, fp8_block))
+
+    def _check_hf_checkpoint(self, path: Path) -> tuple[dict[str, Path], tuple[int, int]]:
+        """The layout of the HF checkpoint in `path` (without the tensors the adapter ignores,
+        such as DeepSeek-V3's multi-token-prediction layer, which are then never read) and its
+        fp8 block size, once the conversion has been checked on the files' headers.
+
+        Raises:
+            ConfigError: the checkpoint lacks a tensor of this model or holds one of another
+                shape (loading it would silently keep those tensors' random initialization), or
+                holds quantized weights that cannot be dequantized; nothing has been loaded.
+        """
         try:
             layout = read_hf_layout(path)
             layout = {key: file for key, file in layout.items() if not self.hf_adapter.ignores_hf_key(key)}
             block = fp8_block_size(path)
-            converted = self._from_hf(meta_tensors(layout), block)
+            converted = self._own_experts(
+                self.hf_adapter.from_hf(dequantize_fp8(meta_tensors(layout), block))
+            )
         except (StateDictMismatchError, FileNotFoundError) as error:
             raise ConfigError(f"{self._not_this_model(path)}: {error}. {_HF_LOAD_FIX}") from None
         except HFQuantizationError as error:
@@ -637,25 +665,13 @@ class CheckpointManager:
         if mismatch := describe_mismatch(expected, {k: v.shape for k, v in converted.items()}):
             raise ConfigError(f"{self._not_this_model(path)}: {mismatch}. {_HF_LOAD_FIX}")
         self._warn_on_config_differences(path)
-        if scaled := sum(key.endswith(FP8_SCALE_SUFFIX) for key in layout):
-            logger.info(f"Dequantizing {scaled} fp8 weights ({block[0]} x {block[1]} blocks) to float32")
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-        for keys in keys_by_layer(layout):
-            if state := self._from_hf(load_hf_tensors(layout, keys), block):
-                set_model_state_dict(self.model, state, options=options)
-
-    def _from_hf(self, hf_tensors: dict, fp8_block: tuple[int, int]) -> dict:
-        """Some of an HF checkpoint's tensors as this rank's part of our state dict."""
-        from torchtitan.components.hf_io import dequantize_fp8
-
-        return self._own_experts(self.hf_adapter.from_hf(dequantize_fp8(hf_tensors, fp8_block)))
+        return layout, block
 
     def _warn_on_config_differences(self, path: Path) -> None:
         """Warn when the checkpoint's config.json sets RoPE or norm constants other than this
         run's: no shape shows it, and the weights then compute something else (e.g. the
         published DeepSeek-V3's YaRN scaling, which a run of training.seq_len <= 4096 does
         not apply)."""
-        from torchtitan.components.hf_io import CONFIG_FILE
         from torchtitan.protocols.state_dict_adapter import HFConfigError, hf_config_differences
 
         if not (path / CONFIG_FILE).is_file():
@@ -674,6 +690,14 @@ class CheckpointManager:
     def _not_this_model(self, path: Path) -> str:
         model = self.job_config.model
         return f"'checkpoint.initial_load_path' = '{path}' is not a {model.name} {model.flavor} checkpoint"
+
+    def _owned_experts(self) -> range | None:
+        """The experts this rank holds of each MoE layer under expert parallelism, else None."""
+        slices = {(p._ep_slice.start, p._ep_slice.stop) for p in self._ep_params().values()}
+        return range(*slices.pop()) if len(slices) == 1 else None
+
+    def _num_experts(self) -> int:
+        return next(iter(self._ep_params().values()))._ep_full_shape[0]
 
     def _own_experts(self, state: dict) -> dict:
         """`state` with each expert-parallel weight cut to this rank's experts."""
