@@ -57,12 +57,21 @@ def _dequantized_by_blocks(quantized: torch.Tensor, scales: torch.Tensor, block)
     return weight
 
 
-def _publish_fp8(model, adapter, folder, block=DEFAULT_FP8_BLOCK, config_block=None, mtp_layer=False):
+def _publish_fp8(
+    model,
+    adapter,
+    folder,
+    block=DEFAULT_FP8_BLOCK,
+    config_block=None,
+    mtp_layer=False,
+    scale_dtype=torch.float32,
+):
     """Write `model` as DeepSeek publishes V3 (and Qwen3 its -FP8 releases): every projection
     weight fp8 with its ``weight_scale_inv``, embeddings, norms and routers in bf16, and with
     `mtp_layer` a copy of the last layer past it, where DeepSeek stores its multi-token
-    prediction. Returns the HF tensors the loader should produce (dequantized by explicit block
-    loops, the MTP layer left out)."""
+    prediction. DeepSeek stores the scales in float32; other releases use bfloat16. Returns the
+    HF tensors the loader should produce (dequantized by explicit block loops, the MTP layer
+    left out)."""
     hf = {key: tensor.to(torch.bfloat16) for key, tensor in adapter.to_hf(model.state_dict()).items()}
     hf = {
         key: tensor.float() if key.endswith("e_score_correction_bias") else tensor
@@ -82,6 +91,7 @@ def _publish_fp8(model, adapter, folder, block=DEFAULT_FP8_BLOCK, config_block=N
     for key, tensor in hf.items():
         if key.endswith("_proj.weight"):
             quantized, scales = _quantize(tensor.float(), block)
+            scales = scales.to(scale_dtype)
             published[key], published[f"{key}_scale_inv"] = quantized, scales
             expected[key] = _dequantized_by_blocks(quantized, scales, block)
         else:
@@ -144,9 +154,9 @@ def test_an_fp8_deepseek_checkpoint_loads_as_its_dequantized_weights(deepseek_fp
 
 
 @pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
-def test_an_fp8_qwen3_checkpoint_loads_as_its_dequantized_weights(flavor, tmp_path):
+def test_an_fp8_qwen3_checkpoint_with_bf16_scales_loads_as_its_dequantized_weights(flavor, tmp_path):
     model, adapter = _model("qwen3", flavor)
-    expected = adapter.from_hf(_publish_fp8(model, adapter, tmp_path / "hf"))
+    expected = adapter.from_hf(_publish_fp8(model, adapter, tmp_path / "hf", scale_dtype=torch.bfloat16))
     target, _ = _model("qwen3", flavor, seed=1)
 
     _hf_loading_manager(tmp_path, tmp_path / "hf", target, adapter).load(TrainState())
