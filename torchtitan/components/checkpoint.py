@@ -307,6 +307,10 @@ class CheckpointManager:
         _barrier()
         start = time.perf_counter()
         if c.async_mode == "async_with_pinned_mem" and not (last or force_sync):
+            if self.device.type != "cpu":
+                # The stager copies on a stream of its own that does not wait for this one:
+                # without this, the copy could read weights the optimizer step is still writing.
+                torch.accelerator.current_stream(self.device).synchronize()
             response = dcp.async_save(
                 state, checkpoint_id=str(partial), process_group=self.async_group, async_stager=self._stager()
             )
