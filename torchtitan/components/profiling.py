@@ -92,7 +92,8 @@ class MemorySnapshotter:
             )
         self.folder = Path(job_config.job.dump_folder) / p.save_memory_snapshot_folder
         self.freq, self.rank = p.profile_freq, rank
-        torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+        # Python frames only: symbolizing C++ frames (addr2line) can take minutes per snapshot.
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=MEMORY_HISTORY_ENTRIES)
 
     def after_step(self, step: int) -> None:
         if self.enabled and step % self.freq == 0:
