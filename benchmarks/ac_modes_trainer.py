@@ -7,7 +7,8 @@ remaining steps). Made for one GPU, e.g. Llama 3 1B at seq_len 8192 in bf16:
     python benchmarks/ac_modes_trainer.py --config debug_model.toml --flavor 1B --seq-len 8192 \\
         --steps 8 --warmup 3 [--modes none full "selective 2" "selective op"] [-- EXTRA OVERRIDES]
 
-It also runs on the CPU with the debug model (MFU is then n/a: no peak FLOPs are known).
+It also runs on the CPU with the debug model (MFU is then n/a: no peak FLOPs are known). A mode
+whose run fails, or outlasts `--timeout`, gets a row saying so and the exit code is 1.
 """
 
 import argparse
@@ -29,16 +30,23 @@ MODES = {
 MEMORY_KEYS = ("memory/max_allocated_gib", "memory/max_rss_gib")
 
 
-def run_mode(cli, mode: str, folder: Path) -> list[dict]:
+def run_mode(cli, mode: str, folder: Path) -> list[dict] | str:
+    """The records after warm-up of one mode's run, or why the run gave none."""
     argv = [sys.executable, "-m", "torchtitan.train", "--config", cli.config,
             "--training.steps", str(cli.steps), "--training.seq_len", str(cli.seq_len),
             "--training.local_batch_size", str(cli.batch), "--metrics.log_freq", "1",
             "--job.dump_folder", str(folder), *MODES[mode], *cli.extra]  # fmt: skip
     if cli.flavor:
         argv += ["--model.flavor", cli.flavor]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy())
+    try:
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, env=os.environ.copy(), timeout=cli.timeout
+        )
+    except subprocess.TimeoutExpired:
+        return f"stopped after its {cli.timeout:.0f} s (--timeout)"
     if proc.returncode != 0:
-        sys.exit(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        print(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return f"failed (exit {proc.returncode})"
     with open(folder / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     return records[cli.warmup :]
@@ -70,6 +78,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped before the medians")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--timeout", type=float, default=None, help="seconds allowed to each mode's run")
     parser.add_argument("extra", nargs="*", help="more trainer overrides, after --")
     cli = parser.parse_args()
     if cli.steps <= cli.warmup:
@@ -78,17 +87,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in cli.modes:
             results[mode] = run_mode(cli, mode, Path(tmp) / mode.replace(" ", "_"))
-    base = statistics.median(r["step_seconds"] for r in results[cli.modes[0]])
-    memory_name = next(k for k in MEMORY_KEYS if k in results[cli.modes[0]][-1]).split("/")[1]
+    done = {mode: records for mode, records in results.items() if not isinstance(records, str)}
+    if not done:
+        sys.exit("no mode ran: " + "; ".join(f"{mode} {why}" for mode, why in results.items()))
+    first = next(iter(done))
+    base = statistics.median(r["step_seconds"] for r in done[first])
+    memory_name = next(k for k in MEMORY_KEYS if k in done[first][-1]).split("/")[1]
     print(
         f"{cli.config} flavor {cli.flavor or '(config)'}, batch {cli.batch} x {cli.seq_len}, "
         f"median of steps {cli.warmup + 1}-{cli.steps}; extra: {' '.join(cli.extra) or 'none'}"
     )
     print()
-    print(f"| mode | tokens/s | MFU % | peak memory GiB ({memory_name}) | step ms | time vs {cli.modes[0]} |")
+    print(f"| mode | tokens/s | MFU % | peak memory GiB ({memory_name}) | step ms | time vs {first} |")
     print("|---|---|---|---|---|---|")
     for mode, records in results.items():
-        print(row(mode, records, base))
+        print(row(mode, records, base) if mode in done else f"| {mode} | {records} | | | | |")
+    if len(done) < len(results):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -116,6 +116,7 @@ def test_gpu_attention_kernel_is_saved_by_op_sac(mode, option, reruns):
 
 def test_bf16_training_with_op_sac_and_compile_learns(tmp_path):
     argv = ["--config", "debug_model.toml", "--training.steps", "30", "--metrics.log_freq", "1",
+            "--training.mixed_precision_param", "bfloat16",
             "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
             "--compile.enable", "--job.dump_folder", str(tmp_path)]  # fmt: skip
     proc = run_trainer(argv)
@@ -139,7 +140,9 @@ def test_memory_snapshots_are_written_at_the_profile_steps_with_the_allocator_hi
 
 
 def test_a_resume_from_a_pinned_memory_async_save_repeats_the_run(tmp_path):
-    argv = ["--config", "debug_model.toml", "--training.steps", "10", "--metrics.log_freq", "1",
+    """Step 5 saves but does not log: no loss.item() waits for its optimizer step before the
+    stager's copy starts (the save itself must)."""
+    argv = ["--config", "debug_model.toml", "--training.steps", "10", "--metrics.log_freq", "2",
             "--checkpoint.enable", "--checkpoint.interval", "5",
             "--checkpoint.async_mode", "async_with_pinned_mem"]  # fmt: skip
     full, resumed = tmp_path / "full", tmp_path / "resumed"
@@ -152,7 +155,7 @@ def test_a_resume_from_a_pinned_memory_async_save_repeats_the_run(tmp_path):
 
     original = {r["step"]: r["loss"] for r in read_metrics(full)}
     again = {r["step"]: r["loss"] for r in read_metrics(resumed)}
-    assert sorted(again) == [6, 7, 8, 9, 10]
+    assert sorted(again) == [6, 8, 10]
     # Not bit for bit: CUDA's embedding and attention backward accumulate with atomics. Saving
     # the next step's weights instead would move the loss by far more than this.
     assert all(abs(again[s] - original[s]) <= 1e-4 * original[s] for s in again), (again, original)
@@ -160,7 +163,8 @@ def test_a_resume_from_a_pinned_memory_async_save_repeats_the_run(tmp_path):
 
 def test_float8_training_with_op_sac_and_compile_learns(tmp_path):
     argv = ["--config", "debug_model.toml", "--training.steps", "30", "--metrics.log_freq", "1",
-            "--model.converters", "float8", "--activation_checkpoint.mode", "selective",
+            "--training.mixed_precision_param", "bfloat16", "--model.converters", "float8",
+            "--activation_checkpoint.mode", "selective",
             "--activation_checkpoint.selective_ac_option", "op", "--compile.enable",
             "--job.dump_folder", str(tmp_path)]  # fmt: skip
     proc = run_trainer(argv)
