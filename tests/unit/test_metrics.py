@@ -96,3 +96,18 @@ def test_wandb_without_login_is_a_config_error_naming_login_and_offline_mode(tmp
     message = str(info.value)
     assert "'metrics.enable_wandb' = true" in message and "api_key not configured" in message
     assert "wandb login" in message and "WANDB_MODE=offline" in message
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA H100 80GB HBM3", 989e12),
+     ("NVIDIA H100 NVL", 835e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+     ("NVIDIA L4", None)],
+)  # fmt: skip
+def test_mfu_uses_the_bf16_peak_of_the_gpu_variant_its_name_gives(name, peak, monkeypatch):
+    from torchtitan.tools.device_info import peak_bf16_flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+    assert peak_bf16_flops(torch.device("cuda")) == peak
+    assert peak_bf16_flops(torch.device("cpu")) is None

@@ -4,9 +4,12 @@ import resource
 
 import torch
 
-# Dense bf16 tensor-core peaks, FLOP/s, from the vendors' datasheets (SXM parts).
+# Dense bf16 tensor-core peaks, FLOP/s, from the vendors' datasheets (SXM parts unless
+# named). The first entry whose key is in the device's name applies: variants come first.
 _PEAK_BF16_FLOPS = (
+    ("H200 NVL", 835e12),
     ("H200", 989e12),
+    ("H100 NVL", 835e12),
     ("H100 PCIe", 756e12),
     ("H100", 989e12),
     ("B200", 2.25e15),
