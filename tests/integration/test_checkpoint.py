@@ -401,8 +401,10 @@ def test_hf_export_under_expert_parallelism_holds_every_expert(
 
 
 @pytest.mark.parametrize(
-    "layout", ["EP 2", "FSDP 4 x EP 2", pytest.param("EP 2 x TP 2", marks=pytest.mark.full_matrix)]
-)
+    "layout",
+    ["EP 2", "FSDP 4 x EP 2", *(pytest.param(layout, marks=pytest.mark.full_matrix)
+                                for layout in ("EP 2 x TP 2", "FSDP 2 x TP 2, EP 4 over TP"))],
+)  # fmt: skip
 def test_initial_load_in_hf_under_expert_parallelism_starts_from_those_weights(
     layout, moe_hf_export_of_one_process, tmp_path
 ):
@@ -412,6 +414,8 @@ def test_initial_load_in_hf_under_expert_parallelism_starts_from_those_weights(
     start = ["--training.steps", "1", "--checkpoint.folder", "fresh", "--checkpoint.initial_load_in_hf",
              "--checkpoint.initial_load_path", str(exported)]  # fmt: skip
     proc = _train_moe(tmp_path, layout, start)
-    assert "Reading only this rank's 4 of 8 experts per MoE layer" in proc.stdout + proc.stderr
+    _, _, argv = EP_LAYOUTS[layout]
+    ep = int(argv[argv.index("--parallelism.expert_parallel_degree") + 1])
+    assert f"Reading only this rank's {8 // ep} of 8 experts per MoE layer" in proc.stdout + proc.stderr
     got, want = _losses(tmp_path)[1], _losses(moe_hf_export_of_one_process)[1]
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
