@@ -4,7 +4,10 @@ The DCP holds ``{"model": {FQN: tensor}}``, model weights only, under the top-le
 trainer's checkpoints use for them. Parameters are stored in ``--dtype`` (default float32, the
 trainer's parameter dtype); buffers (MoE ``expert_bias``) keep the model's dtype for them.
 Runs in one process, without a process group. Block-scaled fp8 weights, as the published
-DeepSeek-V3 stores them, are dequantized on the way.
+DeepSeek-V3 stores them, are dequantized on the way. It holds the whole model in host memory
+(in float32 after dequantizing: 2.7 TB for DeepSeek-V3 671B); for the largest models, load the
+HF folder with the trainer's `checkpoint.initial_load_in_hf` instead, which reads a layer at a
+time and, under expert parallelism, only each rank's experts.
 
 Bad input (a missing folder, an unknown model or flavor, a checkpoint whose keys or shapes are
 not the flavor's, quantized weights other than block-scaled fp8, an output folder that is not

@@ -303,3 +303,11 @@ def test_dequantizing_meta_tensors_checks_shapes_without_data():
         dequantize_fp8(
             {"w.weight": weight, "w.weight_scale_inv": torch.empty(2, 2, device="meta")}, (128, 128)
         )
+
+
+def test_a_scale_beside_a_weight_that_is_not_float8_is_refused():
+    with pytest.raises(HFQuantizationError, match=r"'w.weight' is torch.bfloat16, not float8, yet has a"):
+        dequantize_fp8(
+            {"w.weight": torch.ones(4, 4, dtype=torch.bfloat16), "w.weight_scale_inv": torch.ones(1, 1)},
+            (128, 128),
+        )

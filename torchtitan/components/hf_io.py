@@ -176,8 +176,9 @@ def dequantize_fp8(tensors: Mapping[str, torch.Tensor], block: tuple[int, int]) 
     Pass whole groups of keys (one decoder layer, say): a weight and its scale must come together.
 
     Raises:
-        HFQuantizationError: a scale without its weight, a float8 tensor without its scale, or a
-            scale whose shape is not the weight's in blocks of `block` (naming the key).
+        HFQuantizationError: a scale without its weight, a float8 tensor without its scale, a
+            scale beside a weight that is not float8, or a scale whose shape is not the weight's
+            in blocks of `block` (naming the key).
     """
     plain = {}
     for key, tensor in tensors.items():
@@ -186,6 +187,10 @@ def dequantize_fp8(tensors: Mapping[str, torch.Tensor], block: tuple[int, int]) 
                 raise HFQuantizationError(f"'{key}' scales '{weight_key}', which is not there")
             continue
         scale = tensors.get(key + FP8_SCALE_SUFFIX)
+        if scale is not None and tensor.dtype not in _FLOAT8_DTYPES:
+            raise HFQuantizationError(
+                f"'{key}' is {tensor.dtype}, not float8, yet has a '{key}{FP8_SCALE_SUFFIX}'"
+            )
         if scale is not None:
             tensor = _dequantized(key, tensor, scale, block)
         elif tensor.dtype in _FLOAT8_DTYPES:
