@@ -5,10 +5,10 @@ The files are the ones transformers' ``save_pretrained`` writes and ``from_pretr
 to its shard, and ``config.json``.
 
 Reading also understands the block-scaled float8 weights that DeepSeek-V3's published
-checkpoints (and Qwen3's -FP8 releases) store: each such ``X.weight`` is float8 e4m3 beside a
-float32 ``X.weight_scale_inv`` holding one multiplier per block of the weight (128 x 128 unless
-config.json's ``quantization_config.weight_block_size`` says otherwise); `dequantize_fp8` turns
-them back into float32 weights.
+checkpoints (and Qwen3's -FP8 releases) store: each such ``X.weight`` is float8 e4m3 beside an
+``X.weight_scale_inv`` (float32, or bfloat16 in some releases) holding one multiplier per block
+of the weight (128 x 128 unless config.json's ``quantization_config.weight_block_size`` says
+otherwise); `dequantize_fp8` turns them back into float32 weights.
 """
 
 import json
