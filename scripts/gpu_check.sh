@@ -46,7 +46,8 @@ if [[ "$mode" == "--cpu-dry-run" ]]; then
     budget_preflight=300 budget_parallel=1200 budget_bench=1500 budget_mask=300
 else
     if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-        echo "gpu_check.sh needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)." >&2
+        echo "gpu_check.sh needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)." \
+            "To check the script itself on this machine, run: scripts/gpu_check.sh --cpu-dry-run" >&2
         exit 2
     fi
     device=cuda
@@ -76,7 +77,7 @@ run_limited() {
 }
 
 echo "== 0. pre-flight: imports and one compiled kernel on $device"
-if ! run_limited "$budget_preflight" "$out/preflight.log" "$py" - "$device" <<'EOF'
+if run_limited "$budget_preflight" "$out/preflight.log" "$py" - "$device" <<'EOF'
 import sys
 import torch
 import datasets, pytest, tokenizers, torchao, torchdata  # noqa: F401 (each must import)
@@ -92,6 +93,10 @@ assert torch.equal(torch.compile(lambda t: t.sin() + 1)(x), x.sin() + 1)
 print("torch.compile built and ran a kernel")
 EOF
 then
+    if command -v nvidia-smi > /dev/null; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$out/preflight.log" 2>&1
+    fi
+else
     cat "$out/preflight.log"
     echo "pre-flight failed: nothing else would run; see above." >&2
     exit 1

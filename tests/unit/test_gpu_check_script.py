@@ -1,0 +1,26 @@
+"""scripts/gpu_check.sh, on a machine without a GPU: it parses, and it stops at once with the
+dry-run advice instead of failing step after step. (The dry run itself takes minutes; the
+README records its runs.)"""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
+
+
+def test_the_script_parses():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the script itself")
+def test_without_a_gpu_it_exits_2_and_points_to_the_dry_run(tmp_path):
+    env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path)}
+    done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=120)
+
+    assert done.returncode == 2
+    assert "needs a CUDA GPU" in done.stderr and "scripts/gpu_check.sh --cpu-dry-run" in done.stderr
+    assert not list(tmp_path.iterdir())  # nothing ran
