@@ -93,7 +93,7 @@ assert torch.equal(torch.compile(lambda t: t.sin() + 1)(x), x.sin() + 1)
 print("torch.compile built and ran a kernel")
 EOF
 then
-    if command -v nvidia-smi > /dev/null; then
+    if [[ $device == cuda ]] && command -v nvidia-smi > /dev/null; then
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$out/preflight.log" 2>&1
     fi
 else
