@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -211,8 +212,14 @@ def _dequantized(key: str, weight: torch.Tensor, scale: torch.Tensor, block: tup
             f"in blocks of {block[0]} x {block[1]} needs {want or 'a 2-D weight'}; is "
             "quantization_config.weight_block_size in config.json right?"
         )
-    per_row = scale.float().repeat_interleave(block[0], 0)[:rows]
-    return weight.float() * per_row.repeat_interleave(block[1], 1)[:, :columns]
+    # Each block scaled in place through a (block row, row, block column, column) view: the
+    # result is the only full-size float32 tensor, unless the shape needs padding to whole blocks.
+    padded_rows, padded_columns = want[0] * block[0], want[1] * block[1]
+    value = weight.float()
+    if (padded_rows, padded_columns) != (rows, columns):
+        value = F.pad(value, (0, padded_columns - columns, 0, padded_rows - rows))
+    value.view(want[0], block[0], want[1], block[1]).mul_(scale.float()[:, None, :, None])
+    return value if value.shape == weight.shape else value[:rows, :columns].contiguous()
 
 
 def keys_by_layer(keys) -> list[list[str]]:
