@@ -343,18 +343,17 @@ def test_a_rank_holding_some_experts_reads_only_theirs_and_gets_exactly_their_sl
     adapter = _adapter(case)
     state_dict = _random_state_dict(case)
     hf = adapter.to_hf(state_dict)
-    hf["model.layers.1.mlp.experts.5.up_proj.weight_scale_inv"] = torch.ones(1)  # fp8 scales follow
 
     renamed = adapter.experts_to_read(hf, range(4, 8))
 
     experts_read = {int(m.group(1)) for key in renamed if (m := re.search(r"\.experts\.(\d+)\.", key))}
     assert experts_read == {4, 5, 6, 7}
-    assert renamed["model.layers.1.mlp.experts.5.up_proj.weight_scale_inv"] == (
-        "model.layers.1.mlp.experts.1.up_proj.weight_scale_inv"
+    assert (
+        renamed["model.layers.1.mlp.experts.5.up_proj.weight"]
+        == "model.layers.1.mlp.experts.1.up_proj.weight"
     )
     assert all(renamed[key] == key for key in hf if ".experts." not in key)
-    del hf["model.layers.1.mlp.experts.5.up_proj.weight_scale_inv"]
-    ours = adapter.from_hf({renamed[key]: hf[key] for key in renamed if key in hf})
+    ours = adapter.from_hf({renamed[key]: hf[key] for key in renamed})
     for key, tensor in state_dict.items():
         assert torch.equal(ours[key], tensor[4:8] if ".experts." in key else tensor), key
 

@@ -639,8 +639,15 @@ class CheckpointManager:
                 set_model_state_dict(self.model, state, options=options)
 
     def _read_hf_layer(self, layout: dict, keys: list[str], fp8_block: tuple, experts: range | None) -> dict:
-        """Our state dict from the HF `keys` of one layer; with `experts`, of those experts only."""
-        renamed = dict(zip(keys, keys)) if experts is None else self.hf_adapter.experts_to_read(keys, experts)
+        """Our state dict from the HF `keys` of one layer; with `experts`, of those experts only
+        (an fp8 weight's scale is read where its weight is)."""
+        renamed = dict(zip(keys, keys))
+        if experts is not None:
+            weights = self.hf_adapter.experts_to_read(
+                [k for k in keys if not k.endswith(FP8_SCALE_SUFFIX)], experts
+            )
+            scales = {k + FP8_SCALE_SUFFIX: v + FP8_SCALE_SUFFIX for k, v in weights.items()}
+            renamed = {**weights, **{k: v for k, v in scales.items() if k in renamed}}
         tensors = load_hf_tensors(layout, list(renamed))
         return self.hf_adapter.from_hf(dequantize_fp8({renamed[k]: t for k, t in tensors.items()}, fp8_block))
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.components.hf_io import FP8_SCALE_SUFFIX
 from torchtitan.config.manager import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -138,13 +137,12 @@ class StateDictAdapter(ABC):
     def experts_to_read(self, hf_keys: Iterable[str], experts: range) -> dict[str, str]:
         """For a rank that holds only `experts` of each MoE layer (expert parallelism): the keys
         of `hf_keys` it needs, each mapped to its key in a checkpoint of those experts alone,
-        numbered from 0. Other experts' keys (with their fp8 ``weight_scale_inv``) are left out,
-        so they are never read; every other key maps to itself. `from_hf` of the renamed
-        tensors then stacks just `experts`."""
+        numbered from 0. Other experts' keys are left out, so they are never read; every other
+        key maps to itself. `from_hf` of the renamed tensors then stacks just `experts`."""
         kept = {}
         for hf_key in hf_keys:
             template, indices = split_indices(hf_key)
-            if self._from_hf_map.get(template.removesuffix(FP8_SCALE_SUFFIX)) not in self._stacked:
+            if self._from_hf_map.get(template) not in self._stacked:
                 kept[hf_key] = hf_key
             elif indices[-1] in experts:
                 kept[hf_key] = template.format(*indices[:-1], indices[-1] - experts.start)
