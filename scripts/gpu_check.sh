@@ -5,13 +5,13 @@
 #   1. the test suite's GPU-marked tests (tests/gpu: compiled flex BlockMask vs the exact dense
 #      path, bf16 grouped-mm experts, the GPU attention kernel under op-SAC, a bf16 run, a
 #      float8 run, the CUDA memory snapshots, a resume from an async_with_pinned_mem save, the
-#      optimizer stepping in backward), in two pytest processes;
+#      optimizer stepping in backward), in three pytest processes;
 #   2. each model's flex-attention debug config in bf16, 10 steps with op-SAC + compile, then
 #      with full AC: six trainer runs;
 #   3. the AC benchmark through the trainer on Llama 3 1B at seq_len 8192 (bf16): tokens/s,
 #      MFU and peak memory per AC mode, as one table;
 #   4. building the block_causal BlockMask eagerly vs compiled at 4 x 8192 (time, peak memory).
-# Steps 1 and 2 are mostly compiling on the host, so their eight processes run at once (the
+# Steps 1 and 2 are mostly compiling on the host, so their nine processes run at once (the
 # debug models use little of the GPU; step 2's tokens/s are therefore only indicative); steps 3
 # and 4 measure time, so each runs alone. Every process has a time budget: one that outlasts it
 # is stopped, reported, and the other steps still run.
@@ -105,11 +105,14 @@ cat "$out/preflight.log"
 
 echo "== 1 and 2, at once (at $((SECONDS - start)) s): GPU-marked tests; flex debug configs ($train_steps steps each, bf16)"
 pids=()
+# Three pytest processes: the flex mask compiles, the two compiled training runs, the rest.
 # -rP prints what passing tests print (the optimizer-in-backward peak memory figures).
-run_limited "$budget_parallel" "$out/gpu_tests_flex.log" "$py" -m pytest -q -rP -m gpu tests/gpu -k flex_block_mask &
-pids+=($!)
-run_limited "$budget_parallel" "$out/gpu_tests.log" "$py" -m pytest -q -rP -m gpu tests/gpu -k "not flex_block_mask" &
-pids+=($!)
+test_groups=("flex_block_mask" "learns" "not flex_block_mask and not learns")
+test_logs=("$out/gpu_tests_flex.log" "$out/gpu_tests_training.log" "$out/gpu_tests_other.log")
+for i in 0 1 2; do
+    run_limited "$budget_parallel" "${test_logs[$i]}" "$py" -m pytest -q -rP -m gpu tests/gpu -k "${test_groups[$i]}" &
+    pids+=($!)
+done
 configs=(debug_model_flex_attn qwen3_debug_model_flex_attn deepseek_v3_debug_model_flex_attn)
 for config in "${configs[@]}"; do
     for ac in op_sac_compile full; do
@@ -131,17 +134,16 @@ for pid in "${pids[@]}"; do
 done
 
 echo "-- 1. GPU-marked tests"
-for i in 0 1; do
-    log=("$out/gpu_tests_flex.log" "$out/gpu_tests.log")
-    cat "${log[$i]}"
+for i in 0 1 2; do
+    cat "${test_logs[$i]}"
     if [[ ${rcs[$i]} != 0 ]]; then
         failed=$((failed + 1))
     fi
 done
 
-echo "-- 2. flex-attention debug configs: op-SAC + compile, then full AC (bf16; 8 processes at once: tokens/s indicative)"
+echo "-- 2. flex-attention debug configs: op-SAC + compile, then full AC (bf16; 9 processes at once: tokens/s indicative)"
 printf "| config | AC | first loss | last loss | tokens/s | peak GiB |\n|---|---|---|---|---|---|\n" > "$out/flex.md"
-i=2
+i=3
 for config in "${configs[@]}"; do
     for ac in op_sac_compile full; do
         log="$out/$config-$ac.log"
