@@ -105,6 +105,9 @@ cat "$out/preflight.log"
 
 echo "== 1 and 2, at once (at $((SECONDS - start)) s): GPU-marked tests; flex debug configs ($train_steps steps each, bf16)"
 pids=()
+# Each process would otherwise start one compile worker per core: nine pools of them, each a
+# Python process with torch imported, would crowd the host's memory.
+export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / 4 > 1 ? $(nproc) / 4 : 1 ))
 # Three pytest processes: the flex mask compiles, the two compiled training runs, the rest.
 # -rP prints what passing tests print (the optimizer-in-backward peak memory figures).
 test_groups=("flex_block_mask" "learns" "not flex_block_mask and not learns")
@@ -132,6 +135,7 @@ for pid in "${pids[@]}"; do
     wait "$pid"
     rcs+=($?)
 done
+unset TORCHINDUCTOR_COMPILE_THREADS
 
 echo "-- 1. GPU-marked tests"
 for i in 0 1 2; do
