@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
+from torchtitan.distributed.expert_parallel import routed_experts
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import GradSquareSums
 
@@ -31,7 +32,7 @@ def build_optimizer(model: nn.Module, job_config: JobConfig, device: torch.devic
     if impl == "fused" and device.type != "cuda":
         impl = "foreach"
     cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
-    experts = {id(p) for p in _expert_weights(model)}
+    experts = {id(p) for module in routed_experts(model) for p in module.parameters()}
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if id(p) not in experts]}]
     if experts:
@@ -148,10 +149,3 @@ def check_early_step_in_backward(
             "without sharding); shard with data_parallel_shard_degree > 1 (FSDP or HSDP), or set "
             "early_step_in_backward = false."
         )
-
-
-def _expert_weights(model: nn.Module) -> list[nn.Parameter]:
-    # Imported here: torchtitan.models imports every model, whose specs import this module.
-    from torchtitan.models.moe import GroupedExperts
-
-    return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]

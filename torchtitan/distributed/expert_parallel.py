@@ -195,13 +195,20 @@ def _mark_params(experts: nn.Module) -> None:
             setattr(getattr(experts, name), key, value)
 
 
+def routed_experts(model: nn.Module) -> list[nn.Module]:
+    """The routed experts (a `GroupedExperts`) of each MoE block of `model.layers`, found by name:
+    a block's MoE is its `moe` (as in the TP plans and the FQNs of the save lists), so that this
+    layer needs no import of the models. Wrapped blocks (AC, compile) forward the attribute."""
+    return [block.moe.experts for block in model.layers.values() if hasattr(block, "moe")]
+
+
 def apply_expert_parallel(
     model: nn.Module,
     ep_mesh: DeviceMesh,
     data_ranks: int | None = None,
     rows_split_mesh: DeviceMesh | None = None,
 ) -> list[nn.Module]:
-    """Shard and hook every `MoE.experts` of `model.layers` over the 1-D `ep_mesh`, in place.
+    """Shard and hook every block's routed experts (`routed_experts`) over the 1-D `ep_mesh`, in place.
 
     Call after tensor parallelism and before activation checkpointing and compile wrap the blocks.
 
@@ -213,26 +220,24 @@ def apply_expert_parallel(
 
     Returns:
         The sharded `GroupedExperts` modules, for data parallelism to shard or ignore.
-    """
-    from torchtitan.models.moe import MoE
 
-    sharded = []
-    for block in model.layers.values():
-        for module in block.modules():
-            if not isinstance(module, MoE):
-                continue
-            experts = module.experts
-            shard_experts_(experts, ep_mesh)
-            split = _SplitRowsOverTP(rows_split_mesh) if rows_split_mesh is not None else None
-            if split is not None:
-                experts.register_forward_pre_hook(split.keep_own_rows)
-            hooks = experts._ep_hooks = _ExpertParallelHooks(ep_mesh.get_group(), data_ranks)
-            experts.register_forward_pre_hook(hooks.dispatch)
-            experts.register_forward_hook(hooks.combine)
-            # Forward hooks run in registration order: the rows come back, then are padded.
-            if split is not None:
-                experts.register_forward_hook(split.restore_all_rows)
-            sharded.append(experts)
+    Raises:
+        ValueError: no block has a `moe` (a model that names its MoE layer otherwise).
+    """
+    sharded = routed_experts(model)
+    if not sharded:
+        raise ValueError("expert parallelism found no block with routed experts: name each MoE layer `moe`")
+    for experts in sharded:
+        shard_experts_(experts, ep_mesh)
+        split = _SplitRowsOverTP(rows_split_mesh) if rows_split_mesh is not None else None
+        if split is not None:
+            experts.register_forward_pre_hook(split.keep_own_rows)
+        hooks = experts._ep_hooks = _ExpertParallelHooks(ep_mesh.get_group(), data_ranks)
+        experts.register_forward_pre_hook(hooks.dispatch)
+        experts.register_forward_hook(hooks.combine)
+        # Forward hooks run in registration order: the rows come back, then are padded.
+        if split is not None:
+            experts.register_forward_hook(split.restore_all_rows)
     return sharded
 
 

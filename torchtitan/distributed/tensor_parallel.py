@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
+from torchtitan.distributed.expert_parallel import routed_experts
 from torchtitan.distributed.parallel_dims import ParallelDims
 
 
@@ -207,9 +208,8 @@ def moe_plan(moe: nn.Module, tp: int) -> dict[str, ParallelStyle]:
 def shard_experts_over_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shard every MoE's routed experts over their hidden units (`ExpertTensorParallel`), in
     place: what TP does to the experts unless expert parallelism spreads them over the TP ranks."""
-    for block in model.layers.values():
-        if hasattr(block, "moe"):
-            parallelize_module(block.moe.experts, tp_mesh, ExpertTensorParallel())
+    for experts in routed_experts(model):
+        parallelize_module(experts, tp_mesh, ExpertTensorParallel())
 
 
 def mlp_plan(block: nn.Module, tp: int) -> dict[str, ParallelStyle]:

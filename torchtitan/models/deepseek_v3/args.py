@@ -20,10 +20,10 @@ from dataclasses import dataclass, field, replace
 import torch.nn as nn
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.models.flops import decoder_flops_per_token
 from torchtitan.models.layers import AttentionArgs
 from torchtitan.models.moe import MoEArgs
 from torchtitan.models.rope import YaRNScaling
-from torchtitan.protocols.model_args import decoder_flops_per_token
 
 
 @dataclass

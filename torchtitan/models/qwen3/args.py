@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 import torch.nn as nn
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.models.flops import decoder_flops_per_token
 from torchtitan.models.layers import AttentionArgs
 from torchtitan.models.moe import MoEArgs
-from torchtitan.protocols.model_args import decoder_flops_per_token
 
 
 @dataclass

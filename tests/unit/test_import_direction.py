@@ -1,0 +1,99 @@
+"""The package's import direction (../shared/ARCHITECTURE.md, README "Layout"), lazy imports included:
+tools, then config, then protocols, then components / distributed / datasets, then models, then train.py.
+A package may import its own layer and those before it, never one after it."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "torchtitan"
+
+LAYER_OF_PACKAGE = {
+    "tools": 0,
+    "config": 1,
+    "protocols": 2,
+    "components": 3,
+    "distributed": 3,
+    "datasets": 3,
+    "models": 4,
+    "train": 5,
+}
+
+# The registry's lookup imports every model so that each registers its TrainSpec, as upstream
+# torchtitan's get_train_spec does; nothing else may look upward.
+ALLOWED_UPWARD = {("torchtitan.protocols.train_spec", "torchtitan.models")}
+
+# The AC module knows no model by name: torch, the config dataclasses and logging only.
+AC_MODULE = "torchtitan.distributed.activation_checkpoint"
+AC_MAY_IMPORT = ("torchtitan.config", "torchtitan.tools.logging")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every torchtitan module `path` imports, at module level or inside a function."""
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            imported.add(node.module)
+        elif isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+    return {name for name in imported if name == "torchtitan" or name.startswith("torchtitan.")}
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYER_OF_PACKAGE.get(parts[1]) if len(parts) > 1 else None
+
+
+def _all_imports() -> list[tuple[str, str]]:
+    return [
+        (_module_name(path), target)
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for target in sorted(_imported_modules(path))
+    ]
+
+
+def test_every_package_of_torchtitan_has_a_layer():
+    packages = {path.name.removesuffix(".py") for path in PACKAGE.iterdir() if not path.name.startswith("_")}
+    packages.discard("assets")
+    assert packages == set(LAYER_OF_PACKAGE), "a new top-level package needs a place in the layer order"
+
+
+def test_no_module_imports_a_later_layer():
+    upward = [
+        f"{source} -> {target}"
+        for source, target in _all_imports()
+        if _layer(target) is not None
+        and _layer(source) is not None
+        and _layer(target) > _layer(source)
+        and not any(source == s and target.startswith(t) for s, t in ALLOWED_UPWARD)
+    ]
+    assert not upward, "imports against the layer order: " + "; ".join(upward)
+
+
+def test_nothing_imports_the_trainer():
+    assert [source for source, target in _all_imports() if target == "torchtitan.train"] == []
+
+
+def test_activation_checkpoint_module_imports_only_config_and_logging():
+    path = PACKAGE / "distributed" / "activation_checkpoint.py"
+    assert _imported_modules(path), "the AC module imports the config dataclasses at least"
+    assert {m for m in _imported_modules(path) if not m.startswith(AC_MAY_IMPORT)} == set()
+
+
+@pytest.mark.parametrize(
+    "source, target, upward",
+    [
+        ("torchtitan.components.optimizer", "torchtitan.models.moe", True),
+        ("torchtitan.models.moe", "torchtitan.components.optimizer", False),
+        ("torchtitan.tools.logging", "torchtitan.config", True),
+        ("torchtitan.datasets.text_datasets", "torchtitan.components.tokenizer", False),
+    ],
+)
+def test_layer_order_ranks_packages_as_documented(source, target, upward):
+    assert (_layer(target) > _layer(source)) is upward

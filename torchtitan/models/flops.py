@@ -1,0 +1,34 @@
+"""Parameter and FLOP counts of the decoder models, for MFU and the step log."""
+
+import torch.nn as nn
+
+from torchtitan.models.moe import MoE
+
+
+def decoder_flops_per_token(
+    model: nn.Module, n_layers: int, n_heads: int, head_dim: int, seq_len: int, tied_embeddings: bool
+) -> tuple[int, float]:
+    """(non-embedding parameters, training FLOPs per token) of a decoder-only transformer.
+
+    6 FLOPs per parameter per token (forward + backward) plus the attention score and value
+    matmuls, 12 * layers * heads * head_dim * seq_len (causality not discounted). With tied
+    embeddings the logits still cost a (dim x vocab) matmul, which the non-embedding count no
+    longer holds, so it is added back to the FLOPs. A token runs only its `top_k` of each MoE
+    layer's routed experts, so only that share of the routed expert weights counts toward the
+    FLOPs (the parameter count keeps them all).
+    """
+    embedding = model.tok_embeddings.weight.numel()
+    non_embedding = sum(p.numel() for p in model.parameters()) - embedding
+    matmul_params = non_embedding + (embedding if tied_embeddings else 0) - _idle_expert_params(model)
+    attention = 12 * n_layers * n_heads * head_dim * seq_len
+    return non_embedding, 6 * matmul_params + attention
+
+
+def _idle_expert_params(model: nn.Module) -> int:
+    """Routed expert weights a token does not run: (1 - top_k / num_experts) of each MoE's."""
+    idle = 0
+    for module in model.modules():
+        if isinstance(module, MoE):
+            routed = sum(p.numel() for p in module.experts.parameters())
+            idle += routed * (module.num_experts - module.args.top_k) // module.num_experts
+    return idle
