@@ -217,3 +217,52 @@ def test_excluding_train_state_still_restores_the_data_position(tmp_path):
     resuming.load(TrainState())
 
     assert next(iter(resuming.dataloader))[0][:, 0].tolist() == [16, 20]  # windows 4 and 5
+
+
+def _lr_run(tmp_path, *argv) -> CheckpointManager:
+    """A checkpointing run of a Linear under the warmup schedule (peak 1.0 after 3 steps)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from torchtitan.components.lr_scheduler import build_lr_scheduler
+    from torchtitan.datasets.text_datasets import PackedTokenDataset
+
+    cfg = parse_args(["--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--optimizer.lr", "1.0",
+                      "--lr_scheduler.warmup_steps", "3", "--lr_scheduler.decay_ratio", "none",
+                      "--training.steps", "10", "--training.local_batch_size", "2", *argv],
+                     env={})  # fmt: skip
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr)
+    loader = StatefulDataLoader(PackedTokenDataset(torch.arange(100).numpy(), 4, 0, 1, 2), batch_size=2)
+    return CheckpointManager(cfg, model, optimizer, build_lr_scheduler(optimizer, cfg), loader, dp_rank=0,
+                             dp_degree=1, device=torch.device("cpu"))  # fmt: skip
+
+
+def _save_after_five_steps(tmp_path) -> float:
+    """Save a run after step 5; the lr its step 6 uses."""
+    run = _lr_run(tmp_path)
+    for _ in range(5):
+        run.optimizer.step()
+        run.lr_scheduler.step()
+    run.save(TrainState(step=5))
+    return run.lr_scheduler.get_last_lr()[0]
+
+
+@pytest.mark.parametrize("excluded", ["optimizer", "lr_scheduler"])
+def test_after_loading_optimizer_or_scheduler_alone_the_next_step_uses_the_logged_lr(tmp_path, excluded):
+    step_6_lr = _save_after_five_steps(tmp_path)
+    resumed = _lr_run(tmp_path, "--checkpoint.exclude_from_loading", excluded)
+
+    resumed.load(TrainState())
+
+    logged = resumed.lr_scheduler.get_last_lr()[0]
+    assert logged == pytest.approx(step_6_lr if excluded == "optimizer" else 1 / 4)
+    assert resumed.optimizer.param_groups[0]["lr"] == logged
+
+
+def test_a_full_resume_keeps_the_saved_runs_next_lr(tmp_path):
+    step_6_lr = _save_after_five_steps(tmp_path)
+    resumed = _lr_run(tmp_path)
+
+    resumed.load(TrainState())
+
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(step_6_lr)

@@ -484,11 +484,25 @@ class CheckpointManager:
             self._load_full(self.folder / f"step-{step}", train_state)
             if self.config.load_step >= 0:
                 self._set_aside_newer_than(step)
-            return True
-        if self.config.initial_load_path:
+        elif self.config.initial_load_path:
             self._load_initial(Path(self.config.initial_load_path))
-            return True
-        return False
+        else:
+            return False
+        self._use_the_schedulers_lr()
+        return True
+
+    def _use_the_schedulers_lr(self) -> None:
+        """Set the optimizer's lr to the one the LR scheduler will log for the next step.
+
+        `LambdaLR.load_state_dict` restores the schedule's position but leaves the optimizer's
+        lr alone, and a loaded optimizer brings the lr of the step after its save: with only one
+        of the two loaded (`exclude_from_loading`, or an initial load with the optimizer), the
+        first step would use an lr the log does not show.
+        """
+        if self.optimizer is None or self.lr_scheduler is None:
+            return
+        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
 
     def _set_aside_newer_than(self, step: int) -> None:
         """After a rollback (`load_step` older than the newest), rename the newer checkpoints to
