@@ -181,17 +181,18 @@ def test_671b_flops_count_the_37b_activated_parameters():
     args = deepseek_v3_flavors["671B"]
     model = _meta_model(args)
     _, flops = args.num_flops_per_token(model, seq_len=4096)
-    attention = 12 * args.n_layers * args.n_heads * args.head_dim * 4096
+    attention = 6 * args.n_layers * args.n_heads * 4096 * (args.qk_head_dim + args.v_head_dim)
     counted = (flops - attention) / 6 + model.tok_embeddings.weight.numel()
     assert abs(counted - 37e9) / 37e9 < 0.02, counted
 
 
-def test_flops_per_token_use_the_qk_head_width():
+def test_attention_flops_run_scores_at_the_qk_width_and_values_at_the_v_width():
     model = _meta_model(_tiny_args())
     params, flops = model.args.num_flops_per_token(model, seq_len=16)
     assert params == _num_params(model) - 64 * 32
     idle_experts = 2 * (4 - 2) * 3 * 32 * 16  # 2 MoE layers, 2 of 4 experts idle, w1/w2/w3 of 32 x 16
-    assert flops == 6 * (params - idle_experts) + 12 * 3 * 4 * (8 + 8) * 16
+    scores, values = 6 * 3 * 4 * 16 * (8 + 8), 6 * 3 * 4 * 16 * 12  # layers, heads, seq_len, width
+    assert flops == 6 * (params - idle_experts) + scores + values
 
 
 @pytest.mark.parametrize("flavor", ["16B", "671B"])

@@ -6,12 +6,20 @@ from torchtitan.models.moe import MoE
 
 
 def decoder_flops_per_token(
-    model: nn.Module, n_layers: int, n_heads: int, head_dim: int, seq_len: int, tied_embeddings: bool
+    model: nn.Module,
+    n_layers: int,
+    n_heads: int,
+    head_dim: int,
+    seq_len: int,
+    tied_embeddings: bool,
+    v_head_dim: int | None = None,
 ) -> tuple[int, float]:
     """(non-embedding parameters, training FLOPs per token) of a decoder-only transformer.
 
     6 FLOPs per parameter per token (forward + backward) plus the attention score and value
-    matmuls, 12 * layers * heads * head_dim * seq_len (causality not discounted). With tied
+    matmuls, 6 * layers * heads * seq_len * (head_dim + v_head_dim) (causality not discounted):
+    the scores run over the query/key width `head_dim`, the values over `v_head_dim` (the same
+    unless given; DeepSeek-V3's latent attention has 192 and 128). With tied
     embeddings the logits still cost a (dim x vocab) matmul, which the non-embedding count no
     longer holds, so it is added back to the FLOPs. A token runs only its `top_k` of each MoE
     layer's routed experts, so only that share of the routed expert weights counts toward the
@@ -20,7 +28,8 @@ def decoder_flops_per_token(
     embedding = model.tok_embeddings.weight.numel()
     non_embedding = sum(p.numel() for p in model.parameters()) - embedding
     matmul_params = non_embedding + (embedding if tied_embeddings else 0) - _idle_expert_params(model)
-    attention = 12 * n_layers * n_heads * head_dim * seq_len
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    attention = 6 * n_layers * n_heads * seq_len * (head_dim + v_head_dim)
     return non_embedding, 6 * matmul_params + attention
 
 

@@ -74,11 +74,6 @@ class DeepSeekV3ModelArgs(AttentionArgs):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
-    def head_dim(self) -> int:
-        """The attention FLOPs' head width (the q.k scores run over the qk head width)."""
-        return self.qk_head_dim
-
-    @property
     def kv_heads(self) -> int:
         # MLA expands the latent to a key and value per query head: no grouping.
         return self.n_heads
@@ -91,5 +86,11 @@ class DeepSeekV3ModelArgs(AttentionArgs):
     def num_flops_per_token(self, model: nn.Module, seq_len: int) -> tuple[int, float]:
         """(non-embedding parameters, training FLOPs per token); see `decoder_flops_per_token`."""
         return decoder_flops_per_token(
-            model, self.n_layers, self.n_heads, self.head_dim, seq_len, self.tie_word_embeddings
+            model,
+            self.n_layers,
+            self.n_heads,
+            self.qk_head_dim,
+            seq_len,
+            self.tie_word_embeddings,
+            v_head_dim=self.v_head_dim,
         )
