@@ -38,6 +38,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
+from torchtitan.protocols.state_dict_adapter import with_trained_seq_len
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.device_info import device_name
 from torchtitan.tools.dtypes import TORCH_DTYPES
@@ -163,13 +164,14 @@ class Trainer:
     def _hf_adapter(self):
         """The model's Hugging Face state-dict adapter (None if it has none), built from the
         run's args (attention overrides included, so an export that HF would run with another
-        mask is refused) but with the published flavor's context length, which an exported
-        config.json keeps rather than the training seq_len."""
+        mask is refused) with the published flavor's context length unless training.seq_len
+        is longer (`with_trained_seq_len`: a config.json that says what this run computed)."""
         adapter = self.spec.state_dict_adapter
         if adapter is None:
             return None
         flavor = self.spec.get_flavor(self.job_config.model.flavor)
-        args = dataclasses.replace(self.model_args, max_seq_len=flavor.max_seq_len)
+        published = dataclasses.replace(self.model_args, max_seq_len=flavor.max_seq_len)
+        args = with_trained_seq_len(published, self.job_config.training.seq_len)
         return adapter(args, self.job_config.model.hf_assets_path)
 
     def _build_validator(self, dp_rank: int, dp_degree: int) -> Validator | None:

@@ -5,9 +5,11 @@ left unread), so a trainer checkpoint converts as it is. Writes safetensors shar
 and config.json, loadable with ``transformers.AutoModelForCausalLM.from_pretrained(OUT)``.
 Parameters are written in ``--dtype`` (default float32); buffers keep the model's dtype for them
 (MoE ``expert_bias`` stays float32, as in published DeepSeek-V3 checkpoints). With
-``--hf_assets``, config.json takes its token ids from that folder's config.json. Tokenizer files
-are not copied. Runs in one process, without a process group, holding the whole model in CPU
-memory.
+``--hf_assets``, config.json takes its token ids from that folder's config.json. ``--seq_len``
+is the run's ``training.seq_len``: config.json says what the trained model computes, which for
+DeepSeek-V3 flavors trained past 4096 tokens includes YaRN (``rope_scaling``); without it the
+flavor's published context is assumed. Tokenizer files are not copied. Runs in one process,
+without a process group, holding the whole model in CPU memory.
 
 Bad input (a missing folder, an unknown model or flavor, a checkpoint whose keys or shapes are
 not the flavor's, a flavor Hugging Face cannot express, an output folder that is not empty)
@@ -15,7 +17,8 @@ ends with exit code 2 and a one-paragraph message on stderr.
 
 Usage:
     python scripts/checkpoint_conversion/convert_to_hf.py --model llama3 --flavor 8B \\
-        --dcp ./outputs/checkpoint/step-1000 --out ./outputs/llama3_8b_hf [--dtype bfloat16]
+        --dcp ./outputs/checkpoint/step-1000 --out ./outputs/llama3_8b_hf [--dtype bfloat16] \\
+        [--seq_len 8192]
 """
 
 import argparse
@@ -52,9 +55,11 @@ def convert_to_hf(
     out: str | Path,
     dtype: torch.dtype,
     hf_assets: str | Path | None = None,
+    seq_len: int | None = None,
 ) -> None:
     """Load the model weights of the DCP in `dcp_dir` as `model`'s `flavor` and write them to
-    `out` as an HF checkpoint.
+    `out` as an HF checkpoint; `seq_len` is the training.seq_len it was trained at (see
+    `with_trained_seq_len`).
 
     Raises:
         ConfigError: unknown model or flavor.
@@ -66,7 +71,7 @@ def convert_to_hf(
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"output folder '{out}' is not empty; choose a new one")
-    adapter = build_state_dict_adapter(model, flavor, hf_assets)
+    adapter = build_state_dict_adapter(model, flavor, hf_assets, seq_len)
     config = adapter.hf_config(dtype)
     template = get_train_spec(model).build_meta_model(adapter.model_args, dtype).state_dict()
     expected = {key: tensor.shape for key, tensor in template.items()}
@@ -102,6 +107,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="HF checkpoint folder to create")
     parser.add_argument("--dtype", choices=list(TORCH_DTYPES), default="float32", help="parameter dtype")
     parser.add_argument("--hf_assets", default=None, help="HF asset folder whose config.json has token ids")
+    parser.add_argument(
+        "--seq_len", type=int, default=None, help="the run's training.seq_len (DeepSeek-V3 past 4096: YaRN)"
+    )
     return parser.parse_args(argv)
 
 
@@ -109,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 2 bad input)."""
     args = parse_args(argv)
     try:
-        convert_to_hf(args.model, args.flavor, args.dcp, args.out, TORCH_DTYPES[args.dtype], args.hf_assets)
+        dtype = TORCH_DTYPES[args.dtype]
+        convert_to_hf(args.model, args.flavor, args.dcp, args.out, dtype, args.hf_assets, args.seq_len)
     except BAD_INPUT_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -271,6 +271,18 @@ def test_deepseek_v3_671b_exports_the_published_yarn_only_when_it_applies(seq_le
         assert hf_config_differences(config, {"rope_scaling": {**yarn, "factor": 8}}) != []
 
 
+@pytest.mark.parametrize("seq_len, yarn", [(None, None), (4096, None), (8192, PUBLISHED_YARN)])
+def test_an_export_of_deepseek_v3_trained_past_4096_tokens_carries_the_yarn_it_trained_with(seq_len, yarn):
+    config = build_state_dict_adapter("deepseek_v3", "671B", seq_len=seq_len).hf_config()
+    assert config.get("rope_scaling") == (None if yarn is None else {**yarn, "rope_type": "yarn"})
+    assert config["max_position_embeddings"] == (seq_len or 4096)
+
+
+def test_an_export_trained_within_the_published_context_keeps_it():
+    config = build_state_dict_adapter("llama3", "8B", seq_len=8192).hf_config()
+    assert config["max_position_embeddings"] == 131072
+
+
 @pytest.mark.parametrize("model, flavor", list(PUBLISHED_CONFIGS))
 def test_hf_config_of_published_flavors_matches_their_config_json(model, flavor):
     config = build_state_dict_adapter(model, flavor).hf_config(torch.bfloat16)
@@ -431,6 +443,14 @@ def test_to_hf_dtype_casts_parameters_and_keeps_the_expert_bias_fp32(tmp_path, t
     )
     assert {t.dtype for key, t in hf.items() if not is_bias[key]} == {torch.bfloat16}
     assert json.loads((tmp_path / "hf" / CONFIG_FILE).read_text())["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("seq_len, context", [([], 4096), (["--seq_len", "8192"], 8192)])
+def test_to_hf_seq_len_sets_the_exported_context(tmp_path, to_hf_script, seq_len, context):
+    dcp.save({"model": _random_state_dict("deepseek_v3")}, checkpoint_id=str(tmp_path / "dcp"))
+    argv = ["--model", "deepseek_v3", "--flavor", "debugmodel", "--dcp", str(tmp_path / "dcp"), *seq_len]
+    assert to_hf_script.main([*argv, "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / CONFIG_FILE).read_text())["max_position_embeddings"] == context
 
 
 def test_to_hf_names_the_keys_of_a_checkpoint_of_another_model(tmp_path, to_hf_script, capsys):

@@ -12,6 +12,7 @@ import math
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -271,10 +272,22 @@ def hf_config_differences(ours: Mapping, theirs: Mapping) -> list[str]:
     ]
 
 
+def with_trained_seq_len(args, seq_len: int | None):
+    """`args` (a flavor's, whose `max_seq_len` is its published context) for exporting weights
+    trained at `seq_len`: the RoPE table is the longer of the two. config.json's
+    `max_position_embeddings` then keeps the published context unless training went past it,
+    and DeepSeek-V3's YaRN, which the run applied past 4096 positions, is exported exactly when
+    it applied (`rope_scaling`); None keeps the flavor's context."""
+    if seq_len is None or seq_len <= args.max_seq_len:
+        return args
+    return replace(args, max_seq_len=seq_len)
+
+
 def build_state_dict_adapter(
-    model_name: str, flavor: str, hf_assets_path: str | Path | None = None
+    model_name: str, flavor: str, hf_assets_path: str | Path | None = None, seq_len: int | None = None
 ) -> StateDictAdapter:
-    """The adapter of `model_name`'s TrainSpec for `flavor`.
+    """The adapter of `model_name`'s TrainSpec for `flavor`, for weights trained at `seq_len`
+    tokens (see `with_trained_seq_len`).
 
     Raises:
         ConfigError: for an unknown model or flavor, or a model without an adapter.
@@ -282,7 +295,7 @@ def build_state_dict_adapter(
     from torchtitan.protocols.train_spec import get_train_spec
 
     spec = get_train_spec(model_name)
-    args = spec.get_flavor(flavor)
+    args = with_trained_seq_len(spec.get_flavor(flavor), seq_len)
     if spec.state_dict_adapter is None:
         raise ConfigError(f"model '{model_name}' has no Hugging Face state-dict adapter")
     return spec.state_dict_adapter(args, hf_assets_path)
