@@ -212,6 +212,37 @@ def test_published_yarn_applies_only_when_the_rope_table_outgrows_4096_positions
     assert mla.softmax_scale == pytest.approx(192**-0.5 * mscale**2)
 
 
+def _run_args(model: str, flavor: str, *argv: str):
+    cfg = parse_args(
+        ["--model.name", model, "--model.flavor", flavor, "--training.seq_len", "4096", *argv], env={}
+    )
+    return get_train_spec(model).get_flavor(flavor).update_from_config(cfg)
+
+
+@pytest.mark.parametrize("flavor", ["16B", "671B"])
+def test_always_apply_yarn_runs_the_published_yarn_at_4096_tokens(flavor):
+    args = _run_args("deepseek_v3", flavor, "--model.always_apply_yarn")
+    assert args.max_seq_len == 4096 and args.applied_rope_scaling is args.rope_scaling is not None
+    with torch.device("meta"):
+        mla = MultiHeadLatentAttention(args)
+    assert mla.softmax_scale == pytest.approx(192**-0.5 * args.rope_scaling.softmax_scale_factor())
+    assert mla.softmax_scale != pytest.approx(192**-0.5)
+
+
+def test_without_always_apply_yarn_a_4096_token_run_has_plain_rope():
+    assert _run_args("deepseek_v3", "671B").applied_rope_scaling is None
+
+
+@pytest.mark.parametrize(
+    "model, flavor", [("llama3", "8B"), ("qwen3", "0.6B"), ("deepseek_v3", "debugmodel")]
+)
+def test_always_apply_yarn_on_a_flavor_without_yarn_is_refused_naming_the_key(model, flavor):
+    with pytest.raises(
+        ConfigError, match=rf"'model.always_apply_yarn' = true, but {model} flavor '{flavor}'"
+    ):
+        _run_args(model, flavor, "--model.always_apply_yarn")
+
+
 def test_train_spec_and_debug_config():
     spec = get_train_spec("deepseek_v3")
     assert spec.model_cls is DeepSeekV3Model and spec.flavors is deepseek_v3_flavors

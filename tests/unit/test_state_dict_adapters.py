@@ -275,7 +275,17 @@ def test_deepseek_v3_671b_exports_the_published_yarn_only_when_it_applies(seq_le
 def test_an_export_of_deepseek_v3_trained_past_4096_tokens_carries_the_yarn_it_trained_with(seq_len, yarn):
     config = build_state_dict_adapter("deepseek_v3", "671B", seq_len=seq_len).hf_config()
     assert config.get("rope_scaling") == (None if yarn is None else {**yarn, "rope_type": "yarn"})
-    assert config["max_position_embeddings"] == (seq_len or 4096)
+    # With YaRN, the context it extends to (40 x 4096), as published.
+    assert config["max_position_embeddings"] == (4096 if yarn is None else 163840)
+
+
+def test_an_export_of_deepseek_v3_run_with_always_apply_yarn_carries_the_published_yarn():
+    args = replace(get_train_spec("deepseek_v3").get_flavor("671B"), always_apply_yarn=True)
+    config = get_train_spec("deepseek_v3").state_dict_adapter(args).hf_config()
+    assert (
+        hf_config_differences(config, {"rope_scaling": PUBLISHED_YARN, "max_position_embeddings": 163840})
+        == []
+    )
 
 
 def test_an_export_trained_within_the_published_context_keeps_it():

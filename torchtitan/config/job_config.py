@@ -49,6 +49,11 @@ class Model:
         4096, "keys a query sees (itself included) under attn_mask_type sliding_window", min=1
     )
     attn_chunk_size: int = opt(8192, "chunk length under attn_mask_type chunked (Llama 4 style)", min=1)
+    always_apply_yarn: bool = opt(
+        False,
+        "DeepSeek flavors: apply their YaRN at any training.seq_len, as Hugging Face runs the published "
+        "weights (continuing from them); default: only past the original 4096 positions (pre-training)",
+    )
     converters: list[str] = opt(
         [], "model converters applied before parallelizing: float8 (torchao Float8Linear; see [float8])"
     )

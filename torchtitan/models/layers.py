@@ -13,6 +13,7 @@ from torchtitan.config.job_config import Model as ModelConfig
 from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.utils import init_param_
 from torchtitan.models.attention import ATTENTION_BACKENDS, MASK_TYPES, AttentionMasks, build_attention_masks
+from torchtitan.models.rope import YaRNScaling
 
 
 @dataclass
@@ -56,6 +57,25 @@ class AttentionArgs:
                 "'model.attn_backend' is 'sdpa' (the flavor's when unset), which is causal only. Set "
                 'model.attn_backend = "flex", or model.attn_mask_type = "causal".'
             )
+
+    def update_from_config(self, job_config: JobConfig):
+        """A copy for the run: its RoPE table covers `training.seq_len`, with `[model]`'s attention
+        keys (`with_attention_config`) and `model.always_apply_yarn` applied. Every model's args
+        inherit it; they have a `max_seq_len`, and those with YaRN an `always_apply_yarn` field.
+
+        Raises:
+            ConfigError: also for `model.always_apply_yarn` on a flavor without YaRN.
+        """
+        m = job_config.model
+        overrides = {"max_seq_len": job_config.training.seq_len}
+        if m.always_apply_yarn:
+            if not isinstance(getattr(self, "rope_scaling", None), YaRNScaling):
+                raise ConfigError(
+                    f"'model.always_apply_yarn' = true, but {m.name} flavor '{m.flavor}' has no YaRN "
+                    "scaling to apply; remove the key (it is for DeepSeek flavors with YaRN)."
+                )
+            overrides["always_apply_yarn"] = True
+        return replace(self, **overrides).with_attention_config(job_config)
 
     def with_attention_config(self, job_config: JobConfig):
         """A copy with ``[model]``'s attention keys applied.

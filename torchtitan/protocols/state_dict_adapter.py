@@ -276,8 +276,8 @@ def with_trained_seq_len(args, seq_len: int | None):
     """`args` (a flavor's, whose `max_seq_len` is its published context) for exporting weights
     trained at `seq_len`: the RoPE table is the longer of the two. config.json's
     `max_position_embeddings` then keeps the published context unless training went past it,
-    and DeepSeek-V3's YaRN, which the run applied past 4096 positions, is exported exactly when
-    it applied (`rope_scaling`); None keeps the flavor's context."""
+    and DeepSeek's YaRN, which the run applied past 4096 positions, is exported exactly when it
+    applied (`rope_scaling`, with the context it extends to); None keeps the flavor's context."""
     if seq_len is None or seq_len <= args.max_seq_len:
         return args
     return replace(args, max_seq_len=seq_len)

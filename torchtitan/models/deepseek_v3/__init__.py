@@ -28,7 +28,8 @@ from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 #     as torchtitan's DeepSeek-V3 16B flavor uses them; published total 15.7B.
 #   YaRN (both): rope_scaling of their config.json (factor 40 over an original 4096 positions,
 #     beta_fast 32, beta_slow 1; mscale and mscale_all_dim 1.0 for V3, 0.707 for V2-Lite),
-#     applied only when training.seq_len exceeds 4096 (see args.py).
+#     applied only when training.seq_len exceeds 4096, or always with model.always_apply_yarn
+#     (see args.py).
 # The debug model matches the bundled 2048-token tokenizer and stays cheap on a CPU.
 deepseek_v3_flavors = {
     "debugmodel": DeepSeekV3ModelArgs(

@@ -11,15 +11,16 @@ routed MoE of experts of width `moe_inter_dim` (plus shared experts, see `MoEArg
 RoPE: `rope_scaling` holds the published YaRN constants (`YaRNScaling`), applied, as in
 DeepSeek's reference code and torchtitan, only when the RoPE table (`max_seq_len`, i.e.
 `training.seq_len`) is longer than the original context: pre-training at 4k runs plain RoPE,
-longer sequences YaRN (frequencies and softmax scale). Not implemented: the
+longer sequences YaRN (frequencies and softmax scale). `always_apply_yarn` (`model.always_apply_yarn`)
+applies it at any length, as Hugging Face runs the published weights, which their last training
+stages (context extension, post-training) ran with YaRN. Not implemented: the
 multi-token-prediction (MTP) module.
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from torchtitan.config.job_config import JobConfig
 from torchtitan.models.flops import decoder_flops_per_token
 from torchtitan.models.layers import AttentionArgs
 from torchtitan.models.moe import MoEArgs
@@ -50,6 +51,7 @@ class DeepSeekV3ModelArgs(AttentionArgs):
         )
     )  # fmt: skip
     max_seq_len: int = 4096
+    always_apply_yarn: bool = False  # see the module docstring
     depth_init: bool = True
     tie_word_embeddings: bool = False
 
@@ -62,9 +64,12 @@ class DeepSeekV3ModelArgs(AttentionArgs):
 
     @property
     def applied_rope_scaling(self) -> YaRNScaling | None:
-        """`rope_scaling` when the RoPE table outgrows its original context, else None."""
+        """`rope_scaling` when the RoPE table outgrows its original context or
+        `always_apply_yarn` is set, else None."""
         scaling = self.rope_scaling
-        if scaling is not None and self.max_seq_len > scaling.original_max_position_embeddings:
+        if scaling is not None and (
+            self.always_apply_yarn or self.max_seq_len > scaling.original_max_position_embeddings
+        ):
             return scaling
         return None
 
@@ -77,11 +82,6 @@ class DeepSeekV3ModelArgs(AttentionArgs):
     def kv_heads(self) -> int:
         # MLA expands the latent to a key and value per query head: no grouping.
         return self.n_heads
-
-    def update_from_config(self, job_config: JobConfig) -> "DeepSeekV3ModelArgs":
-        """A copy whose RoPE table covers `training.seq_len`, with `[model]`'s attention keys applied
-        (see `AttentionArgs.with_attention_config`)."""
-        return replace(self, max_seq_len=job_config.training.seq_len).with_attention_config(job_config)
 
     def num_flops_per_token(self, model: nn.Module, seq_len: int) -> tuple[int, float]:
         """(non-embedding parameters, training FLOPs per token); see `decoder_flops_per_token`."""

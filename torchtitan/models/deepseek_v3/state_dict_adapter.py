@@ -112,9 +112,18 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
             "n_shared_experts": m.num_shared_experts,
             "num_experts_per_tok": m.top_k,
             "routed_scaling_factor": m.route_scale,
-            # Only when this model applies it (a longer RoPE table than the original context).
-            **({"rope_scaling": yarn.hf_config()} if (yarn := a.applied_rope_scaling) else {}),
+            **self._yarn_hf_config(),
         }
+
+    def _yarn_hf_config(self) -> dict:
+        """`rope_scaling` when this model applies YaRN (see `applied_rope_scaling`), with the
+        context it extends to as `max_position_embeddings` (163840 published): transformers
+        releases that derive the factor from the two contexts then still get the same one."""
+        a = self.model_args
+        if (yarn := a.applied_rope_scaling) is None:
+            return {}
+        extended = round(yarn.factor * yarn.original_max_position_embeddings)
+        return {"rope_scaling": yarn.hf_config(), "max_position_embeddings": max(a.max_seq_len, extended)}
 
     def _v2_hf_config(self, dtype: torch.dtype) -> dict:
         """``DeepseekV2ForCausalLM``: softmax top-k ("greedy"), never renormalized."""

@@ -1,10 +1,9 @@
 """Llama 3 hyperparameters and the FLOPs/parameter accounting the trainer logs."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch.nn as nn
 
-from torchtitan.config.job_config import JobConfig
 from torchtitan.models.flops import decoder_flops_per_token
 from torchtitan.models.layers import AttentionArgs
 from torchtitan.models.rope import RoPEScaling
@@ -41,11 +40,6 @@ class TransformerModelArgs(AttentionArgs):
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
-
-    def update_from_config(self, job_config: JobConfig) -> "TransformerModelArgs":
-        """A copy whose RoPE table covers `training.seq_len`, with `[model]`'s attention keys applied
-        (see `AttentionArgs.with_attention_config`)."""
-        return replace(self, max_seq_len=job_config.training.seq_len).with_attention_config(job_config)
 
     def num_flops_per_token(self, model: nn.Module, seq_len: int) -> tuple[int, float]:
         """(non-embedding parameters, training FLOPs per token); see `decoder_flops_per_token`."""

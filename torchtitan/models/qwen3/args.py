@@ -5,11 +5,10 @@ Unlike Llama 3, Qwen3 sets `head_dim` (128 in every published size) independentl
 `intermediate_size`) instead of deriving it from `dim`.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch.nn as nn
 
-from torchtitan.config.job_config import JobConfig
 from torchtitan.models.flops import decoder_flops_per_token
 from torchtitan.models.layers import AttentionArgs
 from torchtitan.models.moe import MoEArgs
@@ -38,11 +37,6 @@ class Qwen3ModelArgs(AttentionArgs):
     @property
     def kv_heads(self) -> int:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    def update_from_config(self, job_config: JobConfig) -> "Qwen3ModelArgs":
-        """A copy whose RoPE table covers `training.seq_len`, with `[model]`'s attention keys applied
-        (see `AttentionArgs.with_attention_config`)."""
-        return replace(self, max_seq_len=job_config.training.seq_len).with_attention_config(job_config)
 
     def num_flops_per_token(self, model: nn.Module, seq_len: int) -> tuple[int, float]:
         """(non-embedding parameters, training FLOPs per token); see `decoder_flops_per_token`."""
