@@ -229,14 +229,28 @@ class Trainer:
             self.step_metrics = self.spec.post_optimizer_step_fn(self.model, self.parallel_dims.dp_group())
         return total_loss, grad_norm, data_seconds
 
-    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, started: float) -> None:
+    def _finite_or_raise(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
+        """This step's loss (the mean over ranks) and gradient norm, once both are finite.
+
+        Checked where the host waits for them anyway, on log and checkpoint steps, so never
+        between them. A non-finite gradient leaves NaN weights after the step, so they are
+        never checkpointed.
+
+        Raises:
+            FloatingPointError: naming the step.
+        """
         global_loss = dist_utils.all_reduce_mean(loss.item(), self.device)
-        dist_utils.finite_or_raise(global_loss, self.step)
+        norm = grad_norm.item()
+        dist_utils.finite_or_raise(self.step, global_loss, norm)
+        return global_loss, norm
+
+    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, started: float) -> None:
+        global_loss, norm = self._finite_or_raise(loss, grad_norm)
         steps_left = self.job_config.training.steps - self.step
         steps_done = self.step - self.first_step + 1  # in this run: a resumed run starts later
         eta = (time.perf_counter() - started) / steps_done * steps_left
         extra = {name: value.item() for name, value in self.step_metrics.items()}
-        self.metrics.log(self.step, global_loss, grad_norm.item(), self.lr, eta, extra=extra)
+        self.metrics.log(self.step, global_loss, norm, self.lr, eta, extra=extra)
 
     def _validate(self) -> None:
         autocast = autocast_context(self.job_config, self.parallel_dims, self.device)
@@ -278,19 +292,22 @@ class Trainer:
 
     def _train_steps(self, data_iter, started: float, profiler) -> None:
         cfg = self.job_config
+        unchecked = None  # the last step's (loss, grad_norm) until checked finite
         while self.step < cfg.training.steps:
             if self._stop_agreed():
                 if cfg.checkpoint.enable:
-                    self.checkpointer.save(self.train_state, force_sync=True)
+                    self._save_finite(unchecked, force_sync=True)
                 raise StopRequested
             self.step += 1
             if self.step % cfg.training.gc_freq == 0:
                 gc.collect(1)
             loss, grad_norm, data_seconds = self.train_step(data_iter)
+            unchecked = (loss, grad_norm)
             self.metrics.count(self.tokens_per_device_per_step, data_seconds)
             first = self.step == self.first_step
             if first or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
                 self._log(loss, grad_norm, started)
+                unchecked = None
             if first:
                 dist_utils.set_collective_timeout(cfg.comm.train_timeout_seconds)
             if self.validator and (self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps):
@@ -300,11 +317,19 @@ class Trainer:
             self.train_state.tokens_seen += self.tokens_per_device_per_step * self.parallel_dims.world_size
             if self.checkpointer.should_save(self.step, cfg.training.steps):
                 with self.metrics.paused():
-                    self.checkpointer.save(self.train_state, last=self.step == cfg.training.steps)
+                    self._save_finite(unchecked, last=self.step == cfg.training.steps)
+                unchecked = None
             else:
                 self.checkpointer.poll()
             profiler.step()
             self.memory_snapshotter.after_step(self.step)
+
+    def _save_finite(self, unchecked: tuple | None, **save_options) -> None:
+        """Checkpoint, after checking the loss and gradient norm of `unchecked` (the last step's
+        when no log line has checked them) are finite."""
+        if unchecked is not None:
+            self._finite_or_raise(*unchecked)
+        self.checkpointer.save(self.train_state, **save_options)
 
     def _build_stop_group(self):
         """A gloo group for agreeing on a stop (see `_stop_agreed`); None when not needed."""

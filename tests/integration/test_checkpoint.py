@@ -419,3 +419,13 @@ def test_initial_load_in_hf_under_expert_parallelism_starts_from_those_weights(
     assert f"Reading only this rank's {8 // ep} of 8 experts per MoE layer" in proc.stdout + proc.stderr
     got, want = _losses(tmp_path)[1], _losses(moe_hf_export_of_one_process)[1]
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_a_step_that_makes_the_gradients_non_finite_is_never_checkpointed(tmp_path):
+    # An lr of 1e30 makes step 1's weights huge and step 2's gradient norm NaN. Step 2 is no
+    # log step (log_freq 10): the check before its save stops the run.
+    diverging = ["--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", "--metrics.log_freq", "10",
+                 "--checkpoint.interval", "1", "--training.steps", "4"]  # fmt: skip
+    proc = _train(tmp_path, "FSDP 2", diverging, expect=1)
+    assert "is nan at step 2, so the weights are no longer finite" in proc.stderr, proc.stderr[-3000:]
+    assert _steps(tmp_path) == ["step-1"]

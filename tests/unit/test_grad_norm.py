@@ -4,7 +4,7 @@ parity tests compare every layout's grad_norm with one process's.)"""
 import pytest
 import torch
 
-from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.distributed.utils import clip_grad_norm_, finite_or_raise
 
 
 def _params_with_grads(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -34,3 +34,16 @@ def test_max_norm_zero_only_measures():
     clip_grad_norm_(params, max_norm=0.0)
     for p, grad in zip(params, before):
         assert torch.equal(p.grad, grad)
+
+
+@pytest.mark.parametrize(
+    "loss, grad_norm, named",
+    [(float("inf"), 1.0, "loss is inf at step 3"), (2.0, float("nan"), "gradient norm is nan at step 3")],
+)
+def test_a_non_finite_loss_or_gradient_norm_stops_the_run_naming_the_step(loss, grad_norm, named):
+    with pytest.raises(FloatingPointError, match=named):
+        finite_or_raise(3, loss, grad_norm)
+
+
+def test_finite_loss_and_gradient_norm_pass():
+    finite_or_raise(3, 2.0, 1e30)

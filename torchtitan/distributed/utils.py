@@ -228,7 +228,13 @@ def all_reduce_mean(value: float, device: torch.device) -> float:
     return t.item() / dist.get_world_size()
 
 
-def finite_or_raise(loss: float, step: int) -> None:
-    """Stop at the first non-finite loss, naming the step, rather than training on NaNs."""
-    if not math.isfinite(loss):
-        raise FloatingPointError(f"loss is {loss} at step {step}; lower optimizer.lr or check data")
+def finite_or_raise(step: int, loss: float, grad_norm: float) -> None:
+    """Stop at the first non-finite loss or gradient norm, naming the step, rather than train on
+    (or checkpoint) the NaN weights the optimizer step made of them."""
+    for name, value in (("loss", loss), ("gradient norm", grad_norm)):
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"{name} is {value} at step {step}, so the weights are no longer finite; lower "
+                "optimizer.lr or check the data, then resume from the last checkpoint (none was "
+                "written of this step)"
+            )
