@@ -230,6 +230,7 @@ PUBLISHED_CONFIGS = {
     },
     ("qwen3", "30B-A3B"): {
         "model_type": "qwen3_moe", "hidden_size": 2048, "head_dim": 128, "moe_intermediate_size": 768,
+        "intermediate_size": 6144,
         "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
         "num_experts_per_tok": 8, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False,

@@ -41,7 +41,7 @@ qwen3_flavors = {
         moe_args=MoEArgs(num_experts=8, top_k=2, route_norm=True, load_balance_coeff=1e-3),
     ),
     "30B-A3B": Qwen3ModelArgs(
-        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, moe_hidden_dim=768,
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, hidden_dim=6144, moe_hidden_dim=768,
         moe_args=MoEArgs(num_experts=128, top_k=8, route_norm=True, load_balance_coeff=1e-3),
     ),
     "235B-A22B": Qwen3ModelArgs(
