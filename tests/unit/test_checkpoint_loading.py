@@ -266,3 +266,50 @@ def test_a_full_resume_keeps_the_saved_runs_next_lr(tmp_path):
     resumed.load(TrainState())
 
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(step_6_lr)
+
+
+def _data_run(tmp_path, data, *argv) -> CheckpointManager:
+    """A checkpointing run of a Linear whose loader streams `data` (a dataset of local files,
+    taken by the streaming path as a hub dataset is) in 16-token windows, 2 per batch."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.datasets.text_datasets import StreamingTokenDataset
+
+    cfg = parse_args(["--job.dump_folder", str(tmp_path), "--checkpoint.enable",
+                      "--training.local_batch_size", "2", *argv], env={})  # fmt: skip
+    dataset = StreamingTokenDataset(str(data), HuggingFaceTokenizer(cfg.model.hf_assets_path), 16, 0, 1)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return CheckpointManager(cfg, model, optimizer, scheduler, StatefulDataLoader(dataset, batch_size=2),
+                             dp_rank=0, dp_degree=1, device=torch.device("cpu"))  # fmt: skip
+
+
+def test_a_streaming_datasets_position_resumes_exactly_through_a_checkpoint(tmp_path):
+    data = tmp_path / "stream"
+    data.mkdir()
+    docs = [f"document {i} says " + "word " * (3 + i % 5) for i in range(40)]
+    (data / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    saving = _data_run(tmp_path, data)
+    batches = iter(saving.dataloader)
+    for _ in range(5):
+        next(batches)
+    saving.save(TrainState(step=5))
+    following = [next(batches)[0] for _ in range(3)]
+    resuming = _data_run(tmp_path, data)
+
+    resuming.load(TrainState())
+
+    resumed = iter(resuming.dataloader)
+    assert all(torch.equal(next(resumed)[0], want) for want in following)
+
+
+def test_resuming_a_packed_datasets_position_into_a_streamed_dataset_is_refused_naming_the_fix(tmp_path):
+    _save_after_five_steps(tmp_path)  # a packed dataset's loader
+    data = tmp_path / "stream"
+    data.mkdir()
+    (data / "train.jsonl").write_text(json.dumps({"text": "one document " * 20}) + "\n")
+
+    with pytest.raises(ConfigError, match=r"data position of a packed dataset.*exclude_from_loading"):
+        _data_run(tmp_path, data).load(TrainState())

@@ -25,6 +25,7 @@ Pitfalls:
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import time
@@ -270,7 +271,9 @@ class CheckpointManager:
             "model": self._model_state(),
             "optimizer": self._optimizer_state(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
-            "dataloader": {f"dp{self.dp_rank}": self.dataloader.state_dict()},
+            # Pickled whole: DCP restores nested non-tensor values only where the loading run's
+            # own state has the same keys, and a streaming dataset's nested state varies.
+            "dataloader": {f"dp{self.dp_rank}": pickle.dumps(self.dataloader.state_dict())},
             "train_state": {
                 "step": train_state.step,
                 "tokens_seen": train_state.tokens_seen,
@@ -579,11 +582,14 @@ class CheckpointManager:
         dataset = self.dataloader.dataset
         packed = hasattr(dataset, "state_continuing")
         own_slot = f"dp{self.dp_rank}" if saved_dp == self.dp_degree else "dp0"
-        state = {"dataloader": {own_slot: self.dataloader.state_dict()}}
-        # Partial: keys added to the dataset state since a checkpoint was written keep this
-        # run's values, which are the right defaults for it.
-        dcp.load(state, checkpoint_id=str(folder), planner=DefaultLoadPlanner(allow_partial_load=True))
-        loader_state = state["dataloader"][own_slot]
+        loader_state = self._read_loader_state(folder, own_slot, packed)
+        if ("sample_index" in loader_state["dataset_state"]) != packed:
+            raise ConfigError(
+                f"checkpoint {folder} holds the data position of a "
+                f"{'streamed' if packed else 'packed'} dataset, but training.dataset = "
+                f"'{self.job_config.training.dataset}' is {'packed' if packed else 'streamed'} here; "
+                "add 'dataloader' to checkpoint.exclude_from_loading to start its data from the beginning."
+            )
         same_layout = saved_dp == self.dp_degree and (
             not packed
             or (saved_batch, loader_state["dataset_state"].get("seq_len", dataset.seq_len))
@@ -610,6 +616,24 @@ class CheckpointManager:
             f"to {self.dp_degree} x {dataset.local_batch_size}: "
             f"{loader_state['dataset_state']['window_offset']} windows consumed"
         )
+
+    def _read_loader_state(self, folder: Path, slot: str, packed: bool) -> dict:
+        """The loader state saved under `slot`: pickled whole, or, by checkpoints written before
+        that, as DCP's nested keys, which restore a packed dataset's flat state only."""
+        if f"dataloader.{slot}" in dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata:
+            state = {"dataloader": {slot: b""}}
+            dcp.load(state, checkpoint_id=str(folder))
+            return pickle.loads(state["dataloader"][slot])
+        if not packed:
+            raise ConfigError(
+                f"checkpoint {folder} stores a streaming dataset's position in an older form that does "
+                "not restore exactly; add 'dataloader' to checkpoint.exclude_from_loading to restart "
+                "the data stream."
+            )
+        state = {"dataloader": {slot: self.dataloader.state_dict()}}
+        # Partial: keys added to the dataset state since then keep this run's values.
+        dcp.load(state, checkpoint_id=str(folder), planner=DefaultLoadPlanner(allow_partial_load=True))
+        return state["dataloader"][slot]
 
     def _load_initial(self, path: Path) -> None:
         c = self.config
