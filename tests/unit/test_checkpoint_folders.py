@@ -2,11 +2,12 @@
 
 import time
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState, complete_steps, prune_checkpoints
-from torchtitan.config.manager import parse_args
+from torchtitan.config.manager import ConfigError, parse_args
 
 
 def _save(folder, step: int, resumable: bool = True, suffix: str = "") -> None:
@@ -92,10 +93,17 @@ def _manager(tmp_path, *argv: str) -> CheckpointManager:
     return CheckpointManager(cfg, None, None, None, None, dp_rank=0, dp_degree=1, device=torch.device("cpu"))
 
 
-def _load_folders_only(manager: CheckpointManager) -> list[str]:
-    """What `load` resumes from (the state itself is not read: no model here)."""
+def _load_folders_only(manager: CheckpointManager, restarts_at_step_0: bool = False) -> list[str]:
+    """What `load` resumes from (the state itself is not read: no model here). The step comes
+    from the folder's name, as from its train_state, or is 0 for a load that restarts the count
+    (a model-only checkpoint, or train_state excluded)."""
     loaded = []
-    manager._load_full = lambda folder, train_state: loaded.append(folder.name)
+
+    def load_full(folder, train_state):
+        loaded.append(folder.name)
+        train_state.step = 0 if restarts_at_step_0 else int(folder.name.removeprefix("step-"))
+
+    manager._load_full = load_full
     manager.load(TrainState())
     return loaded
 
@@ -123,3 +131,30 @@ def test_a_plain_resume_keeps_a_newer_model_only_export(tmp_path):
     assert _load_folders_only(manager) == ["step-10"]
 
     assert complete_steps(manager.folder) == [10, 12]
+
+
+def test_a_folder_of_model_only_exports_is_refused_rather_than_restarted_from_step_0(tmp_path):
+    manager = _manager(tmp_path)
+    _save(manager.folder, 4, resumable=False)  # a finished run's last_save_model_only export
+
+    with pytest.raises(ConfigError, match=r"only model-only checkpoints \(steps \[4\].*initial_load_path = "
+                       r"'.*step-4'.*last_save_model_only = false"):  # fmt: skip
+        manager.load(TrainState())
+
+
+def test_a_seed_checkpoint_alone_is_loaded(tmp_path):
+    manager = _manager(tmp_path)
+    _save(manager.folder, 0, resumable=False)  # create_seed_checkpoint
+
+    assert _load_folders_only(manager, restarts_at_step_0=True) == ["step-0"]
+
+
+def test_a_load_that_restarts_the_step_count_sets_the_newer_checkpoints_aside(tmp_path):
+    manager = _manager(tmp_path, "--checkpoint.exclude_from_loading", "train_state")
+    for step in (3, 6):
+        _save(manager.folder, step)
+
+    assert _load_folders_only(manager, restarts_at_step_0=True) == ["step-6"]
+
+    assert complete_steps(manager.folder) == []
+    assert sorted(p.name for p in manager.folder.iterdir()) == ["step-3.superseded", "step-6.superseded"]

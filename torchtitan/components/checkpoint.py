@@ -447,10 +447,11 @@ class CheckpointManager:
 
     def resume_step(self) -> int | None:
         """The step to resume from: `load_step`, else the newest complete checkpoint that holds a
-        training state, else the newest model-only one (a seed checkpoint), else None.
+        training state, else a seed checkpoint (model only, step 0), else None.
 
         A model-only final save (`last_save_model_only`) is an export: a later run resumes from
-        the full checkpoint before it rather than restarting from step 0 with its weights.
+        the full checkpoint before it, and with none, is refused rather than restarted from
+        step 0 with the exported weights (which would repeat warmup and data on them).
         Rank 0 chooses and tells the others, so ranks that list the folder differently (a
         network file system's attribute cache) still load the same step.
         """
@@ -476,7 +477,15 @@ class CheckpointManager:
         resumable = resumable_steps(self.folder)
         if resumable:
             return resumable[-1], None
-        return (steps[-1] if steps else None), None
+        if exports := [s for s in steps if s > 0]:
+            return None, (
+                f"{self.folder} holds only model-only checkpoints (steps {exports}: the exports a "
+                "run writes at its end with checkpoint.last_save_model_only), which a run cannot "
+                "resume from. To train on from those weights, start a new job.dump_folder with "
+                f"checkpoint.initial_load_path = '{self.folder / f'step-{exports[-1]}'}'; to end runs "
+                "resumably, set checkpoint.last_save_model_only = false."
+            )
+        return (0 if steps else None), None
 
     def load(self, train_state: TrainState) -> bool:
         """Restore the newest checkpoint (or `initial_load_path`) in place; True when one was read."""
@@ -485,8 +494,10 @@ class CheckpointManager:
         step = self.resume_step()
         if step is not None:
             self._load_full(self.folder / f"step-{step}", train_state)
-            if self.config.load_step >= 0:
-                self._set_aside_newer_than(step)
+            # A rollback, or a load that restarts the step count (a model-only step, or
+            # train_state excluded): the checkpoints after it belong to the abandoned run.
+            if self.config.load_step >= 0 or train_state.step < step:
+                self._set_aside_newer_than(train_state.step)
         elif self.config.initial_load_path:
             self._load_initial(Path(self.config.initial_load_path))
         else:
@@ -508,9 +519,10 @@ class CheckpointManager:
             group["lr"] = lr
 
     def _set_aside_newer_than(self, step: int) -> None:
-        """After a rollback (`load_step` older than the newest), rename the newer checkpoints to
-        `step-N.superseded`: left in place, the next plain resume would pick the abandoned
-        run's newest and `keep_latest_k` would delete this run's checkpoints before them."""
+        """After a rollback (`load_step` older than the newest, or a load that restarts at an
+        earlier step), rename the newer checkpoints to `step-N.superseded`: left in place, the
+        next plain resume would pick the abandoned run's newest, this run would overwrite them
+        one by one, and `keep_latest_k` would delete this run's checkpoints before them."""
         newer = [s for s in complete_steps(self.folder) if s > step]
         if _rank() == 0 and newer:
             for s in newer:
