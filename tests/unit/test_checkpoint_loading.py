@@ -313,3 +313,32 @@ def test_resuming_a_packed_datasets_position_into_a_streamed_dataset_is_refused_
 
     with pytest.raises(ConfigError, match=r"data position of a packed dataset.*exclude_from_loading"):
         _data_run(tmp_path, data).load(TrainState())
+
+
+def _initial_load(tmp_path, path, *argv) -> None:
+    model, adapter = _model()
+    argv = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(path), *argv]
+    _manager(tmp_path / "run", argv, model, adapter).load(TrainState())
+
+
+def test_an_hf_folder_as_initial_load_without_initial_load_in_hf_is_refused_naming_the_key(tmp_path):
+    model, adapter = _model()
+    _export(model, adapter, tmp_path / "hf")
+    message = r"is not a DCP checkpoint.*set checkpoint.initial_load_in_hf = true"
+    with pytest.raises(ConfigError, match=message):
+        _initial_load(tmp_path, tmp_path / "hf")
+
+
+def test_a_checkpoint_folder_as_initial_load_is_refused_naming_its_newest_step(tmp_path):
+    model, _ = _model()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "checkpoint" / "step-3"))
+    message = r"is not a DCP checkpoint.*point it at one of its checkpoints, e.g. '.*checkpoint/step-3'"
+    with pytest.raises(ConfigError, match=message):
+        _initial_load(tmp_path, tmp_path / "checkpoint")
+
+
+def test_an_export_as_initial_load_with_its_optimizer_asked_for_is_refused_naming_the_key(tmp_path):
+    model, _ = _model()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "step-3"))
+    with pytest.raises(ConfigError, match=r"holds model weights only.*set initial_load_model_only = true"):
+        _initial_load(tmp_path, tmp_path / "step-3", "--checkpoint.no_initial_load_model_only")

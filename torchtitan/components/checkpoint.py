@@ -123,11 +123,16 @@ def _is_moment(value) -> bool:
 
 
 def complete_steps(folder: Path) -> list[int]:
-    """Steps with a complete (visible) checkpoint in `folder`, ascending."""
+    """Steps with a complete (visible) checkpoint in `folder`, ascending: `step-N` folders that
+    hold DCP's metadata, which it writes last."""
     if not folder.is_dir():
         return []
-    steps = [int(m.group(1)) for p in folder.iterdir() if p.is_dir() and (m := STEP_FOLDER.match(p.name))]
+    steps = [int(m.group(1)) for p in folder.iterdir() if (m := STEP_FOLDER.match(p.name)) and _is_dcp(p)]
     return sorted(steps)
+
+
+def _is_dcp(folder: Path) -> bool:
+    return (folder / ".metadata").is_file()
 
 
 def saved_keys(folder: Path) -> set[str]:
@@ -655,6 +660,7 @@ class CheckpointManager:
             self._load_hf(path)
             logger.info(f"Initialized the model from Hugging Face safetensors in {path}")
             return
+        self._check_initial_dcp(path)
         state = {"model": self._model_state()}
         if not c.initial_load_model_only:
             state["optimizer"] = self._optimizer_state()
@@ -665,6 +671,24 @@ class CheckpointManager:
         if "optimizer" in state:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         logger.info(f"Initialized the model from checkpoint {path}")
+
+    def _check_initial_dcp(self, path: Path) -> None:
+        """Raise ConfigError naming the fix when `path` is no DCP checkpoint, or holds no optimizer
+        state that `initial_load_model_only = false` asks for."""
+        key = f"'checkpoint.initial_load_path' = '{path}'"
+        if not _is_dcp(path):
+            if any(path.glob("*.safetensors")):
+                fix = "it holds safetensors: set checkpoint.initial_load_in_hf = true"
+            elif steps := complete_steps(path):
+                fix = f"point it at one of its checkpoints, e.g. '{path / f'step-{steps[-1]}'}'"
+            else:
+                fix = "point it at a step-N folder of a checkpoint"
+            raise ConfigError(f"{key} is not a DCP checkpoint (it has no .metadata file); {fix}.")
+        if not self.config.initial_load_model_only and "optimizer" not in saved_keys(path):
+            raise ConfigError(
+                f"{key} holds model weights only (an export), but checkpoint.initial_load_model_only = "
+                "false asks for its optimizer state; set initial_load_model_only = true."
+            )
 
     def _load_hf(self, path: Path) -> None:
         """Load the HF checkpoint in `path` into the model, one decoder layer at a time.
