@@ -295,7 +295,9 @@ class Trainer:
         unchecked = None  # the last step's (loss, grad_norm) until checked finite
         while self.step < cfg.training.steps:
             if self._stop_agreed():
-                if cfg.checkpoint.enable:
+                # Not again right after a save (or resume) of this step: during the rewrite
+                # the grace period could run out.
+                if cfg.checkpoint.enable and not self.checkpointer.holds(self.step):
                     self._save_finite(unchecked, force_sync=True)
                 raise StopRequested
             self.step += 1

@@ -429,3 +429,16 @@ def test_a_step_that_makes_the_gradients_non_finite_is_never_checkpointed(tmp_pa
     proc = _train(tmp_path, "FSDP 2", diverging, expect=1)
     assert "is nan at step 2, so the weights are no longer finite" in proc.stderr, proc.stderr[-3000:]
     assert _steps(tmp_path) == ["step-1"]
+
+
+def test_a_stop_right_after_resuming_does_not_rewrite_the_checkpoint_it_resumed_from(tmp_path):
+    _train(tmp_path, extra=["--training.steps", "5", "--checkpoint.no_last_save_model_only"])
+    written = (tmp_path / "checkpoint" / "step-5" / ".metadata").stat().st_mtime_ns
+    stop_file = tmp_path / "stop"
+    stop_file.touch()  # already there: the run stops before its first step
+
+    proc = _train(tmp_path, extra=["--training.steps", "10"], env={STOP_FILE_ENV: str(stop_file)}, expect=143)
+
+    assert "Resumed from checkpoint" in proc.stderr, proc.stderr[-3000:]
+    assert "Saved checkpoint" not in proc.stderr
+    assert (tmp_path / "checkpoint" / "step-5" / ".metadata").stat().st_mtime_ns == written

@@ -158,3 +158,18 @@ def test_a_load_that_restarts_the_step_count_sets_the_newer_checkpoints_aside(tm
 
     assert complete_steps(manager.folder) == []
     assert sorted(p.name for p in manager.folder.iterdir()) == ["step-3.superseded", "step-6.superseded"]
+
+
+def test_a_save_of_an_existing_step_replaces_the_folder_whole_and_leaves_nothing_aside(tmp_path):
+    from torchtitan.components.checkpoint import _replace_folder
+
+    _save(tmp_path, 5)
+    _save(tmp_path, 6, suffix=".partial")  # the new save's content, written as step-5's
+    (tmp_path / "step-6.partial").rename(tmp_path / "step-5.partial")
+
+    _replace_folder(tmp_path / "step-5", tmp_path / "step-5.partial")
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-5"]
+    state = {"model": {"weight": torch.zeros(2)}}
+    dcp.load(state, checkpoint_id=str(tmp_path / "step-5"))
+    assert state["model"]["weight"].tolist() == [6.0, 6.0]

@@ -68,6 +68,7 @@ logger = logging.getLogger(__name__)
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
 SUPERSEDED_SUFFIX = ".superseded"
+REPLACED_SUFFIX = ".replaced"  # a checkpoint folder being replaced by a newer save of its step
 _HF_LOAD_FIX = "Set model.name and model.flavor to the checkpoint's, or load another checkpoint."
 STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 # Test hook: a rank that reads this step from the environment dies after writing its shards and
@@ -135,6 +136,18 @@ def _is_dcp(folder: Path) -> bool:
     return (folder / ".metadata").is_file()
 
 
+def _replace_folder(final: Path, new: Path) -> None:
+    """Rename `new` to `final`, replacing any folder there. The old one is renamed aside first
+    and deleted after: deleting it in place (seconds for a large checkpoint) would leave no
+    `final` at all until the rename, which a kill in between would make permanent."""
+    old = final.with_name(final.name + REPLACED_SUFFIX)
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    new.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def saved_keys(folder: Path) -> set[str]:
     """The top-level state keys (model, optimizer, ...) a DCP checkpoint folder holds."""
     metadata = dcp.FileSystemReader(str(folder)).read_metadata()
@@ -183,6 +196,7 @@ class CheckpointManager:
         self.device, self.hf_adapter = device, hf_adapter
         self.folder = Path(job_config.job.dump_folder) / c.folder
         self.pending = None  # (future, partial folder, final folder) of an async save
+        self.resumable_step: int | None = None  # the step of the last full checkpoint saved or loaded
         self.stager: DefaultStager | None = None  # async_with_pinned_mem's, built at its first save
         self.staging = None  # future of the pending save's copy to host memory
         self._check(job_config)
@@ -296,6 +310,11 @@ class CheckpointManager:
             return False
         return step % c.interval == 0 or step == last_step or (step == 1 and c.enable_first_step_checkpoint)
 
+    def holds(self, step: int) -> bool:
+        """Whether a full checkpoint of `step` has been saved (or is being saved) or was loaded by
+        this run: a stop right after it need not write it again."""
+        return self.resumable_step == step
+
     def save(self, train_state: TrainState, *, last: bool = False, force_sync: bool = False) -> None:
         """Save the state at `train_state.step`; the final save may be model-only or HF."""
         c = self.config
@@ -308,6 +327,7 @@ class CheckpointManager:
             state = self._on_disk({"model": self._export_model_state()})
         else:
             state = self._on_disk(self._full_state(train_state))
+            self.resumable_step = step
         final = self.folder / f"step-{step}"
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         if _rank() == 0:
@@ -413,8 +433,7 @@ class CheckpointManager:
         if collective:
             _barrier()
         if _rank() == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            partial.rename(final)
+            _replace_folder(final, partial)
             self._keep_latest()
         if collective:
             _barrier()
@@ -443,8 +462,7 @@ class CheckpointManager:
             save_hf(
                 self.hf_adapter.to_hf(self._in_export_dtype(full)), self.hf_adapter.hf_config(dtype), partial
             )
-            shutil.rmtree(folder, ignore_errors=True)
-            partial.rename(folder)
+            _replace_folder(folder, partial)
             logger.info(f"Saved the model as Hugging Face safetensors in {folder}")
         _barrier()
 
@@ -503,6 +521,8 @@ class CheckpointManager:
             # train_state excluded): the checkpoints after it belong to the abandoned run.
             if self.config.load_step >= 0 or train_state.step < step:
                 self._set_aside_newer_than(train_state.step)
+            if train_state.step == step > 0:
+                self.resumable_step = step
         elif self.config.initial_load_path:
             self._load_initial(Path(self.config.initial_load_path))
         else:
