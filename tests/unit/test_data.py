@@ -31,6 +31,13 @@ def test_bundled_tokenizer_adds_bos_and_eos_and_round_trips(tokenizer):
     assert tokenizer.vocab_size == 2048
 
 
+def test_special_token_text_inside_a_document_is_encoded_as_text(tokenizer):
+    ids = tokenizer.encode("a <|end_of_text|> b <|begin_of_text|> c")
+    assert ids.count(tokenizer.eos_id) == ids.count(tokenizer.bos_id) == 1  # only the wrapping pair
+    assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id
+    assert tokenizer.decode(ids[1:-1]) == "a <|end_of_text|> b <|begin_of_text|> c"
+
+
 def test_missing_tokenizer_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match="model.hf_assets_path"):
         HuggingFaceTokenizer(str(tmp_path))

@@ -58,6 +58,10 @@ class HuggingFaceTokenizer:
             )
         self.path = file
         self._tok = Tokenizer.from_file(str(file))
+        # A special token's text inside a document ("<|end_of_text|>" quoted in a web page or
+        # code) is text: ids of special tokens come from bos/eos only, or fake document
+        # boundaries would appear (which block_causal masks at).
+        self._tok.encode_special_tokens = True
         self.fingerprint = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
         config_file = folder / "tokenizer_config.json"
         special = _read_special_tokens(config_file)

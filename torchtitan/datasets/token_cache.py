@@ -25,7 +25,7 @@ TOKEN_DTYPE = np.uint32
 _DOCS_PER_BATCH = 1024
 # Bump when the same files and tokenizer would tokenize differently (how documents are read or
 # wrapped), so caches written by older code are not reused.
-CACHE_FORMAT = 2  # 2: a .txt file is one document, no longer one per line
+CACHE_FORMAT = 3  # 2: a .txt file is one document, no longer one per line; 3: special-token text is text
 
 
 def cache_dir() -> Path:
