@@ -311,7 +311,7 @@ def test_disabled_validation_may_keep_a_seq_len_beyond_training():
 @pytest.mark.parametrize("steps", ["0", "-2"])
 def test_validation_steps_other_than_positive_or_minus_one_are_refused(steps):
     message = _error(["--validation.steps", steps])
-    assert f"'validation.steps' = {steps}" in message and "-1 for the whole split" in message
+    assert f"'validation.steps' = {steps}" in message and "-1 for every whole global batch" in message
 
 
 def test_shipped_bare_config_names_are_unique():

@@ -3,6 +3,7 @@
 import json
 import multiprocessing
 import os
+import re
 import stat
 import time
 from pathlib import Path
@@ -71,6 +72,17 @@ def test_null_bos_token_in_tokenizer_config_means_no_bos(tmp_path):
 def test_add_bos_token_false_means_no_bos_even_when_a_bos_token_is_named(tmp_path):
     tok = _word_tokenizer(tmp_path, {"add_bos_token": False, "bos_token": "<s>", "eos_token": "</s>"})
     assert tok.bos_id is None
+
+
+def test_a_tokenizer_without_eos_is_warned_about_naming_the_config_file(tmp_path, caplog):
+    tok = _word_tokenizer(tmp_path, {"bos_token": "<s>", "eos_token": None})
+    assert tok.eos_id is None
+    assert "has no EOS token" in caplog.text and "tokenizer_config.json" in caplog.text
+
+
+def test_a_tokenizer_with_eos_gives_no_eos_warning(tmp_path, caplog):
+    _word_tokenizer(tmp_path, {"bos_token": "<s>", "eos_token": "</s>"})
+    assert "EOS" not in caplog.text
 
 
 def test_tokens_named_in_tokenizer_config_win_over_candidate_names(tmp_path):
@@ -272,6 +284,33 @@ def test_records_without_text_field_name_the_columns(tmp_path, tokenizer):
         build_text_dataset("unused", str(tmp_path / "d.jsonl"), tokenizer, 4, 0, 1, 1, infinite=True)
 
 
+@pytest.mark.parametrize(
+    "content, named",
+    [
+        ('{"text": "a document"}\n{"body": "no text here"}\n', r"record 1 .* has 'text' = None"),
+        ('{"text": null}\n', r"record 0 .* has 'text' = None"),
+        ('{"text": ["two", "parts"]}\n', r"record 0 .* has 'text' = \['two', 'parts'\]"),
+        ('{"text": 7}\n', r"record 0 .* has 'text' = 7"),
+        (b'{"text": "caf\xe9"}\n', r"cannot be read .*UTF-8"),
+        ('{"text": "a"}\n{not json\n', r"cannot be read .*UTF-8 json"),
+        ("", r"cannot be read .*at least one record"),
+    ],
+    ids=["missing", "null", "list", "number", "latin-1", "malformed", "empty"],
+)
+def test_an_unreadable_local_record_is_a_config_error_naming_the_file(tmp_path, tokenizer, content, named):
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError, match=rf"'training.dataset_path' \({re.escape(str(data))}\).*{named}"):
+        build_text_dataset("unused", str(data), tokenizer, 4, 0, 1, 1, infinite=True)
+
+
+def test_files_in_hidden_folders_are_not_read(tmp_path, tokenizer):
+    _write_corpus(tmp_path / "data", "jsonl", ["one two three"])
+    _write_corpus(tmp_path / "data" / ".ipynb_checkpoints", "jsonl", ["four five six"])
+    ds = build_text_dataset("unused", str(tmp_path / "data"), tokenizer, 4, 0, 1, 1, infinite=True)
+    assert np.asarray(ds.tokens).tolist() == tokenizer.encode("one two three")
+
+
 def test_missing_dataset_path_is_a_clear_error(tokenizer):
     with pytest.raises(ConfigError, match="training.dataset_path"):
         build_text_dataset("x", "/no/such/place", tokenizer, 4, 0, 1, 1, infinite=True)
@@ -342,6 +381,15 @@ def test_hub_dataset_resumed_after_a_full_pass_continues_the_second_pass(monkeyp
     resumed = build_text_dataset("some/hub-set", None, tokenizer, 8, 0, 1, 1, infinite=True)
     resumed.load_state_dict(state)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(_take(resumed, 6), uninterrupted[20:]))
+
+
+def test_a_hub_dataset_that_gives_a_rank_no_document_is_a_config_error_not_an_endless_loop(
+    monkeypatch, tmp_path, tokenizer
+):
+    _fake_hub(monkeypatch, tmp_path, ["the only document " * 5])
+    second_rank = build_text_dataset("some/hub-set", None, tokenizer, 8, 1, 2, 1, infinite=True)
+    with pytest.raises(ConfigError, match="gives data-parallel rank 1 of 2 no document"):
+        next(iter(second_rank))
 
 
 def test_hub_dataset_without_text_column_is_a_config_error(monkeypatch, tmp_path, tokenizer):

@@ -36,3 +36,14 @@ def test_default_validation_set_with_other_training_data_is_warned_about(trainin
 def test_bundled_training_corpus_validates_on_its_split_without_a_warning(tokenizer, caplog):
     build_validation_dataloader(parse_args(VALIDATION, env={}), tokenizer, 0, 1)
     assert _warnings(caplog) == []
+
+
+@pytest.mark.parametrize("dp_degree", [1, 4])
+def test_validation_logs_how_many_windows_its_whole_global_batches_leave_out(dp_degree, tokenizer, caplog):
+    caplog.set_level("INFO")
+    loader = build_validation_dataloader(parse_args(VALIDATION, env={}), tokenizer, 0, dp_degree)
+    windows = loader.dataset.num_windows
+    used = windows // (2 * dp_degree) * (2 * dp_degree)
+    assert used < windows, "the split must not divide evenly for this test"
+    assert sum(len(inputs) for inputs, _ in loader) * dp_degree == used
+    assert f"Validation reads {used} of the split's {windows} windows" in caplog.text

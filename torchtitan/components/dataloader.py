@@ -49,6 +49,13 @@ def build_validation_dataloader(
         infinite=False,
         key="validation.dataset",
     )
+    global_batch = v.local_batch_size * dp_degree
+    used = dataset.num_windows // global_batch * global_batch
+    if used < dataset.num_windows:
+        logger.info(
+            f"Validation reads {used} of the split's {dataset.num_windows} windows of {v.seq_len + 1} "
+            f"tokens: whole global batches of {v.local_batch_size} x {dp_degree} ranks"
+        )
     return StatefulDataLoader(dataset, batch_size=v.local_batch_size, num_workers=0)
 
 

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -9,6 +10,8 @@ from tokenizers import Tokenizer
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
 from torchtitan.tools.paths import resolve_path
+
+logger = logging.getLogger(__name__)
 
 # Tried in order when tokenizer_config.json is missing or lacks the bos_token/eos_token key.
 _BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<|im_start|>", "<｜begin▁of▁sentence｜>")
@@ -68,6 +71,12 @@ class HuggingFaceTokenizer:
         self.bos_id = self._special_id("bos_token", special, _BOS_CANDIDATES, config_file)
         self.eos_id = self._special_id("eos_token", special, _EOS_CANDIDATES, config_file)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        if self.eos_id is None:
+            logger.warning(
+                f"the tokenizer in 'model.hf_assets_path' = '{assets_path}' has no EOS token, so packed "
+                "documents run into each other with no separator; name its end-of-document token as "
+                f"'eos_token' in {config_file}."
+            )
 
     def _special_id(self, key: str, special: dict, candidates, config_file: Path) -> int | None:
         """The id of the token tokenizer_config.json names under `key` (None for null), or of

@@ -12,7 +12,8 @@ class Validator:
     Args:
         dataloader: finite loader of (input, label) batches; rewound before each pass.
         loss_fn: `(logits, labels) -> mean loss`.
-        max_steps: batches per pass; -1 for the whole split.
+        max_steps: batches per pass; -1 for all the loader has (every whole global batch of
+            the split: up to local batch x dp - 1 windows at its end are left out).
     """
 
     def __init__(self, dataloader, loss_fn, device: torch.device, max_steps: int = -1):

@@ -273,7 +273,7 @@ class Validation:
     local_batch_size: int = opt(8, "validation sequences per rank", min=1)
     seq_len: int = opt(2048, "validation tokens per sequence; at most training.seq_len", min=1)
     freq: int = opt(500, "validate every this many steps", min=1)
-    steps: int = opt(-1, "validation batches per run (>= 1); -1 = the whole split")
+    steps: int = opt(-1, "validation batches per run (>= 1); -1 = every whole global batch of the split")
 
 
 @dataclass

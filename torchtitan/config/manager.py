@@ -596,7 +596,7 @@ def _check_validation(v, t) -> None:
     if v.steps == 0 or v.steps < -1:
         raise ConfigError(
             f"'validation.steps' = {v.steps} is invalid: use a positive number of batches or -1 "
-            "for the whole split."
+            "for every whole global batch of the split."
         )
     # Only an enabled validation runs the model at validation.seq_len, so a disabled section
     # may keep the 2048 default under a shorter training.seq_len.

@@ -37,7 +37,8 @@ def local_files(dataset_path: str, key: str) -> list[Path]:
     if path.is_file():
         files = [path]
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in _BUILDER_BY_SUFFIX)
+        # Hidden folders and files (.ipynb_checkpoints, editors' copies) are not data.
+        files = sorted(p for p in path.rglob("*") if p.suffix in _BUILDER_BY_SUFFIX and not _hidden(p, path))
     else:
         raise ConfigError(f"'{key}' = '{dataset_path}' does not exist; give a file or folder.")
     kinds = {_BUILDER_BY_SUFFIX.get(f.suffix) for f in files}
@@ -49,23 +50,65 @@ def local_files(dataset_path: str, key: str) -> list[Path]:
     return files
 
 
+def _hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
 def _require_text_column(columns: list[str], where: str, fix: str) -> None:
     if "text" not in columns:
         raise ConfigError(f"{where} has no 'text' column (columns: {columns}); {fix}.")
 
 
-def read_local_documents(files: list[Path]):
+def read_local_documents(files: list[Path], key: str = "training.dataset_path"):
     """Yield the 'text' field of every record of `files`, in order, via HF `datasets`; a .txt
-    file is one record."""
+    file is one record.
+
+    Raises:
+        ConfigError: naming `key` and the files, for files `datasets` cannot read (not UTF-8,
+            a malformed line, no records), no 'text' column, or a record whose 'text' is not a
+            string (missing, null, a number or a list).
+    """
     import datasets
 
     builder = _BUILDER_BY_SUFFIX[files[0].suffix]
     options = _BUILDER_OPTIONS.get(builder, {})
-    ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **options)
-    where = f"dataset '{files[0].parent}'"
+    where = f"'{key}' ({_name_files(files)})"
+
+    def unreadable(error: Exception) -> ConfigError:
+        kind = "text" if builder == "text" else builder
+        return ConfigError(
+            f"{where} cannot be read ({_describe(error)}); each file must be UTF-8 {kind} with at least "
+            "one record."
+        )
+
+    try:
+        ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **options)
+    except Exception as e:  # datasets and arrow raise many types; all mean an unreadable file
+        raise unreadable(e) from None
     _require_text_column(ds.column_names, where, "store each document's text under the key 'text'")
-    for record in ds:
-        yield record["text"]
+    try:
+        for index, record in enumerate(ds):
+            text = record["text"]
+            if not isinstance(text, str):
+                raise ConfigError(
+                    f"{where}: record {index} (counting from 0 over the files in order) has 'text' = "
+                    f"{text!r:.80}; every record needs its document as a string under 'text'."
+                )
+            yield text
+    except ConfigError:
+        raise
+    except Exception as e:  # e.g. bytes that are not UTF-8, decoded only as records are read
+        raise unreadable(e) from None
+
+
+def _name_files(files: list[Path]) -> str:
+    return str(files[0]) if len(files) == 1 else f"{len(files)} files in {files[0].parent}"
+
+
+def _describe(error: Exception) -> str:
+    """The error's type and the first line of its message."""
+    line = (str(error).strip().splitlines() or [""])[0][:200]
+    return f"{type(error).__name__}: {line}" if line else type(error).__name__
 
 
 def resolve_local_source(dataset: str, dataset_path: str | None, key: str) -> list[Path] | None:
@@ -207,17 +250,26 @@ class StreamingTokenDataset(IterableDataset):
         )
         self.data = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_degree)
         self.name, self.tokenizer, self.seq_len = name, tokenizer, seq_len
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.buffer: list[int] = []
         self.epoch = 0
 
     def __iter__(self):
         while True:
+            empty = True
             for record in self.data:
+                empty = False
                 self.buffer.extend(self.tokenizer.encode(record["text"], bos=True, eos=True))
                 while len(self.buffer) >= self.seq_len + 1:
                     chunk = torch.tensor(self.buffer[: self.seq_len + 1])
                     self.buffer = self.buffer[self.seq_len + 1 :]
                     yield chunk[:-1], chunk[1:]
+            if empty:
+                raise ConfigError(
+                    f"'training.dataset' = '{self.name}' gives data-parallel rank {self.dp_rank} of "
+                    f"{self.dp_degree} no document: it has fewer documents (or file shards) than ranks. "
+                    "Use a larger dataset, or local files (training.dataset_path)."
+                )
             self.epoch += 1
             self.data.set_epoch(self.epoch)
             logger.info(f"dataset '{self.name}' starts epoch {self.epoch + 1}")
@@ -253,6 +305,6 @@ def build_text_dataset(
                 f"split: set '{key}_path' to local files."
             )
         return StreamingTokenDataset(dataset, tokenizer, seq_len, dp_rank, dp_degree)
-    tokens = token_cache.load_or_build(files, tokenizer, lambda: read_local_documents(files))
+    tokens = token_cache.load_or_build(files, tokenizer, lambda: read_local_documents(files, f"{key}_path"))
     name, section = dataset_path or dataset, key.removesuffix(".dataset")
     return PackedTokenDataset(tokens, seq_len, dp_rank, dp_degree, local_batch_size, infinite, name, section)
