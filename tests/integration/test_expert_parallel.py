@@ -41,7 +41,7 @@ REPLAY = ["--activation_checkpoint.full_ac_all_to_all", "replay"]
 AC = {
     "none": ["--activation_checkpoint.mode", "none"],
     "full": ["--activation_checkpoint.mode", "full"],
-    "full early stop": ["--activation_checkpoint.mode", "full", "--activation_checkpoint.early_stop"],
+    "full no early stop": ["--activation_checkpoint.mode", "full", "--activation_checkpoint.no_early_stop"],
     "full replay": ["--activation_checkpoint.mode", "full", *REPLAY],
     "selective op": ["--activation_checkpoint.mode", "selective",
                      "--activation_checkpoint.selective_ac_option", "op"],
@@ -203,17 +203,17 @@ def test_ep_on_a_dense_flavor_is_refused_at_parallelize():
 WORKER_AC = {
     "none": AC["none"],
     "full, reissue": AC["full"],
-    "full, reissue, early stop": AC["full early stop"],
+    "full, reissue, no early stop": AC["full no early stop"],
     "full, replay": AC["full"] + REPLAY,
-    "full, replay, early stop": AC["full early stop"] + REPLAY,
+    "full, replay, no early stop": AC["full no early stop"] + REPLAY,
     "selective op": AC["selective op"],
 }
 # Backward all-to-alls per MoE layer: autograd's two (the transposes of dispatch and combine),
 # plus, when full AC re-issues them, the recomputed dispatch and combine. The split-size
 # exchange is saved in every AC mode.
 BACKWARD_A2A_PER_LAYER = {
-    "none": 2, "full, reissue": 4, "full, reissue, early stop": 4,
-    "full, replay": 2, "full, replay, early stop": 2, "selective op": 2,
+    "none": 2, "full, reissue": 4, "full, reissue, no early stop": 4,
+    "full, replay": 2, "full, replay, no early stop": 2, "selective op": 2,
 }  # fmt: skip
 LEAK_STEPS = 6  # a leak adds 6 tensors a step (all_to_all under full AC without early stop)
 

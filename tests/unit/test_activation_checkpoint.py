@@ -246,14 +246,29 @@ def _forward_and_backward_flops(ac: ActivationCheckpoint) -> tuple[int, int]:
     return forward, counter.get_total_flops() - forward
 
 
-def test_backward_flops_grow_with_recompute_and_full_adds_one_forward():
+def test_backward_flops_grow_with_recompute():
     forced = replace(OP_SAC, per_op_sac_force_recompute_mm_shapes_by_fqns=["feed_forward.w1"])
-    forward, none = _forward_and_backward_flops(NONE)
+    _, none = _forward_and_backward_flops(NONE)
     _, op_sac = _forward_and_backward_flops(OP_SAC)
     _, op_sac_forced = _forward_and_backward_flops(forced)
     _, full = _forward_and_backward_flops(FULL)
     assert none < op_sac < op_sac_forced < full
+
+
+def test_full_ac_recomputes_one_forward_without_early_stop():
+    forward, none = _forward_and_backward_flops(NONE)
+    _, full = _forward_and_backward_flops(replace(FULL, early_stop=False))
     assert full - none == forward
+
+
+def test_full_ac_with_early_stop_never_recomputes_the_last_matmul():
+    """Backward reads nothing the block's last matmul (w2) or residual add produce, so early stop
+    (the default) ends the recompute before them."""
+    forward, none = _forward_and_backward_flops(NONE)
+    _, full = _forward_and_backward_flops(FULL)
+    tokens, w2 = 2 * 128, _block(NONE).feed_forward.w2.weight
+    assert FULL.early_stop
+    assert full - none == forward - 2 * tokens * w2.numel()
 
 
 class _CountInBackward(TorchDispatchMode):
@@ -293,6 +308,25 @@ def test_full_ac_holds_only_the_block_input():
 
 def test_op_sac_holds_under_half_of_no_ac():
     assert _held_by_block(OP_SAC)[0] <= 0.45 * _held_by_block(NONE)[0]
+
+
+def test_op_sac_keeps_no_output_of_the_blocks_last_matmul_and_never_recomputes_it():
+    """w2's output feeds only the residual add, whose backward reads nothing: saving it was
+    memory for nothing, and with early stop the recompute ends before reaching it."""
+    saving_w2 = replace(OP_SAC, per_op_sac_force_recompute_mm_shapes_by_fqns=["moe.router.gate"])
+    w2_output = 2 * 128 * BLOCK_ARGS.dim * 4  # batch x seq x dim, fp32
+    assert _held_by_block(saving_w2)[0] - _held_by_block(OP_SAC)[0] == w2_output
+    assert _forward_and_backward_flops(saving_w2) == _forward_and_backward_flops(OP_SAC)
+
+
+def test_a_default_force_recompute_entry_never_forces_a_matmul_it_does_not_name():
+    from torchtitan.distributed.activation_checkpoint import _forced_recompute_mm_shapes
+
+    model = nn.Module()
+    model.moe = nn.Module()
+    model.moe.shared_experts = nn.ModuleDict({"w1": nn.Linear(4, 4), "w2": nn.Linear(4, 4)})
+    assert _forced_recompute_mm_shapes(model, ["moe.shared_experts.w2"]) == set()  # a default
+    assert _forced_recompute_mm_shapes(model, ["shared_experts.w2"]) == {(4, 4)}  # the user's own
 
 
 def _held_by_8b_block(ac: ActivationCheckpoint) -> tuple[int, int]:

@@ -306,7 +306,7 @@ def test_recompute_neither_recounts_tokens_nor_resets_the_aux_loss():
 ROUTING_AC = {
     "full, all-to-alls reissued": FULL,
     "full, all-to-alls replayed": ActivationCheckpoint(mode="full", full_ac_all_to_all="replay"),
-    "full, early stop": ActivationCheckpoint(mode="full", early_stop=True),
+    "full, no early stop": ActivationCheckpoint(mode="full", early_stop=False),
     "selective 1": ActivationCheckpoint(mode="selective", selective_ac_option="1"),
     "selective op": OP_SAC,
 }

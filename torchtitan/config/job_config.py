@@ -165,9 +165,16 @@ class ActivationCheckpoint:
     )
     selective_ac_option: str = opt("2", '"op" for per-op selective AC, or N to checkpoint every Nth block')
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = opt(
-        ["moe.router.gate"], "Linear FQN substrings whose matmul shapes are always recomputed"
+        ["moe.router.gate", "feed_forward.w2", "moe.shared_experts.w2"],
+        "Linear FQN substrings whose matmul shapes are always recomputed (the defaults: MoE routers, "
+        "and each block's last matmul, which with early_stop is then never recomputed at all)",
     )
-    early_stop: bool = opt(False, "stop recompute once the needed activations are rebuilt")
+    early_stop: bool = opt(
+        True,
+        "stop recompute once the needed activations are rebuilt (torch's default; upstream torchtitan's "
+        "is false): a block's last matmul and residual add, and under TP its last reduce-scatter, "
+        "are then never recomputed",
+    )
     full_ac_all_to_all: Literal["reissue", "replay"] = opt(
         "reissue",
         "full AC of MoE blocks: re-issue the expert all-to-alls in recompute (least memory) "

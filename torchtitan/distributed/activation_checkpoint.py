@@ -166,12 +166,19 @@ def _checkpoint(module: nn.Module, ac_config: ActivationCheckpoint, context_fn=N
 def _forced_recompute_mm_shapes(model: nn.Module, fqns: list[str]) -> set[tuple[int, int]]:
     """The (in, out) weight shapes of the nn.Linear modules whose FQN contains an entry of `fqns`.
 
+    A default entry never forces a matmul it does not name: its shapes that another Linear
+    shares (the DeepSeek debug model's square shared experts) are left out.
+
     Raises:
         ConfigError: an entry matches only non-Linear modules, or (unless it is one of the
-            defaults, which target MoE models and may be absent) matches nothing.
+            defaults, which name modules only some models have) matches nothing.
     """
     default_fqns = ActivationCheckpoint().per_op_sac_force_recompute_mm_shapes_by_fqns
     key = "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns"
+    names_by_shape = defaultdict(set)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            names_by_shape[module.in_features, module.out_features].add(name)
     shapes = set()
     for pattern in fqns:
         matches = [(n, m) for n, m in model.named_modules() if pattern in n]
@@ -187,7 +194,10 @@ def _forced_recompute_mm_shapes(model: nn.Module, fqns: list[str]) -> set[tuple[
                 f"'{key}' entry '{pattern}' matches {name} ({type(module).__name__}), not an "
                 "nn.Linear; name Linear modules only."
             )
-        shapes |= {(m.in_features, m.out_features) for m in linears}
+        named = {(m.in_features, m.out_features) for m in linears}
+        if pattern in default_fqns:
+            named = {shape for shape in named if all(pattern in n for n in names_by_shape[shape])}
+        shapes |= named
     return shapes
 
 

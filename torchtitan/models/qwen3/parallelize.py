@@ -13,12 +13,12 @@ from torchtitan.models.llama3.parallelize import apply_tp as apply_llama3_tp
 
 # Dense Qwen3 never routes tokens, so like Llama 3 it drops the MoE routing and expert
 # all-to-all ops; the qk-norms are cheap elementwise work and are recomputed. The default keeps
-# the sequence-parallel all-gather and reduce-scatter, so op-SAC under TP does not communicate
-# again in backward.
+# the sequence-parallel reduce-scatter (op-SAC under TP re-issues only the all-gathers, see
+# TP_ALL_GATHER_OPS).
 QWEN3_SAVE_LIST = save_list(drop=MOE_ONLY_OPS)
 # MoE flavors keep the default's routing topk and expert all-to-all: recompute must route
 # exactly as the forward did. The router gate's matmul is recomputed rather than counted,
-# through the default per_op_sac_force_recompute_mm_shapes_by_fqns = ["moe.router.gate"].
+# through the default per_op_sac_force_recompute_mm_shapes_by_fqns (its "moe.router.gate").
 QWEN3_MOE_SAVE_LIST = save_list()
 
 # q_norm/k_norm run after the column-wise wq/wk, on the rank's local heads laid out as
