@@ -116,7 +116,7 @@ def test_log_names_the_mode_and_the_blocks_once(caplog):
 # ----- refused settings --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("option", ["0", "-1", "every", "1.5", ""])
+@pytest.mark.parametrize("option", ["0", "-1", "every", "1.5", "", "²"])
 def test_invalid_selective_option_is_refused(option):
     with pytest.raises(ConfigError, match="selective_ac_option"):
         _debug_model(ActivationCheckpoint(mode="selective", selective_ac_option=option))
@@ -193,15 +193,21 @@ def test_mode_from_the_command_line_is_checked_before_training():
 
 def test_default_save_list_covers_matmuls_every_attention_kernel_collectives_and_routing():
     aten = torch.ops.aten
-    sdpa_kernels = ("flash_attention", "efficient_attention", "cudnn_attention", "attention_math",
-                    "flash_attention_for_cpu")  # fmt: skip
+    sdpa_kernels = ("flash_attention", "efficient_attention", "cudnn_attention", "flash_attention_for_cpu")
     c10d = torch.ops._c10d_functional
     expected = {getattr(aten, f"_scaled_dot_product_{k}").default for k in sdpa_kernels} | {
-        aten.mm.default, aten.linear.default, aten.max.default, aten.topk.default,
+        aten.mm.default, aten.max.default, aten.topk.default,
         c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default,
     }  # fmt: skip
     assert expected <= DEFAULT_SAVE_LIST
     assert any("flex_attention" in str(op) for op in DEFAULT_SAVE_LIST)
+
+
+def test_default_save_list_names_no_composite_op_which_the_policy_would_never_see():
+    def composite(op) -> bool:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+    assert [op for op in DEFAULT_SAVE_LIST if isinstance(op, torch._ops.OpOverload) and composite(op)] == []
 
 
 def test_default_save_list_recomputes_the_sequence_parallel_all_gathers():

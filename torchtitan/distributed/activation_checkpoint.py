@@ -44,16 +44,16 @@ _c10d = torch.ops._c10d_functional
 # low-precision scales; topk and the scatter_add token counts are MoE routing, which must not
 # change between forward and recompute. torchao's Float8Linear matmuls reach op-SAC as `mm` on
 # its float8 tensors (eager and compiled alike), so they are saved and alternated like any
-# other; `_scaled_mm` is listed for code that calls it directly.
+# other; `_scaled_mm` is listed for code that calls it directly. Composite ops (`linear`, SDPA's
+# math path) never reach the policy, which sees what they decompose into: `mm`, and for the
+# math path the seq x seq scores and their softmax, which are recomputed rather than held.
 DEFAULT_SAVE_LIST: frozenset = frozenset(
     {
         _aten.mm.default,
-        _aten.linear.default,
         _aten._scaled_mm.default,
         _aten._scaled_dot_product_flash_attention.default,
         _aten._scaled_dot_product_efficient_attention.default,
         _aten._scaled_dot_product_cudnn_attention.default,
-        _aten._scaled_dot_product_attention_math.default,
         _aten._scaled_dot_product_flash_attention_for_cpu.default,
         _flex_attention_op,
         _aten.max.default,
@@ -107,7 +107,8 @@ def _validate(ac_config: ActivationCheckpoint, model_compile_enabled: bool, comp
             f"{', '.join(valid_modes)}."
         )
     option = ac_config.selective_ac_option
-    if ac_config.mode == "selective" and option != "op" and not (option.isdigit() and int(option) > 0):
+    every_nth = option.isascii() and option.isdigit() and int(option) > 0
+    if ac_config.mode == "selective" and option != "op" and not every_nth:
         raise ConfigError(
             f"'activation_checkpoint.selective_ac_option' = '{option}' is invalid: use \"op\" "
             'for per-op selective AC or a positive integer N (as a string, e.g. "2").'
@@ -210,11 +211,9 @@ def _is_device_to_host_copy(func, args, kwargs) -> bool:
 
 
 def _mm_weight_shape(func, args) -> tuple[int, int] | None:
-    """(in, out) of the weight of an mm (x @ W^T) or linear (x, W) call."""
+    """(in, out) of the weight of an mm (x @ W^T: an nn.Linear's matmul), else None."""
     if func == _aten.mm.default:
         return tuple(args[1].shape)
-    if func == _aten.linear.default:
-        return tuple(args[1].shape[::-1])
     return None
 
 
