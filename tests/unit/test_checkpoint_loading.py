@@ -342,3 +342,15 @@ def test_an_export_as_initial_load_with_its_optimizer_asked_for_is_refused_namin
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "step-3"))
     with pytest.raises(ConfigError, match=r"holds model weights only.*set initial_load_model_only = true"):
         _initial_load(tmp_path, tmp_path / "step-3", "--checkpoint.no_initial_load_model_only")
+
+
+@pytest.mark.parametrize(
+    "model_name, flavor, warned", [("qwen3", "debugmodel_moe", True), ("llama3", "debugmodel", False)]
+)
+def test_a_final_hf_export_that_would_leave_out_state_is_warned_about_at_startup(
+    tmp_path, caplog, model_name, flavor, warned
+):
+    model, adapter = _model(model_name, flavor)
+    _manager(tmp_path, ["--checkpoint.enable", "--checkpoint.last_save_in_hf"], model, adapter)
+    message = r"export leaves out layers\.\d+\.moe\.expert_bias and \d+ more like it"
+    assert bool(re.search(message, caplog.text)) is warned, caplog.text

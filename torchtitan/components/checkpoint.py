@@ -239,7 +239,8 @@ class CheckpointManager:
             )
 
     def _check_exportable(self) -> None:
-        """Refuse at startup, not after the last step, a run whose final HF export would fail."""
+        """Refuse at startup, not after the last step, a run whose final HF export would fail,
+        and warn about state the export would leave out (an expert bias HF has no place for)."""
         from torchtitan.protocols.state_dict_adapter import HFConfigError
 
         try:
@@ -249,6 +250,13 @@ class CheckpointManager:
                 f"'checkpoint.last_save_in_hf' = true, but this model cannot be exported: {error} "
                 "Set it to false (the final checkpoint is then DCP)."
             ) from None
+        if dropped := self.hf_adapter.left_out_of_hf(list(self.model.state_dict())):
+            logger.warning(
+                f"'checkpoint.last_save_in_hf' = true: the Hugging Face export leaves out {dropped[0]} "
+                f"and {len(dropped) - 1} more like it, which that architecture has no place for. Once "
+                "training changes them (the expert bias of load balancing does), the export computes "
+                "differently from this run's model; its DCP checkpoints keep them."
+            )
 
     # ----- state ------------------------------------------------------------------------
 

@@ -149,6 +149,11 @@ class StateDictAdapter(ABC):
                 kept[hf_key] = template.format(*indices[:-1], indices[-1] - experts.start)
         return kept
 
+    def left_out_of_hf(self, keys: Iterable[str]) -> list[str]:
+        """Those of our state-dict `keys` that `to_hf` leaves out, having no place in the HF
+        architecture (none by default)."""
+        return []
+
     def ignores_hf_key(self, hf_key: str) -> bool:
         """Whether `from_hf` skips `hf_key`: derived buffers, and ``lm_head.weight`` of a tied
         model (some tied checkpoints store it; our logits reuse the embedding)."""

@@ -6,6 +6,7 @@ import torch
 from torchtitan.models.llama3.state_dict_adapter import DECODER_KEY_MAP
 from torchtitan.models.qwen3.state_dict_adapter import (
     ROUTED_MOE_KEY_MAP,
+    expert_bias_keys,
     with_zero_expert_bias,
     without_expert_bias,
 )
@@ -68,6 +69,9 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return super().to_hf(without_expert_bias(state_dict, "DeepSeek-V2") if self.is_v2 else state_dict)
+
+    def left_out_of_hf(self, keys) -> list[str]:
+        return expert_bias_keys(keys) if self.is_v2 else []
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ours = super().from_hf(hf_state_dict)

@@ -28,6 +28,11 @@ _EXPERT_BIAS = "layers.{}.moe.expert_bias"
 _ROUTER = "layers.{}.moe.router.gate.weight"
 
 
+def expert_bias_keys(keys) -> list[str]:
+    """The MoE expert-bias keys among our state-dict `keys`."""
+    return [key for key in keys if split_indices(key)[0] == _EXPERT_BIAS]
+
+
 def without_expert_bias(state_dict: dict[str, torch.Tensor], hf_model: str) -> dict[str, torch.Tensor]:
     """`state_dict` less the MoE expert bias (auxiliary-loss-free balancing), for HF models that
     have none; a nonzero bias is warned about, since the exported model then routes without it."""
@@ -75,6 +80,9 @@ class Qwen3StateDictAdapter(Llama3StateDictAdapter):
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return super().to_hf(without_expert_bias(state_dict, "Qwen3-MoE"))
+
+    def left_out_of_hf(self, keys) -> list[str]:
+        return expert_bias_keys(keys)
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return with_zero_expert_bias(super().from_hf(hf_state_dict), self.model_args)
