@@ -55,7 +55,7 @@ def main() -> None:
 
     print(f"op-SAC, {estimator.describe(cfg, args.ngpu)}\n")
     print("| SP all-gathers | peak GiB per rank | activations GiB | backward all-gathers per block |")
-    print("|---|---|---|")
+    print("|---|---|---|---|")
     for label, rows in results.items():
         regathers = 2 if label.startswith("recomputed") else 0
         print(
