@@ -2,7 +2,9 @@
 
 Table 1 trains the Llama 3 debug model (CPU, fp32) once per AC mode, interleaving the modes
 round by round so machine noise hits all alike, and reports the median step time relative to
-`none` and the activation bytes held for backward per transformer layer.
+`none` and the activation bytes held for backward per transformer layer. Its "earlier defaults"
+rows run full AC and op-SAC as before `early_stop` became the default and op-SAC stopped saving
+the block's last matmul (upstream torchtitan's defaults).
 Table 2 measures one Llama 3 8B block at seq_len 8192 in bf16 under FakeTensorMode (nothing
 is allocated), relative to its block input (b * s * h * 2 bytes).
 Table 3 does what table 1 does with every block compiled (inductor, as `compile.enable`
@@ -40,6 +42,13 @@ MODES = {
     "selective 1": ActivationCheckpoint(mode="selective", selective_ac_option="1"),
     "selective 2": ActivationCheckpoint(mode="selective", selective_ac_option="2"),
     "selective op": ActivationCheckpoint(mode="selective", selective_ac_option="op"),
+}
+# The defaults before early_stop and the block's last matmul changed (upstream torchtitan's),
+# measured beside the current ones.
+EARLIER_DEFAULTS = {"early_stop": False, "per_op_sac_force_recompute_mm_shapes_by_fqns": ["moe.router.gate"]}
+MODES |= {
+    "full, earlier defaults": replace(MODES["full"], **EARLIER_DEFAULTS),
+    "selective op, earlier defaults": replace(MODES["selective op"], **EARLIER_DEFAULTS),
 }
 
 _MODE, _OPTION, _BUDGET = (
@@ -201,7 +210,7 @@ def block_8b_table() -> list[str]:
     args = replace(llama3_flavors["8B"], max_seq_len=seq_len)
     block_input = batch * seq_len * args.dim * dtype.itemsize
     held = {}
-    for name in ("none", "full", "selective op"):
+    for name in ("none", "full", "selective op", "selective op, earlier defaults"):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
