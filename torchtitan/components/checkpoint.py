@@ -250,7 +250,7 @@ class CheckpointManager:
                 f"'checkpoint.last_save_in_hf' = true, but this model cannot be exported: {error} "
                 "Set it to false (the final checkpoint is then DCP)."
             ) from None
-        if dropped := self.hf_adapter.left_out_of_hf(list(self.model.state_dict())):
+        if dropped := self.hf_adapter.left_out_of_hf([_clean_fqn(k) for k in self.model.state_dict()]):
             logger.warning(
                 f"'checkpoint.last_save_in_hf' = true: the Hugging Face export leaves out {dropped[0]} "
                 f"and {len(dropped) - 1} more like it, which that architecture has no place for. Once "

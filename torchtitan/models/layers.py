@@ -18,7 +18,7 @@ from torchtitan.models.rope import YaRNScaling
 
 @dataclass
 class AttentionArgs:
-    """Attention settings that every model's args dataclass inherits.
+    """Attention settings that every model's args dataclass inherits, with `update_from_config`.
 
     Attributes:
         attn_backend: one of `ATTENTION_BACKENDS`.
