@@ -48,6 +48,14 @@ def test_an_unfinished_save_is_neither_counted_nor_removed(tmp_path):
     assert (tmp_path / "step-6.partial").is_dir()
 
 
+def test_a_save_a_crash_interrupted_is_removed_once_a_newer_checkpoint_completes(tmp_path):
+    _save(tmp_path, 2, suffix=".partial")  # the crashed run's save
+    for step in (4, 6):
+        _save(tmp_path, step)
+    prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-6"]
+
+
 class FakeFuture:
     """An async save's future that finishes when the test says so."""
 

@@ -47,3 +47,18 @@ def test_validation_logs_how_many_windows_its_whole_global_batches_leave_out(dp_
     assert used < windows, "the split must not divide evenly for this test"
     assert sum(len(inputs) for inputs, _ in loader) * dp_degree == used
     assert f"Validation reads {used} of the split's {windows} windows" in caplog.text
+
+
+def test_validating_on_the_training_files_is_warned_about(tokenizer, caplog, tmp_path):
+    from tests.unit.test_data import _write_corpus
+
+    _write_corpus(tmp_path / "data", "jsonl", ["one two three four five six seven eight"] * 40)
+    same = [
+        "--training.dataset_path",
+        str(tmp_path / "data"),
+        "--validation.dataset_path",
+        str(tmp_path / "data"),
+    ]
+    build_validation_dataloader(parse_args([*VALIDATION, *same], env={}), tokenizer, 0, 1)
+    (warning,) = _warnings(caplog)
+    assert "'validation.dataset_path'" in warning and "is the training data" in warning

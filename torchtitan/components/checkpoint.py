@@ -172,6 +172,16 @@ def prune_checkpoints(folder: Path, keep: int) -> None:
     for step in steps:
         if step not in kept:
             shutil.rmtree(folder / f"step-{step}", ignore_errors=True)
+    _remove_abandoned_partials(folder, steps)
+
+
+def _remove_abandoned_partials(folder: Path, steps: list[int]) -> None:
+    """Delete `step-N.partial` folders older than the newest complete checkpoint: saves that a
+    crash interrupted (a save in flight is always of a newer step)."""
+    for path in folder.glob(f"step-*{PARTIAL_SUFFIX}"):
+        step = path.name.removesuffix(PARTIAL_SUFFIX).removeprefix("step-")
+        if steps and step.isdecimal() and int(step) < steps[-1]:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class CheckpointManager:

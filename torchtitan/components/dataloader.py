@@ -37,6 +37,7 @@ def build_validation_dataloader(
 ) -> StatefulDataLoader:
     """One finite pass over the held-out split of `[validation]`."""
     _warn_if_validating_on_the_bundled_corpus_only(job_config)
+    _warn_if_validating_on_the_training_data(job_config)
     v = job_config.validation
     dataset = build_text_dataset(
         v.dataset,
@@ -74,3 +75,14 @@ def _warn_if_validating_on_the_bundled_corpus_only(job_config: JobConfig) -> Non
         "Set validation.dataset (a hub dataset) or validation.dataset_path (local files) to a "
         "held-out split of it."
     )
+
+
+def _warn_if_validating_on_the_training_data(job_config: JobConfig) -> None:
+    t, v = job_config.training, job_config.validation
+    same = (t.dataset_path, v.dataset_path) if t.dataset_path or v.dataset_path else (t.dataset, v.dataset)
+    if same[0] == same[1]:
+        key = "dataset_path" if t.dataset_path or v.dataset_path else "dataset"
+        logger.warning(
+            f"'validation.{key}' = '{same[1]}' is the training data ('training.{key}'), so the "
+            "validation loss measures memorization, not generalization; point it at a held-out split."
+        )
