@@ -126,7 +126,8 @@ class PackedTokenDataset(IterableDataset):
     The rank's k-th sample is global window `offset + (k // B) * B * D + rank * B + k % B`
     (B = local batch, D = dp degree), taken modulo the window count: micro-batch i of every
     rank together is global windows offset + [i*B*D, (i+1)*B*D). Windows overlap by one token
-    so every token after the first is a label exactly once per epoch. `offset` is the number
+    so every token after the first is a label exactly once per epoch, except the last
+    (len(tokens) - 1) % seq_len, too few for a window, which are never read. `offset` is the number
     of global windows a run resumed under another layout had already consumed (see
     `state_continuing`); it is 0 otherwise.
 
