@@ -392,6 +392,18 @@ def test_a_hub_dataset_that_gives_a_rank_no_document_is_a_config_error_not_an_en
         next(iter(second_rank))
 
 
+def test_a_hub_dataset_resumed_at_the_end_of_a_pass_continues_into_the_next(monkeypatch, tmp_path, tokenizer):
+    doc = "the only document of this stream"
+    _fake_hub(monkeypatch, tmp_path, [doc])
+    seq_len = len(tokenizer.encode(doc)) - 1  # one window per pass, ending exactly at the pass's end
+    partial = build_text_dataset("some/hub-set", None, tokenizer, seq_len, 0, 1, 1, infinite=True)
+    stream = iter(partial)
+    next(stream)
+    resumed = build_text_dataset("some/hub-set", None, tokenizer, seq_len, 0, 1, 1, infinite=True)
+    resumed.load_state_dict(partial.state_dict())
+    assert torch.equal(next(iter(resumed))[0], next(stream)[0])
+
+
 def test_hub_dataset_without_text_column_is_a_config_error(monkeypatch, tmp_path, tokenizer):
     _fake_hub(monkeypatch, tmp_path, ["def f(): pass"], column="content")
     with pytest.raises(ConfigError) as info:

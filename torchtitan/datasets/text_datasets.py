@@ -254,8 +254,11 @@ class StreamingTokenDataset(IterableDataset):
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.buffer: list[int] = []
         self.epoch = 0
+        self.resumed = False  # a restored position may sit at the very end of its pass
 
     def __iter__(self):
+        whole_pass = not self.resumed
+        self.resumed = False
         while True:
             empty = True
             for record in self.data:
@@ -265,12 +268,13 @@ class StreamingTokenDataset(IterableDataset):
                     chunk = torch.tensor(self.buffer[: self.seq_len + 1])
                     self.buffer = self.buffer[self.seq_len + 1 :]
                     yield chunk[:-1], chunk[1:]
-            if empty:
+            if empty and whole_pass:
                 raise ConfigError(
                     f"'training.dataset' = '{self.name}' gives data-parallel rank {self.dp_rank} of "
                     f"{self.dp_degree} no document: it has fewer documents (or file shards) than ranks. "
                     "Use a larger dataset, or local files (training.dataset_path)."
                 )
+            whole_pass = True
             self.epoch += 1
             self.data.set_epoch(self.epoch)
             logger.info(f"dataset '{self.name}' starts epoch {self.epoch + 1}")
@@ -284,6 +288,7 @@ class StreamingTokenDataset(IterableDataset):
         self.data.set_epoch(state["epoch"])
         self.data.load_state_dict(state["data"])
         self.buffer, self.epoch = list(state["buffer"]), state["epoch"]
+        self.resumed = True
 
 
 def build_text_dataset(
