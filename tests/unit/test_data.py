@@ -214,6 +214,17 @@ def test_token_cache_is_built_once_and_rebuilt_when_the_file_changes(tmp_path, t
     assert len(calls) == 2 and len(list((tmp_path / "cache").glob("*.tmp"))) == 0
 
 
+def test_token_cache_is_rebuilt_for_a_same_size_rewrite_that_kept_the_modification_time(tmp_path, tokenizer):
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"text": "apple pie"}) + "\n")
+    before = token_cache.cache_key([data], tokenizer)
+    stat = data.stat()
+    data.write_text(json.dumps({"text": "lemon pie"}) + "\n")  # same size
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # as cp -p or rsync -t leave it
+    assert data.stat().st_size == stat.st_size and data.stat().st_mtime_ns == stat.st_mtime_ns
+    assert token_cache.cache_key([data], tokenizer) != before
+
+
 def test_token_cache_is_rebuilt_when_tokenizer_config_changes_the_eos(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
     data = tmp_path / "c.jsonl"

@@ -35,7 +35,12 @@ def cache_dir() -> Path:
 
 
 def cache_key(files: list[Path], tokenizer) -> str:
-    """A hex key that changes when any file, the tokenizer or the cache format changes."""
+    """A hex key that changes when any file, the tokenizer or the cache format changes.
+
+    A file counts as changed when its size, modification time, or first or last MiB does: the
+    bytes catch a same-size rewrite whose time was carried over (`cp -p`, `rsync -t`) wherever
+    it touches either end; a change confined to the middle of such a rewrite is not seen.
+    """
     # BOS/EOS come from tokenizer_config.json, which the tokenizer.json fingerprint misses.
     h = hashlib.sha256(
         f"{CACHE_FORMAT}|{tokenizer.fingerprint}|{tokenizer.bos_id}|{tokenizer.eos_id}".encode()
@@ -43,7 +48,18 @@ def cache_key(files: list[Path], tokenizer) -> str:
     for f in sorted(files):
         stat = f.stat()
         h.update(f"{f.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+        h.update(_ends(f, stat.st_size))
     return h.hexdigest()[:24]
+
+
+def _ends(path: Path, size: int, span: int = 2**20) -> bytes:
+    """The first and last `span` bytes of the file (all of it when shorter than two spans)."""
+    with open(path, "rb") as f:
+        head = f.read(span)
+        if size <= 2 * span:
+            return head + f.read()
+        f.seek(size - span)
+        return head + f.read(span)
 
 
 def _write_tokens(path: Path, documents, tokenizer) -> None:
