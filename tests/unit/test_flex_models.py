@@ -222,6 +222,21 @@ def test_a_window_or_chunk_covering_the_sequence_is_causal(mask_type):
     assert not torch.allclose(_loss_and_grads(_build("llama3", narrow), tokens)[0], causal_loss)
 
 
+@pytest.mark.parametrize("model", ["llama3", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("mask_type", ["sliding_window", "chunked"])
+def test_flops_count_the_window_or_chunk_not_the_whole_sequence(model, mask_type):
+    """MFU counts the keys a query can see: a window of 8 in a 32-token sequence costs what a
+    causal 8-token sequence costs, and a window covering the sequence what causal costs."""
+    limits = lambda n: ["--model.sliding_window", str(n), "--model.attn_chunk_size", str(n)]  # noqa: E731
+    causal = _args(model, "--model.attn_backend", "flex")
+    masked = _args(model, "--model.attn_backend", "flex", "--model.attn_mask_type", mask_type, *limits(8))
+    covering = _args(model, "--model.attn_backend", "flex", "--model.attn_mask_type", mask_type, *limits(64))
+    module = _build(model, causal)
+    flops = lambda args, seq_len: args.num_flops_per_token(module, seq_len)[1]  # noqa: E731
+    assert flops(masked, SEQ_LEN) == flops(causal, 8) < flops(causal, SEQ_LEN)
+    assert flops(covering, SEQ_LEN) == flops(causal, SEQ_LEN)
+
+
 @pytest.mark.parametrize("model", ["llama3", "qwen3", "deepseek_v3"])
 def test_block_causal_keeps_a_later_document_blind_to_an_earlier_one(model):
     # Causality alone already hides later documents from earlier ones; block_causal must also

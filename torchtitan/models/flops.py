@@ -10,16 +10,18 @@ def decoder_flops_per_token(
     n_layers: int,
     n_heads: int,
     head_dim: int,
-    seq_len: int,
+    attention_span: int,
     tied_embeddings: bool,
     v_head_dim: int | None = None,
 ) -> tuple[int, float]:
     """(non-embedding parameters, training FLOPs per token) of a decoder-only transformer.
 
     6 FLOPs per parameter per token (forward + backward) plus the attention score and value
-    matmuls, 6 * layers * heads * seq_len * (head_dim + v_head_dim) (causality not discounted):
-    the scores run over the query/key width `head_dim`, the values over `v_head_dim` (the same
-    unless given; DeepSeek-V3's latent attention has 192 and 128). With tied
+    matmuls, 6 * layers * heads * attention_span * (head_dim + v_head_dim), where
+    `attention_span` is the keys a query is counted against (`AttentionArgs.attention_span`: the
+    sequence length for causal masks, causality not discounted; the window or chunk for sliding
+    and chunked masks). The scores run over the query/key width `head_dim`, the values over
+    `v_head_dim` (the same unless given; DeepSeek-V3's latent attention has 192 and 128). With tied
     embeddings the logits still cost a (dim x vocab) matmul, which the non-embedding count no
     longer holds, so it is added back to the FLOPs. A token runs only its `top_k` of each MoE
     layer's routed experts, so only that share of the routed expert weights counts toward the
@@ -29,7 +31,7 @@ def decoder_flops_per_token(
     non_embedding = sum(p.numel() for p in model.parameters()) - embedding
     matmul_params = non_embedding + (embedding if tied_embeddings else 0) - _idle_expert_params(model)
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
-    attention = 6 * n_layers * n_heads * seq_len * (head_dim + v_head_dim)
+    attention = 6 * n_layers * n_heads * attention_span * (head_dim + v_head_dim)
     return non_embedding, 6 * matmul_params + attention
 
 

@@ -107,6 +107,17 @@ class AttentionArgs:
             )
         return replace(args, eos_id=eos_id)
 
+    def attention_span(self, seq_len: int) -> int:
+        """Keys each query is counted against in the FLOP count: the whole ``seq_len`` (causal
+        and ``block_causal``, whose documents vary by batch, count the full square, as
+        torchtitan's MFU does), but at most the window under ``sliding_window`` and the chunk
+        under ``chunked``, whose masks skip the rest."""
+        if self.attn_mask_type == "sliding_window":
+            return min(seq_len, self.sliding_window)
+        if self.attn_mask_type == "chunked":
+            return min(seq_len, self.attn_chunk_size)
+        return seq_len
+
     def build_masks(self, tokens: torch.Tensor) -> AttentionMasks | None:
         """The attention masks of one batch, to be built once per forward and shared by every layer.
 

@@ -90,7 +90,7 @@ class DeepSeekV3ModelArgs(AttentionArgs):
             self.n_layers,
             self.n_heads,
             self.qk_head_dim,
-            seq_len,
+            self.attention_span(seq_len),
             self.tie_word_embeddings,
             v_head_dim=self.v_head_dim,
         )

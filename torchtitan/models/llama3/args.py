@@ -44,5 +44,10 @@ class TransformerModelArgs(AttentionArgs):
     def num_flops_per_token(self, model: nn.Module, seq_len: int) -> tuple[int, float]:
         """(non-embedding parameters, training FLOPs per token); see `decoder_flops_per_token`."""
         return decoder_flops_per_token(
-            model, self.n_layers, self.n_heads, self.head_dim, seq_len, self.tie_word_embeddings
+            model,
+            self.n_layers,
+            self.n_heads,
+            self.head_dim,
+            self.attention_span(seq_len),
+            self.tie_word_embeddings,
         )
