@@ -116,6 +116,60 @@ def test_an_empty_config_value_is_refused_rather_than_training_the_default(argv)
     assert "leave out" in message
 
 
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
+         "'activation_checkpoint.selective_ac_option' = 'x'"),
+        (["--activation_checkpoint.mode", "memory_budget"], "set compile.enable = true"),
+        (["--profiling.enable_profiling", "--profiling.profile_freq", "2"], "'profiling.profile_freq' = 2"),
+        (["--checkpoint.initial_load_path", "/x"], "read only with checkpoint.enable = true"),
+        (["--checkpoint.enable", "--checkpoint.exclude_from_loading", "modle"], "names ['modle']"),
+        (["--checkpoint.enable", "--checkpoint.initial_load_in_hf"], "needs 'checkpoint.initial_load_path'"),
+        (["--checkpoint.load_step", "-5"], "'checkpoint.load_step' = -5 is out of range: it must be >= -1"),
+        (["--optimizer.beta2", "1.0"], "'optimizer.beta2' = 1.0 is out of range: it must be >= 0.0 and < 1"),
+    ],
+    ids=["ac-option", "memory-budget-uncompiled", "profile-window", "load-path-disabled",
+         "exclude-unknown", "hf-without-path", "load-step", "beta2"],
+)  # fmt: skip
+def test_mistakes_that_need_no_model_are_refused_when_the_config_is_parsed(argv, named):
+    """So that the launchers' `config.check` stops them before torchrun starts the ranks."""
+    assert named in _error(argv)
+
+
+@pytest.mark.parametrize("argv", [["--checkpoint.initial_load_path", ""], ["--training.dataset_path="]])
+def test_an_empty_value_for_an_optional_key_is_refused_not_read_as_unset(argv):
+    message = _error(argv)
+    assert "empty value" in message and "unset shell variable" in message and "'none'" in message
+
+
+def test_a_config_file_named_by_config_file_says_so_when_missing():
+    assert "'nope.toml' (from $CONFIG_FILE) does not exist" in _error([], env={"CONFIG_FILE": "nope.toml"})
+
+
+@pytest.mark.parametrize(
+    "content, named",
+    [(b"[training]\nsteps = 3 # caf\xe9\n", "not UTF-8 text (byte 0xe9 on line 2)"),
+     (b"\xef\xbb\xbf[training]\nsteps = 3\n", "byte-order mark")],
+    ids=["latin-1", "bom"],
+)  # fmt: skip
+def test_a_config_file_that_is_not_plain_utf8_is_refused_naming_the_problem(tmp_path, content, named):
+    path = tmp_path / "bad.toml"
+    path.write_bytes(content)
+    assert named in _error(["--config", str(path)])
+
+
+def test_float8_and_its_upstream_section_set_to_different_values_are_refused(tmp_path):
+    path = tmp_path / "f8.toml"
+    path.write_text(
+        '[model]\nconverters = ["float8"]\n[float8]\nrecipe_name = "rowwise"\n'
+        '[quantize.linear.float8]\nrecipe_name = "tensorwise"\n'
+    )
+    assert "'float8.recipe_name' = 'rowwise' and 'quantize.linear.float8.recipe_name'" in _error(
+        ["--config", str(path)]
+    )
+
+
 def test_unknown_key_on_command_line_suggests_the_closest():
     message = _error(["--training.stpes", "3"])
     assert "training.stpes" in message and "Did you mean 'steps'" in message

@@ -57,6 +57,7 @@ from torchtitan.components.hf_io import (
     read_hf_layout,
     save_hf,
 )
+from torchtitan.config.job_config import CHECKPOINT_STATE_KEYS as STATE_KEYS
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.expert_parallel import full_expert_tensor, global_expert_view, is_ep_local
@@ -70,7 +71,6 @@ PARTIAL_SUFFIX = ".partial"
 SUPERSEDED_SUFFIX = ".superseded"
 REPLACED_SUFFIX = ".replaced"  # a checkpoint folder being replaced by a newer save of its step
 _HF_LOAD_FIX = "Set model.name and model.flavor to the checkpoint's, or load another checkpoint."
-STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 # Test hook: a rank that reads this step from the environment dies after writing its shards and
 # before the checkpoint becomes visible, as a preempted or crashed save would.
 CRASH_DURING_SAVE_ENV = "TORCHTITAN_TEST_CRASH_DURING_SAVE"
@@ -223,12 +223,6 @@ class CheckpointManager:
                 "'checkpoint.create_seed_checkpoint' = true writes the initial weights from one process; "
                 "run it with NGPU=1 (no torchrun), then start the real run from that folder."
             )
-        unknown = sorted(set(c.exclude_from_loading) - set(STATE_KEYS))
-        if unknown:
-            raise ConfigError(
-                f"'checkpoint.exclude_from_loading' = {c.exclude_from_loading} names {unknown}, which a "
-                f"checkpoint does not hold; valid entries: {', '.join(STATE_KEYS)}."
-            )
         if (c.initial_load_in_hf or c.last_save_in_hf) and self.hf_adapter is None:
             raise ConfigError(
                 f"model '{job_config.model.name}' has no Hugging Face state-dict adapter, so "
@@ -236,17 +230,6 @@ class CheckpointManager:
             )
         if c.enable and c.last_save_in_hf and self.hf_adapter is not None:
             self._check_exportable()
-        if c.initial_load_path and not c.enable:
-            raise ConfigError(
-                f"'checkpoint.initial_load_path' = '{c.initial_load_path}' is read only with "
-                "checkpoint.enable = true; set it (this run's checkpoints then go to "
-                f"'{self.folder}')."
-            )
-        if c.initial_load_in_hf and not c.initial_load_path:
-            raise ConfigError(
-                "'checkpoint.initial_load_in_hf' = true needs 'checkpoint.initial_load_path', the folder "
-                "with the Hugging Face safetensors."
-            )
 
     def _check_exportable(self) -> None:
         """Refuse at startup, not after the last step, a run whose final HF export would fail,

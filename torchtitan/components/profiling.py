@@ -36,19 +36,14 @@ def maybe_profile(job_config: JobConfig, rank: int, first_step: int = 0):
     """A context whose value has `.step()`, called once per training step; records traces when
     `profiling.enable_profiling`, else does nothing.
 
-    Pitfall: `profile_freq` must exceed `profiler_warmup + profiler_active`, the steps each
-    profiling window needs (checked here, exit code 2 through ConfigError).
+    Pitfall: `profile_freq` must be at least `profiler_warmup + profiler_active`, the steps each
+    profiling window needs (the config's `validate` refuses less).
     """
     p = job_config.profiling
     if not p.enable_profiling:
         yield _NoProfiler()
         return
     wait = p.profile_freq - p.profiler_warmup - p.profiler_active
-    if wait < 0:
-        raise ConfigError(
-            f"'profiling.profile_freq' = {p.profile_freq} is shorter than profiler_warmup "
-            f"({p.profiler_warmup}) + profiler_active ({p.profiler_active}); raise profile_freq."
-        )
     folder = Path(job_config.job.dump_folder) / p.save_traces_folder
     step = {"value": first_step}
 
@@ -63,6 +58,8 @@ def maybe_profile(job_config: JobConfig, rank: int, first_step: int = 0):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     schedule = torch.profiler.schedule(wait=wait, warmup=p.profiler_warmup, active=p.profiler_active)
     with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write_trace) as prof:
+        # A resumed run keeps its traces on the profile_freq grid (iteration_10, 20, ...).
+        prof.step_num = first_step
         yield _CountingProfiler(prof, step)
 
 

@@ -16,7 +16,7 @@ def opt(default, help: str, **checks):
     Args:
         default: the default value (lists are copied per instance).
         help: one line for `--help`.
-        checks: `min`, `max` (inclusive) or `gt` (exclusive) bounds checked by the manager.
+        checks: `min`, `max` (inclusive) or `gt`, `lt` (exclusive) bounds checked by the manager.
     """
     metadata = {"help": help, **checks}
     if isinstance(default, list):
@@ -64,8 +64,8 @@ class Model:
 class Optimizer:
     name: Literal["AdamW", "Adam"] = opt("AdamW", "optimizer class")
     lr: float = opt(8e-4, "peak learning rate", gt=0.0)
-    beta1: float = opt(0.9, "Adam beta1", min=0.0, max=1.0)
-    beta2: float = opt(0.95, "Adam beta2", min=0.0, max=1.0)
+    beta1: float = opt(0.9, "Adam beta1", min=0.0, lt=1.0)
+    beta2: float = opt(0.95, "Adam beta2", min=0.0, lt=1.0)
     eps: float = opt(1e-8, "Adam epsilon", gt=0.0)
     weight_decay: float = opt(0.1, "decoupled weight decay (AdamW) or L2 penalty (Adam)", min=0.0)
     implementation: Literal["fused", "foreach", "for-loop"] = opt(
@@ -225,6 +225,10 @@ class Float8:
     )
 
 
+# What a checkpoint holds, each loadable or not (`checkpoint.exclude_from_loading`).
+CHECKPOINT_STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
 @dataclass
 class Checkpoint:
     enable: bool = opt(False, "save and resume distributed checkpoints")
@@ -233,7 +237,7 @@ class Checkpoint:
     keep_latest_k: int = opt(
         10, "keep this many newest checkpoints (and always the newest resumable one); 0 keeps all", min=0
     )
-    load_step: int = opt(-1, "resume from this step; -1 = newest")
+    load_step: int = opt(-1, "resume from this step; -1 = newest", min=-1)
     exclude_from_loading: list[str] = opt([], "state keys not to load on resume")
     last_save_model_only: bool = opt(True, "final save holds the model only")
     export_dtype: Literal["float32", "bfloat16", "float16"] = opt(

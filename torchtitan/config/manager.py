@@ -14,7 +14,7 @@ import types
 import typing
 from pathlib import Path
 
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import CHECKPOINT_STATE_KEYS, ActivationCheckpoint, JobConfig
 from torchtitan.config.upstream import (
     ANY,
     CONVERTER_SECTIONS,
@@ -55,8 +55,9 @@ def find_config_dirs() -> list[Path]:
     return sorted((PACKAGE_ROOT / "models").glob("*/train_configs"))
 
 
-def resolve_config_path(name_or_path: str) -> Path:
-    """Find a config by path, or by bare file name across all models' train_configs.
+def resolve_config_path(name_or_path: str, source: str = "") -> Path:
+    """Find a config by path, or by bare file name across all models' train_configs; `source`
+    (e.g. "$CONFIG_FILE") says in the error where the name came from.
 
     Raises:
         ConfigError: when nothing matches (listing where it looked) or a bare name is ambiguous.
@@ -77,8 +78,9 @@ def resolve_config_path(name_or_path: str) -> Path:
                 "Pass one of these paths to --config instead."
             )
         looked += [str(d) for d in find_config_dirs()]
+    given = f" (from {source})" if source else ""
     raise ConfigError(
-        f"config file '{name_or_path}' does not exist. Looked in: {'; '.join(looked)}. "
+        f"config file '{name_or_path}'{given} does not exist. Looked in: {'; '.join(looked)}. "
         "Pass a path to a TOML file, or the name of a file in one of those folders."
     )
 
@@ -251,6 +253,10 @@ def describe_type(tp) -> str:
     return "none" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
+def _is_optional(tp) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
 def _parse_text(text: str, tp):
     """Parse a command-line string into `tp`; raises ValueError when it does not fit."""
     origin = typing.get_origin(tp)
@@ -259,7 +265,7 @@ def _parse_text(text: str, tp):
         return [_parse_text(s.strip(), item) for s in text.split(",") if s.strip()]
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
-        if type(None) in args and text.lower() in ("none", "null", ""):
+        if type(None) in args and text.lower() in ("none", "null"):
             return None
         for arg in args:
             if arg is type(None):
@@ -327,13 +333,14 @@ def _ignored_converter_section(section: str, where: str) -> bool:
     return True
 
 
-def _apply_quantize_float8(config: JobConfig, table: dict, where: str) -> dict:
+def _apply_quantize_float8(config: JobConfig, table: dict, path: Path, written_as: dict) -> dict:
     """Read upstream's [quantize.linear.float8] into [float8]; return what else [quantize] holds."""
     linear = table.get(QUANTIZE_FLOAT8[0])
     if not isinstance(linear, dict) or not isinstance(linear.get(QUANTIZE_FLOAT8[1]), dict):
         return table
     for key, value in linear[QUANTIZE_FLOAT8[1]].items():
-        _set_value(config, "float8", key, value, f"{where} [quantize.linear.float8]", from_text=False)
+        _refuse_two_spellings(written_as, ("float8", key), f"quantize.linear.float8.{key}", value, path)
+        _set_value(config, "float8", key, value, f"{path} [quantize.linear.float8]", from_text=False)
     rest_of_linear = {k: v for k, v in linear.items() if k != QUANTIZE_FLOAT8[1]}
     rest = {k: v for k, v in table.items() if k != QUANTIZE_FLOAT8[0]}
     return rest | ({QUANTIZE_FLOAT8[0]: rest_of_linear} if rest_of_linear else {})
@@ -347,6 +354,13 @@ def _set_value(config: JobConfig, section: str, key: str, value, where: str, fro
     if key not in fields:
         raise _unknown_key_error(where, section, key)
     tp = typing.get_type_hints(sections[section])[key]
+    if from_text and value == "" and _is_optional(tp):
+        # Usually an unset shell variable ($INIT in --key "$INIT"): read as unset, the run
+        # would quietly lose the setting.
+        raise ConfigError(
+            f"'{section}.{key}' is given an empty value in {where}, often an unset shell variable; "
+            "give a value, or 'none' to leave it unset."
+        )
     try:
         parsed = _parse_text(value, tp) if from_text else _coerce(value, tp)
     except (ValueError, TypeError):
@@ -357,12 +371,30 @@ def _set_value(config: JobConfig, section: str, key: str, value, where: str, fro
     setattr(getattr(config, section), key, parsed)
 
 
-def _apply_toml(config: JobConfig, path: Path) -> None:
+def _read_toml(path: Path) -> dict:
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror}.") from None
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raise ConfigError(
+            f"config file {path} starts with a byte-order mark, which TOML does not allow; save it "
+            "as UTF-8 without BOM."
+        )
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {raw[e.start]:#04x} on line {line}); save it "
+            "as UTF-8."
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}.") from None
+
+
+def _apply_toml(config: JobConfig, path: Path) -> None:
+    data = _read_toml(path)
     problems: list[str] = []
     written_as: dict[tuple[str, str], tuple[str, object]] = {}
     for section, table in data.items():
@@ -386,7 +418,7 @@ def _apply_toml_section(
     if not isinstance(table, dict):
         raise _top_level_key_error(path, section, table)
     if section == "quantize":
-        table = _apply_quantize_float8(config, table, str(path))
+        table = _apply_quantize_float8(config, table, path, written_as)
         if not table:
             return
     if _ignored_converter_section(section, str(path)):
@@ -483,12 +515,13 @@ def _check_ranges(config: JobConfig) -> None:
                 raise ConfigError(
                     f"'{section}.{f.name}' = {value} is not a finite number; set it to a finite value."
                 )
-            lo, hi, gt = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("gt")
+            lo, hi = f.metadata.get("min"), f.metadata.get("max")
+            gt, lt = f.metadata.get("gt"), f.metadata.get("lt")
             bad = (lo is not None and value < lo) or (hi is not None and value > hi)
-            bad = bad or (gt is not None and value <= gt)
+            bad = bad or (gt is not None and value <= gt) or (lt is not None and value >= lt)
             if bad:
                 bounds = [f">= {lo}"] * (lo is not None) + [f"<= {hi}"] * (hi is not None)
-                bounds += [f"> {gt}"] * (gt is not None)
+                bounds += [f"> {gt}"] * (gt is not None) + [f"< {lt}"] * (lt is not None)
                 raise ConfigError(
                     f"'{section}.{f.name}' = {value} is out of range: it must be {' and '.join(bounds)}."
                 )
@@ -507,6 +540,86 @@ def _check_not_built(config: JobConfig) -> None:
                     f"Remove the key or set it back to "
                     f"{getattr(getattr(defaults, section), key)!r}."
                 )
+
+
+# The torch.compile backends whose partitioner (min-cut rematerialization) applies
+# `activation_memory_budget`; others, "eager" first, save what they always save.
+MEMORY_BUDGET_BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
+
+
+# The torch.compile backends whose partitioner (min-cut rematerialization) applies
+# `activation_memory_budget`; others, "eager" first, save what they always save.
+MEMORY_BUDGET_BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
+
+
+def check_activation_checkpoint(
+    ac_config: ActivationCheckpoint, model_compile_enabled: bool, compile_backend: str
+) -> None:
+    """What `[activation_checkpoint]` can be checked for without the model: the mode, the
+    selective option, and memory_budget's range and its need of a compiling backend. Run by
+    `validate` (so the launchers' check catches it) and by `apply_ac` for direct callers.
+
+    Raises:
+        ConfigError: naming the key, its value and the fix.
+    """
+    valid_modes = ("none", "full", "selective", "memory_budget")
+    if ac_config.mode not in valid_modes:
+        raise ConfigError(
+            f"'activation_checkpoint.mode' = '{ac_config.mode}' is unknown; use one of "
+            f"{', '.join(valid_modes)}."
+        )
+    option = ac_config.selective_ac_option
+    every_nth = option.isascii() and option.isdigit() and int(option) > 0
+    if ac_config.mode == "selective" and option != "op" and not every_nth:
+        raise ConfigError(
+            f"'activation_checkpoint.selective_ac_option' = '{option}' is invalid: use \"op\" "
+            'for per-op selective AC or a positive integer N (as a string, e.g. "2").'
+        )
+    if not 0.0 <= ac_config.memory_budget <= 1.0:
+        raise ConfigError(
+            f"'activation_checkpoint.memory_budget' = {ac_config.memory_budget} is outside [0, 1]: "
+            "0 recomputes everything, 1 saves everything."
+        )
+    if ac_config.mode == "memory_budget" and not model_compile_enabled:
+        raise ConfigError(
+            "'activation_checkpoint.mode' = 'memory_budget' works through torch.compile's "
+            'partitioner: set compile.enable = true with "model" in compile.components.'
+        )
+    if ac_config.mode == "memory_budget" and compile_backend not in MEMORY_BUDGET_BACKENDS:
+        raise ConfigError(
+            f"'activation_checkpoint.mode' = 'memory_budget' has no effect with 'compile.backend' = "
+            f"'{compile_backend}', which does not apply the budget; use one of "
+            f"{', '.join(MEMORY_BUDGET_BACKENDS)}, or another AC mode."
+        )
+
+
+def _check_checkpoint(config: JobConfig) -> None:
+    c = config.checkpoint
+    unknown = sorted(set(c.exclude_from_loading) - set(CHECKPOINT_STATE_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"'checkpoint.exclude_from_loading' = {c.exclude_from_loading} names {unknown}, which a "
+            f"checkpoint does not hold; valid entries: {', '.join(CHECKPOINT_STATE_KEYS)}."
+        )
+    if c.initial_load_path and not c.enable:
+        folder = Path(config.job.dump_folder) / c.folder
+        raise ConfigError(
+            f"'checkpoint.initial_load_path' = '{c.initial_load_path}' is read only with "
+            f"checkpoint.enable = true; set it (this run's checkpoints then go to '{folder}')."
+        )
+    if c.initial_load_in_hf and not c.initial_load_path:
+        raise ConfigError(
+            "'checkpoint.initial_load_in_hf' = true needs 'checkpoint.initial_load_path', the folder "
+            "with the Hugging Face safetensors."
+        )
+
+
+def _check_profiling(p) -> None:
+    if p.enable_profiling and p.profile_freq < p.profiler_warmup + p.profiler_active:
+        raise ConfigError(
+            f"'profiling.profile_freq' = {p.profile_freq} is shorter than profiler_warmup "
+            f"({p.profiler_warmup}) + profiler_active ({p.profiler_active}); raise profile_freq."
+        )
 
 
 def _check_consistency(config: JobConfig) -> None:
@@ -536,6 +649,10 @@ def _check_consistency(config: JobConfig) -> None:
     _check_converters(config)
     _check_upstream_datasets(config)
     _check_validation(config.validation, t)
+    compiles_model = config.compile.enable and "model" in config.compile.components
+    check_activation_checkpoint(config.activation_checkpoint, compiles_model, config.compile.backend)
+    _check_checkpoint(config)
+    _check_profiling(config.profiling)
     if config.compile.enable:
         unknown = sorted(set(config.compile.components) - {"model", "loss"})
         if unknown:
@@ -658,8 +775,9 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None) -> JobCon
     argv = sys.argv[1:] if argv is None else argv
     env = dict(__import__("os").environ) if env is None else env
     config_file, overrides = _split_cli(argv)
+    source = "" if config_file or not env.get("CONFIG_FILE") else "$CONFIG_FILE"
     config_file = config_file or env.get("CONFIG_FILE") or DEFAULT_CONFIG
-    path = resolve_config_path(config_file)
+    path = resolve_config_path(config_file, source)
     config = JobConfig()
     _apply_toml(config, path)
     for section, key, text in overrides:

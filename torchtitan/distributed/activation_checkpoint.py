@@ -31,7 +31,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.config.job_config import ActivationCheckpoint
-from torchtitan.config.manager import ConfigError
+from torchtitan.config.manager import ConfigError, check_activation_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -92,43 +92,6 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         logger.warning(message)
-
-
-# The torch.compile backends whose partitioner (min-cut rematerialization) applies
-# `activation_memory_budget`; others, "eager" first, save what they always save.
-MEMORY_BUDGET_BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
-
-
-def _validate(ac_config: ActivationCheckpoint, model_compile_enabled: bool, compile_backend: str) -> None:
-    valid_modes = ("none", "full", "selective", "memory_budget")
-    if ac_config.mode not in valid_modes:
-        raise ConfigError(
-            f"'activation_checkpoint.mode' = '{ac_config.mode}' is unknown; use one of "
-            f"{', '.join(valid_modes)}."
-        )
-    option = ac_config.selective_ac_option
-    every_nth = option.isascii() and option.isdigit() and int(option) > 0
-    if ac_config.mode == "selective" and option != "op" and not every_nth:
-        raise ConfigError(
-            f"'activation_checkpoint.selective_ac_option' = '{option}' is invalid: use \"op\" "
-            'for per-op selective AC or a positive integer N (as a string, e.g. "2").'
-        )
-    if not 0.0 <= ac_config.memory_budget <= 1.0:
-        raise ConfigError(
-            f"'activation_checkpoint.memory_budget' = {ac_config.memory_budget} is outside [0, 1]: "
-            "0 recomputes everything, 1 saves everything."
-        )
-    if ac_config.mode == "memory_budget" and not model_compile_enabled:
-        raise ConfigError(
-            "'activation_checkpoint.mode' = 'memory_budget' works through torch.compile's "
-            'partitioner: set compile.enable = true with "model" in compile.components.'
-        )
-    if ac_config.mode == "memory_budget" and compile_backend not in MEMORY_BUDGET_BACKENDS:
-        raise ConfigError(
-            f"'activation_checkpoint.mode' = 'memory_budget' has no effect with 'compile.backend' = "
-            f"'{compile_backend}', which does not apply the budget; use one of "
-            f"{', '.join(MEMORY_BUDGET_BACKENDS)}, or another AC mode."
-        )
 
 
 def _refuse_debug_with_a_policy(ac_config: ActivationCheckpoint, model: nn.Module, compiled: bool) -> None:
@@ -325,7 +288,7 @@ def apply_ac(
         op_sac_save_list: ops whose outputs op-SAC saves; default `DEFAULT_SAVE_LIST`.
         base_folder: where memory_budget writes its pareto plot (the dump folder).
         compile_backend: the torch.compile backend of the blocks; memory_budget needs one of
-            `MEMORY_BUDGET_BACKENDS`.
+            `torchtitan.config.manager.MEMORY_BUDGET_BACKENDS`.
 
     Pitfalls: call after tensor parallelism and before torch.compile and FSDP, so that the
     checkpoint sees the collectives TP adds and FSDP's hooks stay outside it. Models with
@@ -337,7 +300,7 @@ def apply_ac(
     Raises:
         ConfigError: for an invalid setting or one the rest of the config cannot support.
     """
-    _validate(ac_config, model_compile_enabled, compile_backend)
+    check_activation_checkpoint(ac_config, model_compile_enabled, compile_backend)
     _refuse_debug_with_a_policy(ac_config, model, model_compile_enabled)
     if ac_config.mode == "memory_budget":
         _apply_memory_budget(ac_config, base_folder)
