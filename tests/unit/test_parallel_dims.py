@@ -22,6 +22,13 @@ def test_replicate_only_is_ddp():
     assert dims.ddp_enabled and not dims.fsdp_enabled
 
 
+@pytest.mark.parametrize("shard", [1, -1], ids=["explicit", "left-over"])
+def test_ddp_with_tensor_parallel_is_refused_naming_the_fsdp_layout(shard):
+    """torch's replicate on a TP mesh slice leaves no parameter with a gradient: nothing trained."""
+    with pytest.raises(ConfigError, match="data_parallel_shard_degree = 2 with data_parallel_replicate"):
+        ParallelDims(dp_replicate=2, dp_shard=shard, tp=2, world_size=4)
+
+
 def test_product_not_matching_world_size_names_every_degree():
     with pytest.raises(ConfigError) as info:
         ParallelDims(dp_replicate=1, dp_shard=3, tp=2, world_size=8)

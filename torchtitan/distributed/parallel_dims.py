@@ -67,6 +67,15 @@ class ParallelDims:
                 f"tensor_parallel_degree {self.tp}) but the world size is {self.world_size}; make "
                 "the product equal the number of processes, or set data_parallel_shard_degree = -1."
             )
+        if self.ddp_enabled and self.tp > 1:
+            # torch's replicate on a slice of a TP mesh swaps the TP weights for plain DTensor
+            # attributes, so no parameter gets a gradient and nothing trains.
+            raise ConfigError(
+                f"data_parallel_replicate_degree {self.dp_replicate} with data_parallel_shard_degree 1 "
+                f"is DDP, which does not combine with tensor_parallel_degree {self.tp}; shard instead: "
+                f"data_parallel_shard_degree = {self.dp_replicate} with data_parallel_replicate_degree = 1 "
+                "(FSDP), or HSDP with both degrees above 1."
+            )
         if self.ep_borrows_tp and self.ep % self.tp:
             raise ConfigError(
                 f"expert_parallel_degree {self.ep} is not a multiple of tensor_parallel_degree "
