@@ -132,6 +132,23 @@ def test_experts_fall_back_to_the_loop_when_rows_are_not_16_byte_aligned():
     torch.testing.assert_close(experts(x, counts), looped(x, counts), rtol=0, atol=0)
 
 
+@pytest.mark.skipif(
+    not grouped_mm_supported(torch.device("cpu"), torch.bfloat16), reason="no bf16 grouped mm"
+)
+def test_grouped_experts_under_autocast_run_in_the_autocast_dtype_like_every_linear():
+    """The trainer autocasts without FSDP; `torch._grouped_mm` has no autocast kernel, so the
+    experts must cast themselves or run in the fp32 of the residual stream."""
+    experts = GroupedExperts(DIM, HIDDEN, num_experts=3, use_grouped_mm=True)
+    experts.init_weights(0.02)
+    x, counts = _tokens(9, DIM), torch.tensor([4, 0, 5])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert experts.uses_grouped_mm(x.bfloat16())
+        out = experts(x, counts)
+    in_bf16 = copy.deepcopy(experts).bfloat16()(x.bfloat16(), counts)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, in_bf16, rtol=0, atol=0)
+
+
 def _naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """Token by token: sum over its chosen experts of weight * expert(token), plus shared."""
     a, w1, w2, w3 = moe.args, moe.experts.w1, moe.experts.w2, moe.experts.w3

@@ -166,6 +166,16 @@ def _count_per_expert(selected: torch.Tensor, num_experts: int) -> torch.Tensor:
     )
 
 
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls run in: autocast's when it is on (the trainer autocasts
+    without FSDP), since `torch._grouped_mm` has no autocast kernel and would run in x's fp32
+    while every Linear runs in bf16; otherwise x's."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU experts with stacked weights, run on tokens grouped by expert.
 
@@ -208,9 +218,11 @@ class GroupedExperts(nn.Module):
 
         Pitfall: the loop path reads the counts on the host (one device sync per call).
         """
-        # The cast is a no-op unless FSDP's mixed precision left these weights alone (expert
-        # parallelism keeps them out of FSDP).
-        w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        dtype = _matmul_dtype(x)
+        x = x.to(dtype)
+        # A no-op unless FSDP's mixed precision left these weights alone (expert parallelism
+        # keeps them out of FSDP) or autocast runs the matmuls in a lower precision.
+        w1, w2, w3 = (_local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
         if self.uses_grouped_mm(x):
             return self._grouped(x, num_tokens_per_expert, w1, w2, w3)
         return self._looped(x, num_tokens_per_expert, w1, w2, w3)
