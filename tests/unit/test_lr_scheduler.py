@@ -31,13 +31,19 @@ def _lrs_used(args: list[str]) -> list[float]:
     return used
 
 
-def test_warmup_rises_linearly_and_reaches_the_peak_on_the_first_step_after_it():
+def test_warmup_rises_linearly_and_reaches_the_peak_on_its_last_step():
     args = ["--training.steps", "10", "--lr_scheduler.warmup_steps", "3", "--lr_scheduler.decay_ratio", "0.5"]
     lrs = _lrs_used(args)
-    assert lrs[:4] == pytest.approx([PEAK / 4, 2 * PEAK / 4, 3 * PEAK / 4, PEAK])
+    assert lrs[:4] == pytest.approx([PEAK / 3, 2 * PEAK / 3, PEAK, PEAK])
 
 
-def test_linear_decay_ends_at_min_lr_factor_on_the_last_step():
+def test_the_schedule_is_upstream_torchtitans_step_for_step():
+    """10 steps, 2 of warmup, decay over the rest: the values upstream's scheduler gives."""
+    lrs = _lrs_used(["--training.steps", "10", "--lr_scheduler.warmup_steps", "2"])
+    assert lrs == pytest.approx([PEAK * f for f in (0.5, 1, 1, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125)])
+
+
+def test_linear_decay_would_reach_min_lr_factor_one_step_after_the_last():
     args = [
         "--training.steps",
         "10",
@@ -47,21 +53,28 @@ def test_linear_decay_ends_at_min_lr_factor_on_the_last_step():
         "0.1",
     ]
     lrs = _lrs_used(args)
-    assert lrs[-1] == pytest.approx(0.1 * PEAK)
     decay = lrs[2:]
     steps = [b - a for a, b in zip(decay, decay[1:])]
     assert steps == pytest.approx([steps[0]] * len(steps))
     assert steps[0] < 0
+    assert lrs[-1] + steps[0] == pytest.approx(0.1 * PEAK)  # so the last step still learns
 
 
-def test_decay_ratio_keeps_the_peak_through_the_stable_phase():
+def test_decay_ratio_is_a_fraction_of_all_steps_as_upstream():
     lrs = _lrs_used(
         ["--training.steps", "12", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0.5"]
     )
-    # 10 steps after warmup, half of them stable: steps 3 to 7 at the peak.
-    assert lrs[2:7] == pytest.approx([PEAK] * 5)
-    assert lrs[7] < PEAK
-    assert lrs[-1] == pytest.approx(0.0, abs=1e-12)
+    # 6 of the 12 steps decay; the peak holds from step 2 to step 7.
+    assert lrs[1:7] == pytest.approx([PEAK] * 6)
+    assert lrs[6:] == pytest.approx([PEAK * (6 - k) / 6 for k in range(6)])
+
+
+def test_a_decay_ratio_longer_than_the_steps_after_warmup_is_cut_and_warned_about(caplog):
+    args = ["--training.steps", "10", "--lr_scheduler.warmup_steps", "4", "--lr_scheduler.decay_ratio", "0.8"]
+    lrs = _lrs_used(args)
+    assert lrs[3:] == pytest.approx([PEAK, PEAK] + [PEAK * (6 - k) / 6 for k in range(1, 6)])  # as unset
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "'lr_scheduler.decay_ratio' = 0.8 asks for 8 decay steps, but only 6" in warning
 
 
 def test_decay_ratio_zero_never_decays():
@@ -73,16 +86,16 @@ def test_decay_ratio_zero_never_decays():
 
 @pytest.mark.parametrize("decay_type, halfway", [("linear", 0.5), ("sqrt", 1 - 0.5**0.5), ("cosine", 0.5)])
 def test_decay_shapes_at_their_midpoint_and_quarter(decay_type, halfway):
-    factor = lambda step: lr_factor(step, 0, 0, 100, decay_type, min_factor=0.2)  # noqa: E731
-    assert factor(50) == pytest.approx(0.2 + 0.8 * halfway)
+    factor = lambda step: lr_factor(step, 0, 100, 100, decay_type, min_factor=0.2)  # noqa: E731
+    assert factor(51) == pytest.approx(0.2 + 0.8 * halfway)
     quarter = {"linear": 0.75, "sqrt": 0.5, "cosine": 0.5 * (1 + 2**-0.5)}[decay_type]
-    assert factor(25) == pytest.approx(0.2 + 0.8 * quarter)
-    assert factor(100) == pytest.approx(0.2)
+    assert factor(26) == pytest.approx(0.2 + 0.8 * quarter)
+    assert factor(101) == pytest.approx(0.2)
 
 
 def test_warmup_longer_than_the_run_is_cut_to_the_run():
     lrs = _lrs_used(["--training.steps", "4", "--lr_scheduler.warmup_steps", "100"])
-    assert lrs == pytest.approx([PEAK * k / 5 for k in range(1, 5)])
+    assert lrs == pytest.approx([PEAK * k / 4 for k in range(1, 5)])
 
 
 def test_a_run_that_is_all_warmup_is_warned_about_naming_both_keys(caplog):

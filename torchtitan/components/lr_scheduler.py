@@ -1,4 +1,5 @@
-"""Warmup -> stable -> decay learning-rate schedule (WSD), as a LambdaLR multiplier."""
+"""Warmup -> stable -> decay learning-rate schedule (WSD), as a LambdaLR multiplier, with
+upstream torchtitan's step arithmetic, so that a config brought from there trains alike."""
 
 import functools
 import logging
@@ -11,19 +12,20 @@ from torchtitan.config.job_config import JobConfig
 logger = logging.getLogger(__name__)
 
 
-def lr_factor(
-    step: int, warmup: int, stable_end: int, total: int, decay_type: str, min_factor: float
-) -> float:
+def lr_factor(step: int, warmup: int, decay: int, total: int, decay_type: str, min_factor: float) -> float:
     """The multiplier of the peak lr for optimizer step `step` (1-based).
 
-    Warmup rises linearly to 1 over `warmup` steps, stays at 1 until `stable_end`, then
-    decays to `min_factor` at `total` following `decay_type` (linear, sqrt or cosine).
+    Warmup rises linearly to 1 at step `warmup`; the lr stays at 1 until the last `decay`
+    steps, which follow `decay_type` (linear, sqrt or cosine) towards `min_factor`. The decay
+    would reach `min_factor` one step after the run, at a virtual step `total + 1`, so that the
+    last real step still learns (upstream torchtitan's rule).
     """
     if step <= warmup:
-        return step / (warmup + 1)
-    if step <= stable_end or total <= stable_end:
+        return step / warmup
+    decay_start = total + 1 - decay  # the last step at the peak
+    if step <= decay_start:
         return 1.0
-    progress = min(1.0, (step - stable_end) / (total - stable_end))
+    progress = min(1.0, (step - decay_start) / decay)
     if decay_type == "linear":
         remaining = 1.0 - progress
     elif decay_type == "sqrt":
@@ -33,16 +35,31 @@ def lr_factor(
     return min_factor + (1.0 - min_factor) * remaining
 
 
+def decay_steps(job_config: JobConfig) -> int:
+    """The steps that decay: `decay_ratio` of `training.steps` (all after warmup when unset),
+    at most the steps after warmup."""
+    cfg, total = job_config.lr_scheduler, job_config.training.steps
+    after_warmup = total - min(cfg.warmup_steps, total)
+    if cfg.decay_ratio is None:
+        return after_warmup
+    wanted = round(total * cfg.decay_ratio)
+    if wanted > after_warmup:
+        logger.warning(
+            f"'lr_scheduler.decay_ratio' = {cfg.decay_ratio} asks for {wanted} decay steps, but only "
+            f"{after_warmup} of the {total} steps follow the warmup; decaying over those. Lower "
+            "decay_ratio or lr_scheduler.warmup_steps to silence this warning."
+        )
+    return min(wanted, after_warmup)
+
+
 def build_lr_scheduler(optimizer, job_config: JobConfig) -> LambdaLR:
     """A LambdaLR following `lr_factor` over `training.steps` steps."""
     cfg, total = job_config.lr_scheduler, job_config.training.steps
     _warn_if_only_warmup(cfg.warmup_steps, total)
-    warmup = min(cfg.warmup_steps, total)
-    decay_steps = total - warmup if cfg.decay_ratio is None else round((total - warmup) * cfg.decay_ratio)
     factor = functools.partial(
         lr_factor,
-        warmup=warmup,
-        stable_end=total - decay_steps,
+        warmup=min(cfg.warmup_steps, total),
+        decay=decay_steps(job_config),
         total=total,
         decay_type=cfg.decay_type,
         min_factor=cfg.min_lr_factor,
@@ -53,12 +70,12 @@ def build_lr_scheduler(optimizer, job_config: JobConfig) -> LambdaLR:
 
 def _warn_if_only_warmup(warmup_steps: int, steps: int) -> None:
     # Not an error: a short debug run of a preset may be meant to stay in warmup. But a
-    # shortened run that keeps the preset's warmup never reaches optimizer.lr, which is
-    # easy to miss in the loss curve.
+    # shortened run that keeps the preset's warmup never decays, which is easy to miss in
+    # the loss curve.
     if warmup_steps >= steps:
         logger.warning(
             f"'lr_scheduler.warmup_steps' = {warmup_steps} is not below 'training.steps' = {steps}: "
-            "the whole run is warmup, so the lr never reaches optimizer.lr nor decays. Set "
-            f"lr_scheduler.warmup_steps below {steps} (e.g. --lr_scheduler.warmup_steps "
-            f"{steps // 10})."
+            "the whole run is warmup, so the lr never decays (and reaches optimizer.lr only at the "
+            f"last step, if at all). Set lr_scheduler.warmup_steps below {steps} (e.g. "
+            f"--lr_scheduler.warmup_steps {steps // 10})."
         )

@@ -80,12 +80,18 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = opt(200, "linear warmup steps from near zero to optimizer.lr", min=0)
+    warmup_steps: int = opt(200, "linear warmup steps, reaching optimizer.lr at the last of them", min=0)
     decay_ratio: float | None = opt(
-        None, "fraction of the steps after warmup spent decaying; unset = decay all", min=0.0, max=1.0
+        None,
+        "fraction of training.steps spent decaying, at most those after warmup (as upstream); "
+        "unset = all after warmup",
+        min=0.0,
+        max=1.0,
     )
     decay_type: Literal["linear", "sqrt", "cosine"] = opt("linear", "shape of the decay phase")
-    min_lr_factor: float = opt(0.0, "final lr as a fraction of optimizer.lr", min=0.0, max=1.0)
+    min_lr_factor: float = opt(
+        0.0, "lr the decay ends at, a step after the last, as a fraction of optimizer.lr", min=0.0, max=1.0
+    )
 
 
 @dataclass
