@@ -74,6 +74,27 @@ def test_filter_fqns_and_shapes_that_scaled_mm_cannot_take_stay_in_high_precisio
     assert _linears(model) == {"keep_me", "odd"}
 
 
+@pytest.mark.parametrize(
+    "recipe, small, large",
+    [("tensorwise", (4096, 1024), (4096, 2048)), ("rowwise", (1024, 4096), (4096, 4096))],
+)
+def test_auto_filter_small_kn_keeps_layers_too_small_to_gain_as_upstream(recipe, small, large):
+    """Upstream's flag: torchao's size heuristic for the recipe (in, out) on top of the patterns."""
+    shapes = {"small": small, "large": large, "output": large}
+    model = nn.ModuleDict({name: nn.Linear(*shape, device="meta") for name, shape in shapes.items()})
+    _converter("--float8.recipe_name", recipe, "--float8.filter_fqns", "output,auto_filter_small_kn").convert(
+        model
+    )
+    assert _linears(model, Float8Linear) == {"large"}
+    assert _linears(model) == {"small", "output"}
+
+
+def test_without_auto_filter_small_kn_small_layers_convert():
+    model = nn.ModuleDict({"small": nn.Linear(4096, 1024, device="meta")})
+    _converter("--float8.filter_fqns", "output").convert(model)
+    assert _linears(model, Float8Linear) == {"small"}
+
+
 def test_no_converter_is_built_when_model_converters_is_empty():
     converters = build_model_converters(parse_args([], env={}), ONE_PROCESS, CPU)
     assert converters.converters == []

@@ -6,8 +6,10 @@ weights stay high-precision parameters (checkpoints and Hugging Face exports are
 each matmul casts its inputs to float8 with dynamic scales and runs `torch._scaled_mm`.
 
 Kept in high precision: Linear layers whose FQN contains an entry of `float8.filter_fqns`
-(the output projection by default), MoE router gates (their scores choose the experts), and
-layers whose dimensions are not multiples of 16, which `_scaled_mm` cannot take. MoE experts
+(the output projection by default), MoE router gates (their scores choose the experts),
+layers whose dimensions are not multiples of 16, which `_scaled_mm` cannot take, and, when
+`filter_fqns` holds "auto_filter_small_kn" (as upstream), layers torchao's size heuristic for
+the recipe finds too small to gain from float8. MoE experts
 are grouped matmuls, not Linear layers, so they stay in high precision too.
 
 Pitfalls:
@@ -39,6 +41,8 @@ logger = logging.getLogger(__name__)
 _SCALED_MM_MULTIPLE = 16
 _FLOAT8_CAPABILITY = (8, 9)
 _ROUTER_GATE_SUFFIX = "router.gate"
+# The `float8.filter_fqns` entry that asks, as upstream, for torchao's size filter.
+AUTO_FILTER = "auto_filter_small_kn"
 
 
 def _import_torchao(device: torch.device):
@@ -89,13 +93,22 @@ class Float8Converter:
 
     def keeps_high_precision(self, module: nn.Module, fqn: str) -> str | None:
         """Why the Linear `module` at `fqn` stays in high precision, or None to convert it."""
-        if any(pattern in fqn for pattern in self.config.filter_fqns):
+        patterns = [p for p in self.config.filter_fqns if p != AUTO_FILTER]
+        if any(pattern in fqn for pattern in patterns):
             return "float8.filter_fqns"
         if fqn.endswith(_ROUTER_GATE_SUFFIX):
             return "MoE router gate"
         if module.in_features % _SCALED_MM_MULTIPLE or module.out_features % _SCALED_MM_MULTIPLE:
             return f"dimensions not multiples of {_SCALED_MM_MULTIPLE}"
+        if AUTO_FILTER in self.config.filter_fqns and not self._worth_float8(module, fqn):
+            return f"too small to gain ({AUTO_FILTER})"
         return None
+
+    def _worth_float8(self, module: nn.Module, fqn: str) -> bool:
+        """torchao's size heuristic for the recipe (H100 measurements), as upstream applies it."""
+        from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+
+        return _auto_filter_for_recipe(self.config.recipe_name, filter_fqns=[])(module, fqn)
 
     def convert(self, model: nn.Module) -> None:
         """Swap `model`'s eligible Linear layers in place (on any device, meta included)."""

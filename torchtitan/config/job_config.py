@@ -224,7 +224,11 @@ class Float8:
     precompute_float8_dynamic_scale_for_fsdp: bool = opt(
         False, "after each optimizer step, compute every weight scale in one all-reduce (float8 all-gather)"
     )
-    filter_fqns: list[str] = opt(["output"], "Linear FQN substrings kept in high precision")
+    filter_fqns: list[str] = opt(
+        ["output"],
+        "Linear FQN substrings kept in high precision; 'auto_filter_small_kn' also keeps the layers "
+        "torchao's size heuristic finds too small to gain",
+    )
     emulate: bool = opt(False, "run the float8 matmuls emulated in high precision (GPUs without float8)")
     moe_fqns: list[str] = opt(
         [], "MoE modules whose grouped experts train in float8 (not built: refused with float8 on)"

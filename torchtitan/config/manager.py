@@ -678,6 +678,12 @@ def _check_converters(config: JobConfig) -> None:
                 f"per weight), but recipe_name = '{f8.recipe_name}'; set recipe_name = 'tensorwise' or "
                 "turn the float8 all-gather off."
             )
+        if "auto_filter_small_kn" in f8.filter_fqns and f8.recipe_name == "rowwise_with_gw_hp":
+            raise ConfigError(
+                "'float8.filter_fqns' holds 'auto_filter_small_kn', which torchao has no size heuristic "
+                "for under recipe_name 'rowwise_with_gw_hp'; remove the entry, or use 'tensorwise' or "
+                "'rowwise'."
+            )
         if f8.moe_fqns:
             raise ConfigError(
                 f"'float8.moe_fqns' = {f8.moe_fqns} asks for float8 grouped experts, which this trainer "
