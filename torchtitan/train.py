@@ -105,6 +105,7 @@ class Trainer:
         self.stop_requested = False
         self.stop_reason = "another rank's request"
         self.stop_file = os.environ.get(STOP_FILE_ENV) or None
+        self.stale_stop_file = self._stale_stop_file()
         self.stop_group = self._build_stop_group()
         self.train_state = TrainState()
         self.checkpointer = CheckpointManager(
@@ -295,9 +296,9 @@ class Trainer:
         unchecked = None  # the last step's (loss, grad_norm) until checked finite
         while self.step < cfg.training.steps:
             if self._stop_agreed():
-                # Not again right after a save (or resume) of this step: during the rewrite
-                # the grace period could run out.
-                if cfg.checkpoint.enable and not self.checkpointer.holds(self.step):
+                # Not before the first step (nothing trained), nor again right after a save
+                # (or resume) of this step: during the rewrite the grace period could run out.
+                if cfg.checkpoint.enable and self.step > 0 and not self.checkpointer.holds(self.step):
                     self._save_finite(unchecked, force_sync=True)
                 raise StopRequested
             self.step += 1
@@ -355,12 +356,37 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.stop_group)
         return bool(flag.item())
 
-    def _check_stop_file(self) -> None:
+    def _watches_stop_file(self) -> bool:
         # Rank 0 alone looks (one stat per step on a shared file system); the others learn of
         # it through the agreement.
-        if self.stop_file is None or self.stop_requested or (dist.is_initialized() and dist.get_rank() != 0):
+        return self.stop_file is not None and not (dist.is_initialized() and dist.get_rank() != 0)
+
+    def _stop_file_mtime(self) -> int | None:
+        try:
+            return os.stat(self.stop_file).st_mtime_ns
+        except FileNotFoundError:
+            return None
+
+    def _stale_stop_file(self) -> int | None:
+        """The modification time of a stop file that is there before the run starts, left by an
+        earlier stop: it is ignored, so that the next run does not stop before its first step.
+        Comparing times the file system itself stamped needs no agreement between clocks."""
+        if not self._watches_stop_file():
+            return None
+        mtime = self._stop_file_mtime()
+        if mtime is not None:
+            logger.warning(
+                f"The stop file {self.stop_file} is there from before this run (an earlier stop?); "
+                "ignoring it. Touch it (or delete and create it) to stop this run; delete it to "
+                "silence this warning."
+            )
+        return mtime
+
+    def _check_stop_file(self) -> None:
+        if self.stop_requested or not self._watches_stop_file():
             return
-        if os.path.exists(self.stop_file):
+        mtime = self._stop_file_mtime()
+        if mtime is not None and mtime != self.stale_stop_file:
             logger.warning(f"Found the stop file {self.stop_file}: stopping after the current step")
             self.stop_requested, self.stop_reason = True, f"stop file {self.stop_file}"
 

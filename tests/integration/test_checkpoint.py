@@ -14,7 +14,7 @@ import torch
 
 from tests.conftest import PROJECT_ROOT, python_path, read_metrics, run_trainer
 from torchtitan.components.hf_io import load_hf
-from torchtitan.train import STOP_FILE_ENV
+from torchtitan.train import STOP_FILE_ENV, Trainer, main
 
 pytestmark = pytest.mark.integration
 
@@ -431,14 +431,46 @@ def test_a_step_that_makes_the_gradients_non_finite_is_never_checkpointed(tmp_pa
     assert _steps(tmp_path) == ["step-1"]
 
 
-def test_a_stop_right_after_resuming_does_not_rewrite_the_checkpoint_it_resumed_from(tmp_path):
+def _stop_before_the_first_step(monkeypatch) -> None:
+    """A stop asked for during startup: the trainer finds it when it first looks, before step 1."""
+
+    def stop(trainer):
+        trainer.stop_requested, trainer.stop_reason = True, "the test"
+
+    monkeypatch.setattr(Trainer, "_check_stop_file", stop)
+
+
+def _train_in_process(folder, *extra) -> int:
+    """One process, in this interpreter (so a test can patch the trainer); the exit code."""
+    argv = BASE + ["--training.local_batch_size", "8", *extra, "--job.dump_folder", str(folder)]
+    try:
+        main(argv)
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def test_a_stop_right_after_resuming_does_not_rewrite_the_checkpoint_it_resumed_from(tmp_path, monkeypatch):
     _train(tmp_path, extra=["--training.steps", "5", "--checkpoint.no_last_save_model_only"])
     written = (tmp_path / "checkpoint" / "step-5" / ".metadata").stat().st_mtime_ns
-    stop_file = tmp_path / "stop"
-    stop_file.touch()  # already there: the run stops before its first step
+    _stop_before_the_first_step(monkeypatch)
 
-    proc = _train(tmp_path, extra=["--training.steps", "10"], env={STOP_FILE_ENV: str(stop_file)}, expect=143)
+    assert _train_in_process(tmp_path, "--training.steps", "10") == 143
 
-    assert "Resumed from checkpoint" in proc.stderr, proc.stderr[-3000:]
-    assert "Saved checkpoint" not in proc.stderr
+    assert _steps(tmp_path) == ["step-5"]
     assert (tmp_path / "checkpoint" / "step-5" / ".metadata").stat().st_mtime_ns == written
+
+
+def test_a_stop_before_a_fresh_runs_first_step_writes_no_checkpoint(tmp_path, monkeypatch):
+    """Nothing is trained yet: a step-0 checkpoint would only make the next run resume at 0."""
+    _stop_before_the_first_step(monkeypatch)
+    assert _train_in_process(tmp_path, "--training.steps", "10") == 143
+    assert not (tmp_path / "checkpoint").exists() or _steps(tmp_path) == []
+
+
+def test_a_stop_file_left_from_before_the_run_is_ignored_until_touched(tmp_path, monkeypatch):
+    stop_file = tmp_path / "stop"
+    stop_file.touch()  # an earlier run's stop
+    monkeypatch.setenv(STOP_FILE_ENV, str(stop_file))
+    assert _train_in_process(tmp_path, "--training.steps", "2", "--checkpoint.no_enable") == 0
+    assert sorted(_losses(tmp_path)) == [1, 2]
