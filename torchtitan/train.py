@@ -408,7 +408,10 @@ def main(argv: list[str] | None = None) -> None:
     """
     argv = sys.argv[1:] if argv is None else argv
     if wants_help(argv):
-        print(format_help())
+        try:
+            print(format_help(), flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
     init_logger()
     trainer = None
@@ -419,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer.train()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        dist_utils.report_to_torchrun(f"error: {e}")
         exit_code = 2
     except StopRequested:
         logger.warning(f"Stopped on request ({trainer.stop_reason}) after step {trainer.step}")

@@ -392,6 +392,19 @@ def test_trainer_errors_exit_2_with_one_paragraph(argv, expected, tmp_path, caps
     assert expected in err and "Traceback" not in err
 
 
+def test_a_ranks_config_error_reaches_torchruns_failure_summary(tmp_path, monkeypatch):
+    """torchrun's summary reads each rank's error file; without it a rank hidden by LOG_RANK
+    would fail with exit code 2 and no reason."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(SystemExit):
+        main(["--model.flavor", "9B", "--job.dump_folder", str(tmp_path)])
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    assert failure.message.startswith("error: unknown flavor 'model.flavor' = '9B'"), failure.message
+
+
 def test_bad_input_from_the_shell_exits_2_without_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "torchtitan.train", "--training.stpes", "3"],

@@ -1,6 +1,7 @@
 """Device and process-group setup, layout-independent init, and global-norm clipping."""
 
 import datetime
+import json
 import logging
 import math
 import os
@@ -238,3 +239,14 @@ def finite_or_raise(step: int, loss: float, grad_norm: float) -> None:
                 "optimizer.lr or check the data, then resume from the last checkpoint (none was "
                 "written of this step)"
             )
+
+
+def report_to_torchrun(message: str) -> None:
+    """Write `message` where torchrun's failure summary reads this rank's error
+    (`$TORCHELASTIC_ERROR_FILE`), for an error the rank handles itself rather than raising:
+    the summary then shows it even when `LOG_RANK` hides the rank's output. Outside torchrun
+    there is no such file and nothing is written."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(datetime.datetime.now().timestamp())}, f)
