@@ -95,6 +95,17 @@ def test_without_auto_filter_small_kn_small_layers_convert():
     assert _linears(model, Float8Linear) == {"small"}
 
 
+@pytest.mark.parametrize("recipe, emulated_casts", [("tensorwise", False), ("rowwise", True),
+                                                     ("rowwise_with_gw_hp", True)])  # fmt: skip
+def test_rowwise_recipes_make_inductor_keep_eagers_casts(recipe, emulated_casts):
+    """As upstream: without it, rowwise float8 under compile and AC diverges to NaN (pytorch#150859)."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(emulate_precision_casts=False):
+        _converter("--float8.recipe_name", recipe)
+        assert inductor_config.emulate_precision_casts is emulated_casts
+
+
 def test_no_converter_is_built_when_model_converters_is_empty():
     converters = build_model_converters(parse_args([], env={}), ONE_PROCESS, CPU)
     assert converters.converters == []

@@ -89,6 +89,7 @@ class Float8Converter:
         else:
             linear_config = self.float8.Float8LinearConfig.from_recipe_name(c.recipe_name)
             linear_config = _with_emulate(linear_config, c.emulate)
+            _match_eager_casts_in_compiled_code()
         self.linear_config = linear_config
 
     def keeps_high_precision(self, module: nn.Module, fqn: str) -> str | None:
@@ -135,6 +136,18 @@ class Float8Converter:
         """After each optimizer step: one all-reduce for every weight's float8 scale (if asked)."""
         if self.config.precompute_float8_dynamic_scale_for_fsdp:
             self.float8.precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def _match_eager_casts_in_compiled_code() -> None:
+    """Rowwise scales under compile and AC: inductor fuses away the low-precision roundings
+    eager performs, differently in forward and in recompute, and the scales computed from the
+    two differ; training then diverges to NaN (pytorch/pytorch#150859). Upstream torchtitan sets
+    the same process-wide flag for its rowwise recipe."""
+    import torch._inductor.config
+
+    if not torch._inductor.config.emulate_precision_casts:
+        torch._inductor.config.emulate_precision_casts = True
+        logger.info("Float8 rowwise: set torch._inductor.config.emulate_precision_casts (pytorch#150859)")
 
 
 def _check_device(config, device: torch.device) -> None:
