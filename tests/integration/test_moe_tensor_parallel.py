@@ -48,10 +48,15 @@ def test_tp2_gradients_equal_one_process(gradient_report, model, ac):
 
 
 @pytest.mark.parametrize("ac", list(AC_MODES))
-def test_tp2_moe_backward_all_reduces_no_more_than_its_input(gradient_report, ac):
-    """The routed tokens' partial gradient is summed once per token (2 x 64 tokens x 256 wide),
-    not once per routed row (top-2: twice as many)."""
-    assert gradient_report["largest backward all-reduce"][ac] == 2 * 64 * 256
+def test_tp2_moe_backward_reduce_scatters_its_input_gradient_once_as_a_dense_mlp_does(gradient_report, ac):
+    """Every branch of the MoE leaves its input gradient a partial sum, reduce-scattered once
+    per block (2 per block, attention's and the MoE's, plus the embedding's: 13 for 6 blocks).
+    The only all-reduce left is of the routing weights, 2 x 64 tokens x top-2; before, each
+    branch all-reduced a whole 2 x 64 x 256 gradient of its own."""
+    backward = gradient_report["backward collectives"][ac]
+    recomputed = 6 if ac == "full" else 0  # full AC re-runs each block's attention reduce-scatter
+    assert backward["reduce_scatter_tensor"] == 13 + recomputed, backward
+    assert backward["largest all_reduce"] == 2 * 64 * 2, backward
 
 
 def _build(name, flavor, overrides, tp, ac):
@@ -94,34 +99,36 @@ def _close(grad: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.allclose(grad, want, rtol=0, atol=GRAD_RTOL * want.abs().max().item())
 
 
-class _LargestBackwardAllReduce(TorchDispatchMode):
-    """The most elements any all-reduce moves in backward (active over forward and backward:
-    a backward-only mode breaks SAC recompute)."""
+class _BackwardCollectives(TorchDispatchMode):
+    """How many reduce-scatters run in backward, and the most elements any all-reduce moves
+    there (active over forward and backward: a backward-only mode breaks SAC recompute)."""
 
     def __init__(self):
         super().__init__()
-        self.backward, self.largest = False, 0
+        self.backward, self.counts = False, {"reduce_scatter_tensor": 0, "largest all_reduce": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.backward and func is torch.ops._c10d_functional.all_reduce.default:
-            self.largest = max(self.largest, args[0].numel())
+            self.counts["largest all_reduce"] = max(self.counts["largest all_reduce"], args[0].numel())
+        if self.backward and func is torch.ops._c10d_functional.reduce_scatter_tensor.default:
+            self.counts["reduce_scatter_tensor"] += 1
         return func(*args, **(kwargs or {}))
 
 
-def _largest_backward_all_reduce(model, parallel_dims, cfg, tokens) -> int:
-    with _LargestBackwardAllReduce() as counter, loss_context(parallel_dims, cfg):
+def _backward_collectives(model, parallel_dims, cfg, tokens) -> dict:
+    with _BackwardCollectives() as counter, loss_context(parallel_dims, cfg):
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         counter.backward = True
         loss.backward()
-    return counter.largest
+    return counter.counts
 
 
 def _worker() -> None:
     dist.init_process_group("gloo")
     tokens = torch.randint(0, 2048, (2, 65), generator=torch.Generator().manual_seed(0))
     moe_tp2 = {ac: _build("qwen3", "debugmodel_moe", {}, 2, ac) for ac in AC_MODES}
-    report = {"largest backward all-reduce": {
-        ac: _largest_backward_all_reduce(*built, tokens) for ac, built in moe_tp2.items()
+    report = {"backward collectives": {
+        ac: _backward_collectives(*built, tokens) for ac, built in moe_tp2.items()
     }}  # fmt: skip
     for label, (name, flavor, overrides) in MODELS.items():
         reference = _loss_and_grads(*_build(name, flavor, overrides, 1, "none"), tokens)

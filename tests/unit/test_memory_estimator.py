@@ -166,7 +166,10 @@ def test_bad_config_from_the_shell_exits_2_without_traceback():
     "argv, expected",
     [
         (["--ngpu", "3", "--parallelism.data_parallel_shard_degree", "2"], "but the world size is 3"),
-        (["--ngpu", "1", "--activation_checkpoint.mode", "memory_budget"], "does not run"),
+        (
+            ["--ngpu", "1", "--activation_checkpoint.mode", "memory_budget", "--compile.enable"],
+            "does not run",
+        ),
         (["--ngpu", "2", "--parallelism.data_parallel_replicate_degree", "2"], "cannot run under Fake"),
     ],
     ids=["degrees-do-not-fit-ngpu", "memory-budget-needs-compile", "ddp-needs-real-storage"],

@@ -49,6 +49,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from torchtitan.distributed.utils import scale_grad
+
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
@@ -91,14 +93,14 @@ class _ExpertParallelHooks:
         key = (segment % local_experts) * ep + segment // local_experts
         order = torch.argsort(key, stable=True)
         self._ctx = (order, send, recv)
-        return _ScaleGrad.apply(x_recv[order], float(self.data_ranks)), per_source.sum(dim=0)
+        return scale_grad(x_recv[order], float(self.data_ranks)), per_source.sum(dim=0)
 
     def combine(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         (order, send, recv), self._ctx = self._ctx, None
         # The 1/data_ranks scale on the way back makes the experts' weight gradients the
         # data-parallel mean (as FSDP's reduce-scatter gives the others); _ScaleGrad(data_ranks)
         # on the input side restores the token gradients.
-        out = _ScaleGrad.apply(out, 1.0 / self.data_ranks)
+        out = scale_grad(out, 1.0 / self.data_ranks)
         y_recv = torch.empty_like(out)
         y_recv = y_recv.index_put((order,), out)
         return funcol.all_to_all_single_autograd(y_recv, send, recv, self.group)
@@ -111,8 +113,8 @@ class _SplitRowsOverTP:
     Before dispatch: keep rows [n * r / tp, n * (r + 1) / tp) of the expert-sorted rows and
     their per-expert counts; after combine: zeros for the other ranks' rows, so that the MoE
     output is a partial sum over TP, reduced with the shared experts' partial output. The rows'
-    gradient is likewise this rank's share; the TP plan sums it over TP at the MoE's
-    `routed_input`, once per token.
+    gradient is likewise this rank's share, left a partial sum for the MoE input's one
+    reduce-scatter (see `SequenceGatheredPartialSum`).
     """
 
     def __init__(self, tp_mesh: DeviceMesh):
@@ -132,19 +134,6 @@ class _SplitRowsOverTP:
     def restore_all_rows(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         (before, after), self._pad = self._pad, None
         return nn.functional.pad(out, (0, 0, before, after))
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; multiplies the gradient by `scale`."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
 
 
 def shard_experts_(experts: nn.Module, ep_mesh: DeviceMesh) -> None:

@@ -14,7 +14,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -26,6 +25,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.expert_parallel import routed_experts
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.utils import scale_grad
 
 
 def loss_parallel_enabled(parallel_dims: ParallelDims, job_config: JobConfig) -> bool:
@@ -117,17 +117,84 @@ class SumGradOverTP(ParallelStyle):
         return module
 
 
+class SequenceGatheredPartialSum(ParallelStyle):
+    """For a module that reads the whole sequence and returns a partial sum over TP (the MoE):
+    its input's sequence shards are all-gathered into a local tensor, and its output is
+    reduce-scattered back to sequence shards, as a dense feed-forward's is.
+
+    In backward the input's gradient is declared a partial sum, so the all-gather's backward is
+    one reduce-scatter of the gradients every consumer inside leaves partial, rather than an
+    all-reduce per consumer. Each consumer must therefore leave its share: hidden-sharded
+    experts do; a replicated one (the router) scales its full gradient by 1 / tp.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(_module, args):
+            x = args[0]  # sequence shards: the norm's DTensor, or a local tensor
+            shards = (
+                x
+                if isinstance(x, DTensor)
+                else DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            )
+            whole = shards.redistribute(device_mesh, [Replicate()])
+            return (whole.to_local(grad_placements=[Partial()]), *args[1:])
+
+        def scatter(_module, _args, out):
+            partial = DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
+            return partial.redistribute(device_mesh, [Shard(1)]).to_local()
+
+        module.register_forward_pre_hook(gather)
+        module.register_forward_hook(scatter)
+        return module
+
+
+class _ReplicatedInputPartialGrad(torch.autograd.Function):
+    """A local tensor every TP rank holds whole, as a Replicate DTensor whose gradient stays
+    the local partial sum (`from_local` would all-reduce it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh):
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        if not all(p.is_partial() for p in grad.placements):
+            grad = grad.redistribute(grad.device_mesh, [Partial()])
+        return grad.to_local(), None
+
+
+class PartialGradColwiseParallel(ColwiseParallel):
+    """`ColwiseParallel` for a Linear inside a `SequenceGatheredPartialSum` module: its input
+    gradient is left a partial sum for the module's one reduce-scatter."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        # Ahead of ColwiseParallel's own input hook, which then finds the DTensor it wants.
+        module.register_forward_pre_hook(
+            lambda _module, args: (_ReplicatedInputPartialGrad.apply(args[0], device_mesh), *args[1:]),
+            prepend=True,
+        )
+        return module
+
+
 class RouterTensorParallel(ParallelStyle):
     """An MoE router under TP: the gate whole on every rank (`ReplicatedParams`), so every rank
     routes alike. The combine weights (the router's first output) scale the experts' partial
-    outputs, so their gradient is a partial sum: it is summed over TP."""
+    outputs, so their gradient is a partial sum: it is summed over TP (T x top_k values), which
+    makes the gate's gradient whole. The router's input gradient is then whole on every rank
+    too, so it is scaled by 1 / tp: its share of the MoE input's partial-sum gradient."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         ReplicatedParams()._apply(module.gate, device_mesh)
+        share = 1.0 / device_mesh.size()
+
+        def share_input_grad(_module, args):
+            return (scale_grad(args[0], share), *args[1:])
 
         def sum_weight_grads(_module, _inputs, out):
             return (sum_grad_over_tp(out[0], device_mesh), *out[1:])
 
+        module.register_forward_pre_hook(share_input_grad)
         module.register_forward_hook(sum_weight_grads)
         return module
 
@@ -137,8 +204,8 @@ class ExpertTensorParallel(ParallelStyle):
     [E, dim, hidden] on dim 2): each rank runs every expert on every routed token for its slice
     of the hidden units and returns a partial sum, reduced with the rest of the MoE output.
 
-    The routed tokens' gradient is a partial sum too; `moe_plan` sums it over TP at the MoE's
-    `routed_input`, before the tokens are gathered into routed rows.
+    The routed tokens' gradient is a partial sum too, left so for the MoE input's one
+    reduce-scatter (`SequenceGatheredPartialSum`).
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -170,7 +237,9 @@ def moe_plan(moe: nn.Module, tp: int) -> dict[str, ParallelStyle]:
     Every rank gathers the whole sequence and routes every token (the router gate replicated,
     so all ranks route alike); the shared experts are sharded over their hidden units and the
     routed experts contribute a share per rank, so each rank's MoE output is a partial sum,
-    reduce-scattered back to sequence shards like a dense feed-forward's.
+    reduce-scattered back to sequence shards like a dense feed-forward's. In backward, each
+    branch leaves its input gradient a partial sum, and one reduce-scatter of their sum returns
+    the sequence shards' gradient, as for a dense feed-forward.
 
     Raises:
         ConfigError: when TP does not divide the experts' hidden width.
@@ -183,24 +252,14 @@ def moe_plan(moe: nn.Module, tp: int) -> dict[str, ParallelStyle]:
         )
     plan = {
         "ffn_norm": SequenceParallel(),
-        "moe": PrepareModuleInputOutput(
-            input_layouts=(Shard(1),),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Partial(),),
-            desired_output_layouts=(Shard(1),),
-            use_local_output=True,
-        ),
+        "moe": SequenceGatheredPartialSum(),
         "moe.router": RouterTensorParallel(),
-        # Each rank's routed experts see all tokens but return a partial sum, so the tokens'
-        # gradient is partial too: summed here, over T rows rather than the T * top_k routed rows.
-        "moe.routed_input": SumGradOverTP(),
     }
     if moe.shared_experts is not None:
         plan |= {
-            "moe.shared_experts.w1": ColwiseParallel(),
+            "moe.shared_experts.w1": PartialGradColwiseParallel(),
             "moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial()),
-            "moe.shared_experts.w3": ColwiseParallel(),
+            "moe.shared_experts.w3": PartialGradColwiseParallel(),
         }
     return plan
 

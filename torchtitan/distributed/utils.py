@@ -250,3 +250,19 @@ def report_to_torchrun(message: str) -> None:
     if path:
         with open(path, "w") as f:
             json.dump({"message": message, "timestamp": int(datetime.datetime.now().timestamp())}, f)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Identity in forward; multiplies x's gradient by `scale` in backward."""
+    return _ScaleGrad.apply(x, scale)

@@ -285,9 +285,6 @@ class MoE(nn.Module):
 
     `aux_loss` is the sequence-level balance loss of the latest forward (already multiplied
     by `seq_aux_loss_coeff`), or None when the coefficient is 0; see `pop_aux_loss`.
-
-    `routed_input` is an identity on the tokens the routed experts read, a hook point for
-    parallelisms (TP sums their gradient there: once per token, not once per routed row).
     """
 
     def __init__(self, dim: int, hidden_dim: int, args: MoEArgs):
@@ -296,7 +293,6 @@ class MoE(nn.Module):
         self.num_experts = args.num_experts
         self.load_balance_coeff = args.load_balance_coeff
         self.router = TokenChoiceTopKRouter(dim, args)
-        self.routed_input = nn.Identity()
         self.experts = GroupedExperts(dim, hidden_dim, args.num_experts, args.use_grouped_mm)
         self.shared_experts = (
             FeedForward(dim, hidden_dim * args.num_shared_experts) if args.num_shared_experts else None
@@ -326,7 +322,7 @@ class MoE(nn.Module):
                 self.tokens_per_expert.add_(counts)
             if aux is not None:  # no Python attribute write, so no side effect for dynamo, by default
                 self.aux_loss = aux
-        routed = self._run_experts(self.routed_input(tokens), selected, counts)
+        routed = self._run_experts(tokens, selected, counts)
         # Weighting in fp32 keeps bf16 rounding out of the sum over the k experts.
         out = (routed.view(-1, self.args.top_k, dim).float() * top_scores.unsqueeze(-1)).sum(dim=1)
         out = out.to(x.dtype)
