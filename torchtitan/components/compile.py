@@ -15,10 +15,6 @@ from torchtitan.tools.grouped_mm import probe_grouped_mm_for_compile
 logger = logging.getLogger(__name__)
 
 
-def model_compile_enabled(job_config: JobConfig) -> bool:
-    return job_config.compile.enable and "model" in job_config.compile.components
-
-
 def _has_moe(block: nn.Module) -> bool:
     return any(hasattr(module, "moe") for module in block.modules())
 

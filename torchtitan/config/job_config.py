@@ -319,3 +319,8 @@ class JobConfig:
         from dataclasses import asdict
 
         return asdict(self)
+
+
+def model_compile_enabled(job_config: JobConfig) -> bool:
+    """Whether the run compiles the model's blocks (`compile.enable` with "model" in components)."""
+    return job_config.compile.enable and "model" in job_config.compile.components

@@ -14,7 +14,12 @@ import types
 import typing
 from pathlib import Path
 
-from torchtitan.config.job_config import CHECKPOINT_STATE_KEYS, ActivationCheckpoint, JobConfig
+from torchtitan.config.job_config import (
+    CHECKPOINT_STATE_KEYS,
+    ActivationCheckpoint,
+    JobConfig,
+    model_compile_enabled,
+)
 from torchtitan.config.upstream import (
     ANY,
     CONVERTER_SECTIONS,
@@ -547,11 +552,6 @@ def _check_not_built(config: JobConfig) -> None:
 MEMORY_BUDGET_BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
 
 
-# The torch.compile backends whose partitioner (min-cut rematerialization) applies
-# `activation_memory_budget`; others, "eager" first, save what they always save.
-MEMORY_BUDGET_BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
-
-
 def check_activation_checkpoint(
     ac_config: ActivationCheckpoint, model_compile_enabled: bool, compile_backend: str
 ) -> None:
@@ -649,8 +649,9 @@ def _check_consistency(config: JobConfig) -> None:
     _check_converters(config)
     _check_upstream_datasets(config)
     _check_validation(config.validation, t)
-    compiles_model = config.compile.enable and "model" in config.compile.components
-    check_activation_checkpoint(config.activation_checkpoint, compiles_model, config.compile.backend)
+    check_activation_checkpoint(
+        config.activation_checkpoint, model_compile_enabled(config), config.compile.backend
+    )
     _check_checkpoint(config)
     _check_profiling(config.profiling)
     if config.compile.enable:

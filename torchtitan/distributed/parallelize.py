@@ -10,8 +10,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from torchtitan.components.compile import apply_compile, checked_backend, model_compile_enabled
-from torchtitan.config.job_config import JobConfig
+from torchtitan.components.compile import apply_compile, checked_backend
+from torchtitan.config.job_config import JobConfig, model_compile_enabled
 from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.data_parallel import apply_data_parallel

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig, model_compile_enabled
 from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.expert_parallel import routed_experts
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -61,8 +61,6 @@ def maybe_enable_async_tp(parallel_dims: ParallelDims, job_config: JobConfig, de
     """
     if not job_config.parallelism.enable_async_tensor_parallel:
         return
-    from torchtitan.components.compile import model_compile_enabled
-
     if not parallel_dims.tp_enabled or not model_compile_enabled(job_config) or device.type != "cuda":
         raise ConfigError(
             "'parallelism.enable_async_tensor_parallel' = true needs tensor_parallel_degree > 1, "
