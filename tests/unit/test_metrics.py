@@ -59,6 +59,25 @@ def test_paused_time_is_left_out_of_tps_and_step_time(tmp_path, clock):
     assert record["step_seconds"] == pytest.approx(4.0)
 
 
+def test_the_accelerators_queued_work_counts_as_training_time_not_paused(tmp_path, clock, monkeypatch):
+    """The host runs ahead: when validation starts, the step's last kernels are still queued."""
+    metrics = _processor(tmp_path)
+    metrics.device = torch.device("cuda")
+
+    def finish_the_steps_tail(device):
+        clock.now += 2.0
+
+    monkeypatch.setattr(metrics_module.torch.accelerator, "synchronize", finish_the_steps_tail)
+    clock.now = 2.0
+    metrics.count(tokens=1000, data_seconds=0.0)  # the host is done; the device needs 2 s more
+    with metrics.paused():
+        clock.now += 30.0
+    metrics.device = torch.device("cpu")  # whose memory statistics the record reads
+    record = metrics.log(step=1, loss=1.0, grad_norm=1.0, lr=1e-3)
+    assert record["step_seconds"] == pytest.approx(4.0)
+    assert record["tps"] == pytest.approx(250.0)
+
+
 def test_a_pause_counts_only_in_the_window_it_fell_in(tmp_path, clock):
     metrics = _processor(tmp_path)
     with metrics.paused():

@@ -106,8 +106,13 @@ class MetricsProcessor:
         """Leave the time spent inside out of the current window.
 
         For validation and checkpoint saves between steps: counted, they would lower the tps,
-        TFLOPs and MFU of whichever window they fall in, though no training happened.
+        TFLOPs and MFU of whichever window they fall in, though no training happened. The
+        accelerator first finishes the step's queued work (the host runs ahead of it), so that
+        its tail counts as training time rather than as paused (one sync, where validation and
+        saves sync anyway).
         """
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
         start = time.perf_counter()
         try:
             yield
