@@ -83,16 +83,30 @@ def main() -> None:
     cli = parser.parse_args()
     if cli.steps <= cli.warmup:
         sys.exit(f"--steps {cli.steps} must exceed --warmup {cli.warmup}")
-    results = {}
+    # Each row is printed as its run ends, so a caller's time limit keeps the rows done so far.
+    failed, held, base = [], [], None
     with tempfile.TemporaryDirectory() as tmp:
         for mode in cli.modes:
-            results[mode] = run_mode(cli, mode, Path(tmp) / mode.replace(" ", "_"))
-    done = {mode: records for mode, records in results.items() if not isinstance(records, str)}
-    if not done:
-        sys.exit("no mode ran: " + "; ".join(f"{mode} {why}" for mode, why in results.items()))
-    first = next(iter(done))
-    base = statistics.median(r["step_seconds"] for r in done[first])
-    memory_name = next(k for k in MEMORY_KEYS if k in done[first][-1]).split("/")[1]
+            records = run_mode(cli, mode, Path(tmp) / mode.replace(" ", "_"))
+            if isinstance(records, str):
+                failed.append(f"{mode} {records}")
+                held.append(f"| {mode} | {records} | | | | |")
+            else:
+                if base is None:
+                    base = statistics.median(r["step_seconds"] for r in records)
+                    _print_header(cli, mode, records)
+                held.append(row(mode, records, base))
+            if base is not None:
+                print("\n".join(held), flush=True)
+                held = []
+    if base is None:
+        sys.exit("no mode ran: " + "; ".join(failed))
+    if failed:
+        sys.exit(1)
+
+
+def _print_header(cli, first: str, records: list[dict]) -> None:
+    memory_name = next(k for k in MEMORY_KEYS if k in records[-1]).split("/")[1]
     print(
         f"{cli.config} flavor {cli.flavor or '(config)'}, batch {cli.batch} x {cli.seq_len}, "
         f"median of steps {cli.warmup + 1}-{cli.steps}; extra: {' '.join(cli.extra) or 'none'}"
@@ -100,10 +114,6 @@ def main() -> None:
     print()
     print(f"| mode | tokens/s | MFU % | peak memory GiB ({memory_name}) | step ms | time vs {first} |")
     print("|---|---|---|---|---|---|")
-    for mode, records in results.items():
-        print(row(mode, records, base) if mode in done else f"| {mode} | {records} | | | | |")
-    if len(done) < len(results):
-        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,21 @@ def test_the_script_parses():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the script itself")
-def test_without_a_gpu_it_exits_2_and_points_to_the_dry_run(tmp_path):
+def test_without_a_gpu_it_exits_100_and_points_to_the_dry_run(tmp_path):
     env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path)}
     done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=120)
 
-    assert done.returncode == 2
+    assert done.returncode == 100  # not a count of failed steps
     assert "needs a CUDA GPU" in done.stderr and "scripts/gpu_check.sh --cpu-dry-run" in done.stderr
     assert not list(tmp_path.iterdir())  # nothing ran
+
+
+@pytest.mark.parametrize("argument", ["--help", "--quik"])
+def test_an_unknown_argument_is_refused_rather_than_running_the_whole_check(tmp_path, argument):
+    env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path)}
+    done = subprocess.run(
+        ["bash", str(SCRIPT), argument], capture_output=True, text=True, env=env, timeout=60
+    )
+
+    assert done.returncode == 64 and f"(got '{argument}')" in done.stderr
+    assert not list(tmp_path.iterdir())
