@@ -22,6 +22,7 @@ from torchtitan.models.moe import load_balance_step, pop_aux_loss
 from torchtitan.models.qwen3 import qwen3_flavors
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+from torchtitan.tools.grouped_mm import grouped_mm_supported
 
 pytestmark = pytest.mark.integration
 
@@ -98,6 +99,23 @@ def test_compiled_moe_training_equals_eager(eager, ac, capture, caplog):
     torch.testing.assert_close(losses, want_losses, rtol=1e-4, atol=0)
     # The routing counts (a side effect of forward) are taken once per step, as in eager.
     assert imbalance == pytest.approx(want_imbalance, rel=1e-6)
+
+
+@pytest.mark.skipif(
+    not grouped_mm_supported(torch.device("cpu"), torch.bfloat16), reason="no bf16 grouped mm on this build"
+)
+def test_moe_blocks_in_bf16_are_not_warned_about_the_fp32_weights_grouped_mm(caplog):
+    """fp32 weights with bf16 mixed precision: the experts run grouped mm in bf16, which compiles,
+    even where fp32 grouped mm cannot be traced; no warning that they fall back to eager."""
+    argv = ["--config", "qwen3_debug_model_moe.toml", "--training.mixed_precision_param", "bfloat16",
+            "--compile.enable", *AC["full"]]  # fmt: skip
+    cfg = parse_args(argv, env={})
+    with torch.device("meta"):
+        model = Qwen3Model(_model_args().update_from_config(cfg))
+    with caplog.at_level(logging.INFO):
+        parallelize_qwen3(model, ParallelDims(1, 1, 1, 1), cfg, torch.device("cpu"))
+    assert "graph breaks allowed (MoE)" in caplog.text
+    assert "Set compile.capture_scalar_outputs = true" not in caplog.text
 
 
 @pytest.mark.parametrize("ac_mode", ["full", "selective", "memory_budget"])

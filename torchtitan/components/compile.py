@@ -99,9 +99,10 @@ def apply_compile(model: nn.Module, job_config: JobConfig, device: torch.device)
     # whole checkpointed block runs eagerly.
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     t = job_config.training
-    grouped = probe_grouped_mm_for_compile(
-        device, {TORCH_DTYPES[t.dtype], TORCH_DTYPES[t.mixed_precision_param]}
-    )
+    # Both dtypes are probed now, since a probe first reached while tracing breaks the graph;
+    # the experts compute in the mixed-precision dtype (FSDP's param dtype, or autocast's).
+    probe_grouped_mm_for_compile(device, {TORCH_DTYPES[t.dtype], TORCH_DTYPES[t.mixed_precision_param]})
+    grouped = probe_grouped_mm_for_compile(device, {TORCH_DTYPES[t.mixed_precision_param]})
     moe_reads_host = not grouped or job_config.parallelism.expert_parallel_degree > 1
     if _has_moe(model) and moe_reads_host and not capture:
         logger.warning(
