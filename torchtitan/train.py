@@ -4,7 +4,6 @@ Run as `python -m torchtitan.train [--config NAME_OR_PATH] [--section.key value 
 or under torchrun. The same code runs on CUDA (nccl) and on the CPU (gloo).
 """
 
-import dataclasses
 import datetime
 import gc
 import logging
@@ -38,7 +37,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
-from torchtitan.protocols.state_dict_adapter import with_trained_seq_len
+from torchtitan.protocols.state_dict_adapter import build_run_state_dict_adapter
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.device_info import device_name
 from torchtitan.tools.dtypes import TORCH_DTYPES
@@ -167,13 +166,7 @@ class Trainer:
         run's args (attention overrides included, so an export that HF would run with another
         mask is refused) with the published flavor's context length unless training.seq_len
         is longer (`with_trained_seq_len`: a config.json that says what this run computed)."""
-        adapter = self.spec.state_dict_adapter
-        if adapter is None:
-            return None
-        flavor = self.spec.get_flavor(self.job_config.model.flavor)
-        published = dataclasses.replace(self.model_args, max_seq_len=flavor.max_seq_len)
-        args = with_trained_seq_len(published, self.job_config.training.seq_len)
-        return adapter(args, self.job_config.model.hf_assets_path)
+        return build_run_state_dict_adapter(self.job_config)
 
     def _build_validator(self, dp_rank: int, dp_degree: int) -> Validator | None:
         if not self.job_config.validation.enable:

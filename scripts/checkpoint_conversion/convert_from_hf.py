@@ -9,9 +9,12 @@ DeepSeek-V3 stores them, are dequantized on the way. It holds the whole model in
 HF folder with the trainer's `checkpoint.initial_load_in_hf` instead, which reads a layer at a
 time and, under expert parallelism, only each rank's experts.
 
-Bad input (a missing folder, an unknown model or flavor, a checkpoint whose keys or shapes are
-not the flavor's, quantized weights other than block-scaled fp8, an output folder that is not
-empty) ends with exit code 2 and a one-paragraph message on stderr.
+Bad input (a missing or unreadable folder, an unknown model or flavor, a checkpoint whose keys
+or shapes are not the flavor's, quantized weights other than block-scaled fp8, an output folder
+that is a file or not empty) ends with exit code 2 and a one-paragraph message on stderr. A
+config.json whose RoPE or norm constants are not the flavor's is warned about (the weights
+then compute something else), as the trainer's `initial_load_in_hf` does. The output appears
+whole or not at all.
 
 Usage:
     python scripts/checkpoint_conversion/convert_from_hf.py --model llama3 --flavor 8B \\
@@ -19,6 +22,7 @@ Usage:
 """
 
 import argparse
+import logging
 import sys
 import warnings
 from collections.abc import Sequence
@@ -38,10 +42,14 @@ from torchtitan.config.manager import ConfigError
 from torchtitan.protocols.state_dict_adapter import (
     StateDictMismatchError,
     build_state_dict_adapter,
+    config_differences_from_folder,
     describe_mismatch,
 )
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.dtypes import TORCH_DTYPES
+from torchtitan.tools.folders import check_new_folder, written_whole
+
+logger = logging.getLogger("convert_from_hf")
 
 EXIT_BAD_INPUT = 2
 BAD_INPUT_ERRORS = (
@@ -58,17 +66,15 @@ def convert_from_hf(model: str, flavor: str, hf: str | Path, out: str | Path, dt
 
     Raises:
         ConfigError: unknown model or flavor.
-        FileNotFoundError: `hf` is missing or holds no safetensors checkpoint.
-        FileExistsError: `out` exists and is not empty.
+        FileNotFoundError: `hf` is missing or holds no readable safetensors checkpoint.
+        FileExistsError: `out` is a file, or a folder that is not empty.
         StateDictMismatchError: the checkpoint's keys or shapes are not the flavor's.
         HFQuantizationError: quantized weights other than block-scaled fp8, or inconsistent ones.
 
     Block-scaled fp8 weights (the published DeepSeek-V3's) are dequantized; tensors the
     adapter ignores (DeepSeek-V3's multi-token-prediction layer) are not read.
     """
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"output folder '{out}' is not empty; choose a new one")
+    out = check_new_folder(out)
     adapter = build_state_dict_adapter(model, flavor)
     template = get_train_spec(model).build_meta_model(adapter.model_args, dtype).state_dict()
     not_this_flavor = f"'{hf}' is not a {model} {flavor} Hugging Face checkpoint"
@@ -80,11 +86,19 @@ def convert_from_hf(model: str, flavor: str, hf: str | Path, out: str | Path, dt
         raise StateDictMismatchError(f"{not_this_flavor}: {error}") from None
     if mismatch := describe_mismatch(_shapes(template), _shapes(state_dict)):
         raise StateDictMismatchError(f"{not_this_flavor}: {mismatch}")
+    # Only for a checkpoint whose tensors fit: another model's would differ in everything.
+    if differences := config_differences_from_folder(adapter, hf):
+        logger.warning(
+            f"{Path(hf) / 'config.json'} differs from {model} {flavor} in what no tensor shape shows: "
+            f"{'; '.join(differences)}. The weights convert, but compute differently than in Hugging "
+            "Face; choose the matching --flavor if one exists."
+        )
     state_dict = {key: state_dict[key].to(template[key].dtype) for key in template}
     with warnings.catch_warnings():
         # One process on purpose; DCP's warning that no process group is set says nothing new.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": state_dict}, checkpoint_id=str(out))
+        with written_whole(out) as partial:
+            dcp.save({"model": state_dict}, checkpoint_id=str(partial))
 
 
 def _shapes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Size]:
@@ -105,6 +119,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 2 bad input)."""
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
         convert_from_hf(args.model, args.flavor, args.hf, args.out, TORCH_DTYPES[args.dtype])
     except BAD_INPUT_ERRORS as error:

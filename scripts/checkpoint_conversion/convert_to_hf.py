@@ -8,17 +8,22 @@ Parameters are written in ``--dtype`` (default float32); buffers keep the model'
 ``--hf_assets``, config.json takes its token ids from that folder's config.json. ``--seq_len``
 is the run's ``training.seq_len``: config.json says what the trained model computes, which for
 DeepSeek-V3 flavors trained past 4096 tokens includes YaRN (``rope_scaling``); without it the
-flavor's published context is assumed. Tokenizer files are not copied. Runs in one process,
-without a process group, holding the whole model in CPU memory.
+flavor's published context is assumed. ``--run_config DUMP/config.toml`` (the config every run
+writes to its dump folder) instead takes the model, flavor, seq_len, tokenizer folder and every
+`[model]` key from the run, ``model.always_apply_yarn`` and attention overrides included, as
+the trainer's own export does. Tokenizer files are not copied. Runs in one process, without a
+process group, holding the whole model in CPU memory; the output appears whole or not at all.
 
-Bad input (a missing folder, an unknown model or flavor, a checkpoint whose keys or shapes are
-not the flavor's, a flavor Hugging Face cannot express, an output folder that is not empty)
-ends with exit code 2 and a one-paragraph message on stderr.
+Bad input (a missing or unreadable folder, an unknown model or flavor, a checkpoint whose keys
+or shapes are not the flavor's, a flavor Hugging Face cannot express, an output folder that is
+a file or not empty) ends with exit code 2 and a one-paragraph message on stderr.
 
 Usage:
     python scripts/checkpoint_conversion/convert_to_hf.py --model llama3 --flavor 8B \\
         --dcp ./outputs/checkpoint/step-1000 --out ./outputs/llama3_8b_hf [--dtype bfloat16] \\
         [--seq_len 8192]
+    python scripts/checkpoint_conversion/convert_to_hf.py --run_config ./outputs/config.toml \\
+        --dcp ./outputs/checkpoint/step-1000 --out ./outputs/llama3_8b_hf
 """
 
 import argparse
@@ -30,18 +35,23 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtitan.components.hf_io import save_hf
 from torchtitan.config.manager import ConfigError
+from torchtitan.config.manager import parse_args as parse_run_config
 from torchtitan.protocols.state_dict_adapter import (
     HFConfigError,
+    StateDictAdapter,
     StateDictMismatchError,
+    build_run_state_dict_adapter,
     build_state_dict_adapter,
     describe_mismatch,
 )
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.dtypes import TORCH_DTYPES
+from torchtitan.tools.folders import check_new_folder, written_whole
 
 EXIT_BAD_INPUT = 2
 BAD_INPUT_ERRORS = (ConfigError, HFConfigError, StateDictMismatchError, FileNotFoundError, FileExistsError)
@@ -56,22 +66,22 @@ def convert_to_hf(
     dtype: torch.dtype,
     hf_assets: str | Path | None = None,
     seq_len: int | None = None,
+    adapter: StateDictAdapter | None = None,
 ) -> None:
     """Load the model weights of the DCP in `dcp_dir` as `model`'s `flavor` and write them to
     `out` as an HF checkpoint; `seq_len` is the training.seq_len it was trained at (see
-    `with_trained_seq_len`).
+    `with_trained_seq_len`). A given `adapter` (a run's: `build_run_state_dict_adapter`)
+    replaces the one built from `flavor`, `hf_assets` and `seq_len`.
 
     Raises:
         ConfigError: unknown model or flavor.
         HFConfigError: the flavor has no Hugging Face equivalent.
-        FileNotFoundError: `dcp_dir` is not a DCP checkpoint.
-        FileExistsError: `out` exists and is not empty.
+        FileNotFoundError: `dcp_dir` is not a readable DCP checkpoint.
+        FileExistsError: `out` is a file, or a folder that is not empty.
         StateDictMismatchError: the checkpoint's model keys or shapes are not the flavor's.
     """
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"output folder '{out}' is not empty; choose a new one")
-    adapter = build_state_dict_adapter(model, flavor, hf_assets, seq_len)
+    out = check_new_folder(out)
+    adapter = adapter or build_state_dict_adapter(model, flavor, hf_assets, seq_len)
     config = adapter.hf_config(dtype)
     template = get_train_spec(model).build_meta_model(adapter.model_args, dtype).state_dict()
     expected = {key: tensor.shape for key, tensor in template.items()}
@@ -81,8 +91,33 @@ def convert_to_hf(
     with warnings.catch_warnings():
         # One process on purpose; DCP's warning that no process group is set says nothing new.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({MODEL_KEY: state_dict}, checkpoint_id=str(dcp_dir))
-    save_hf(adapter.to_hf(state_dict), config, out)
+        try:
+            dcp.load({MODEL_KEY: state_dict}, checkpoint_id=str(dcp_dir))
+        except CheckpointException as error:
+            raise FileNotFoundError(
+                f"'{dcp_dir}' could not be read as a DCP checkpoint (a shard file missing or "
+                f"truncated?): {_first_line(error)}"
+            ) from None
+    with written_whole(out) as partial:
+        save_hf(adapter.to_hf(state_dict), config, partial)
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _run_adapter(run_config: str, model: str | None, flavor: str | None) -> tuple[StateDictAdapter, str, str]:
+    """The adapter of the run whose config.toml is `run_config`, with its model and flavor;
+    `model` and `flavor`, when given too, must be the run's."""
+    job_config = parse_run_config(["--config", run_config], env={})
+    m = job_config.model
+    for option, given, runs in (("--model", model, m.name), ("--flavor", flavor, m.flavor)):
+        if given is not None and given != runs:
+            raise ConfigError(f"{option} {given} is not the run's ({runs}, in {run_config}); leave it out")
+    adapter = build_run_state_dict_adapter(job_config)
+    if adapter is None:
+        raise ConfigError(f"model '{m.name}' has no Hugging Face state-dict adapter")
+    return adapter, m.name, m.flavor
 
 
 def _stored_model_shapes(dcp_dir: str | Path) -> dict[str, torch.Size]:
@@ -101,8 +136,11 @@ def _stored_model_shapes(dcp_dir: str | Path) -> dict[str, torch.Size]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse the command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description="Convert a DCP checkpoint to Hugging Face safetensors.")
-    parser.add_argument("--model", required=True, help="registered model name, e.g. llama3")
-    parser.add_argument("--flavor", required=True, help="the model's flavor, e.g. 8B")
+    parser.add_argument("--model", help="registered model name, e.g. llama3 (or from --run_config)")
+    parser.add_argument("--flavor", help="the model's flavor, e.g. 8B (or from --run_config)")
+    parser.add_argument(
+        "--run_config", default=None, help="the run's DUMP/config.toml: model, flavor, [model] keys"
+    )
     parser.add_argument("--dcp", required=True, help="DCP checkpoint folder (model weights under 'model')")
     parser.add_argument("--out", required=True, help="HF checkpoint folder to create")
     parser.add_argument("--dtype", choices=list(TORCH_DTYPES), default="float32", help="parameter dtype")
@@ -110,7 +148,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--seq_len", type=int, default=None, help="the run's training.seq_len (DeepSeek-V3 past 4096: YaRN)"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.run_config is None and (args.model is None or args.flavor is None):
+        parser.error("give --model and --flavor, or --run_config")
+    if args.run_config is not None and (args.seq_len is not None or args.hf_assets is not None):
+        parser.error("--seq_len and --hf_assets come from --run_config; leave them out")
+    if args.seq_len is not None and args.seq_len < 1:
+        parser.error(f"--seq_len {args.seq_len} must be a positive number of tokens")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -118,7 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         dtype = TORCH_DTYPES[args.dtype]
-        convert_to_hf(args.model, args.flavor, args.dcp, args.out, dtype, args.hf_assets, args.seq_len)
+        model, flavor, adapter = args.model, args.flavor, None
+        if args.run_config is not None:
+            adapter, model, flavor = _run_adapter(args.run_config, model, flavor)
+        convert_to_hf(model, flavor, args.dcp, args.out, dtype, args.hf_assets, args.seq_len, adapter)
     except BAD_INPUT_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from tests.conftest import load_script, python_path
 from tests.forked_launcher import launch
 from torchtitan.components.hf_io import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, load_hf, save_hf
+from torchtitan.config.manager import parse_args, to_toml
 from torchtitan.models.rope import RoPEScaling, YaRNScaling
 from torchtitan.protocols.state_dict_adapter import (
     HFConfigError,
@@ -507,3 +508,116 @@ def test_bad_input_exits_2_with_one_paragraph_and_no_traceback(
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and "\n" not in done.stderr.strip()
     assert re.search(message, done.stderr), done.stderr
+
+
+def _run_config(tmp_path, *argv: str) -> Path:
+    """The config.toml a run of the DeepSeek-V3 debug model with `argv` writes to its dump folder."""
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(parse_args(["--config", "deepseek_v3_debug_model.toml", *argv], env={})))
+    return path
+
+
+def test_to_hf_with_the_runs_config_exports_what_the_run_trained(tmp_path, to_hf_script):
+    dcp.save({"model": _random_state_dict("deepseek_v3")}, checkpoint_id=str(tmp_path / "dcp"))
+    run = _run_config(tmp_path, "--training.seq_len", "8192")
+    argv = ["--run_config", str(run), "--dcp", str(tmp_path / "dcp"), "--out", str(tmp_path / "hf")]
+    assert to_hf_script.main(argv) == 0
+    assert json.loads((tmp_path / "hf" / CONFIG_FILE).read_text())["max_position_embeddings"] == 8192
+
+
+def test_to_hf_with_the_runs_config_refuses_an_attention_mask_hf_cannot_run(tmp_path, to_hf_script, capsys):
+    """As the trainer's own export does: the run's [model] keys reach the adapter."""
+    dcp.save({"model": _random_state_dict("deepseek_v3")}, checkpoint_id=str(tmp_path / "dcp"))
+    run = _run_config(tmp_path, "--model.attn_backend", "flex", "--model.attn_mask_type", "sliding_window")
+    argv = ["--run_config", str(run), "--dcp", str(tmp_path / "dcp"), "--out", str(tmp_path / "hf")]
+    assert to_hf_script.main(argv) == 2
+    assert "attn_mask_type 'sliding_window' has no Hugging Face config equivalent" in capsys.readouterr().err
+
+
+def test_to_hf_refuses_a_flavor_other_than_the_runs(tmp_path, to_hf_script, capsys):
+    run = _run_config(tmp_path)
+    argv = [
+        "--run_config",
+        str(run),
+        "--flavor",
+        "16B",
+        "--dcp",
+        str(tmp_path / "dcp"),
+        "--out",
+        str(tmp_path / "hf"),
+    ]
+    assert to_hf_script.main(argv) == 2
+    assert "--flavor 16B is not the run's (debugmodel" in capsys.readouterr().err
+
+
+def test_from_hf_warns_when_config_json_computes_something_else(
+    tmp_path, llama_hf_folder, from_hf_script, caplog
+):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    for file in llama_hf_folder.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    (folder / CONFIG_FILE).write_text(json.dumps({**config, "rope_theta": 10.0}))
+    argv = [
+        "--model",
+        "llama3",
+        "--flavor",
+        "debugmodel",
+        "--hf",
+        str(folder),
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    with caplog.at_level(logging.WARNING):
+        assert from_hf_script.main(argv) == 0
+    assert "rope_theta: checkpoint 10.0" in caplog.text and "choose the matching --flavor" in caplog.text
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damage", ["output is a file", "truncated shard", "index without weight_map"])
+def test_from_hf_bad_files_exit_2_naming_the_file(tmp_path, llama_hf_folder, from_hf_script, capsys, damage):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    for file in llama_hf_folder.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    out = tmp_path / "out"
+    if damage == "output is a file":
+        out.touch()
+    elif damage == "truncated shard":
+        _truncate(next(folder.glob("*.safetensors")))
+    else:
+        (folder / INDEX_FILE).write_text("{}")
+    argv = ["--model", "llama3", "--flavor", "debugmodel", "--hf", str(folder), "--out", str(out)]
+    assert from_hf_script.main(argv) == 2
+    err = capsys.readouterr().err
+    named = {"output is a file": "is a file", "truncated shard": "not a readable safetensors file",
+             "index without weight_map": "has no 'weight_map'"}[damage]  # fmt: skip
+    assert named in err, err
+    assert not (tmp_path / "out.partial").exists()
+
+
+def test_to_hf_a_dcp_with_a_truncated_shard_exits_2_and_writes_nothing(tmp_path, to_hf_script, capsys):
+    dcp.save({"model": _random_state_dict("llama3")}, checkpoint_id=str(tmp_path / "dcp"))
+    _truncate(next((tmp_path / "dcp").glob("*.distcp")))
+    argv = ["--model", "llama3", "--flavor", "debugmodel", "--dcp", str(tmp_path / "dcp")]
+    assert to_hf_script.main([*argv, "--out", str(tmp_path / "hf")]) == 2
+    assert "could not be read as a DCP checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_conversion_that_fails_while_writing_leaves_no_output(tmp_path, to_hf_script, monkeypatch):
+    dcp.save({"model": _random_state_dict("llama3")}, checkpoint_id=str(tmp_path / "dcp"))
+
+    def write_one_shard_then_fail(state_dict, config, folder):
+        save_hf(dict(list(state_dict.items())[:1]), config, folder)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(to_hf_script, "save_hf", write_one_shard_then_fail)
+    argv = ["--model", "llama3", "--flavor", "debugmodel", "--dcp", str(tmp_path / "dcp")]
+    with pytest.raises(OSError, match="No space left"):
+        to_hf_script.main([*argv, "--out", str(tmp_path / "hf")])
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()

@@ -22,7 +22,6 @@ Pitfalls:
       whose position is global; a streaming dataset's position is refused across layouts.
 """
 
-import json
 import logging
 import os
 import pickle
@@ -778,15 +777,9 @@ class CheckpointManager:
         run's: no shape shows it, and the weights then compute something else (e.g. the
         published DeepSeek-V3's YaRN scaling, which a run of training.seq_len <= 4096 does
         not apply)."""
-        from torchtitan.protocols.state_dict_adapter import HFConfigError, hf_config_differences
+        from torchtitan.protocols.state_dict_adapter import config_differences_from_folder
 
-        if not (path / CONFIG_FILE).is_file():
-            return
-        try:
-            ours = self.hf_adapter.hf_config()
-        except HFConfigError:
-            return  # a model HF cannot express has no comparable config
-        if differences := hf_config_differences(ours, json.loads((path / CONFIG_FILE).read_text())):
+        if differences := config_differences_from_folder(self.hf_adapter, path):
             logger.warning(
                 f"{path / CONFIG_FILE} differs from this run's model in what no tensor shape shows: "
                 f"{'; '.join(differences)}. The weights load, but compute differently than in "

@@ -11,6 +11,7 @@ of the weight (128 x 128 unless config.json's ``quantization_config.weight_block
 otherwise); `dequantize_fp8` turns them back into float32 weights.
 """
 
+import contextlib
 import json
 import math
 import re
@@ -20,12 +21,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from torchtitan.protocols.state_dict_adapter import HF_CONFIG_FILE
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
+CONFIG_FILE = HF_CONFIG_FILE
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 FP8_SCALE_SUFFIX = "_scale_inv"
 DEFAULT_FP8_BLOCK = (128, 128)
@@ -80,8 +83,9 @@ def load_hf(folder: str | Path) -> dict[str, torch.Tensor]:
     model.safetensors.index.json lists, else its single model.safetensors.
 
     Raises:
-        FileNotFoundError: no such folder, neither file in it, or a shard the index names is
-            missing or lacks a key the index assigns to it.
+        FileNotFoundError: no such folder, neither file in it, an index that is not one, or a
+            shard the index names is missing, unreadable (truncated), or lacks a key the index
+            assigns to it.
     """
     layout = read_hf_layout(folder)
     return load_hf_tensors(layout, list(layout))
@@ -98,21 +102,43 @@ def read_hf_layout(folder: str | Path) -> dict[str, Path]:
     if not folder.is_dir():
         raise FileNotFoundError(f"Hugging Face checkpoint folder '{folder}' does not exist")
     if (folder / INDEX_FILE).is_file():
-        weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
-        layout = {key: folder / shard for key, shard in weight_map.items()}
+        layout = {key: folder / shard for key, shard in _read_weight_map(folder / INDEX_FILE).items()}
     elif (folder / SINGLE_FILE).is_file():
-        with safe_open(folder / SINGLE_FILE, framework="pt") as f:
+        with _open_safetensors(folder / SINGLE_FILE) as f:
             return dict.fromkeys(f.keys(), folder / SINGLE_FILE)
     else:
         raise FileNotFoundError(f"'{folder}' holds neither {INDEX_FILE} nor {SINGLE_FILE}")
     for shard in dict.fromkeys(layout.values()):
         if not shard.is_file():
             raise FileNotFoundError(f"shard '{shard.name}', listed in {folder / INDEX_FILE}, is missing")
-        with safe_open(shard, framework="pt") as f:
+        with _open_safetensors(shard) as f:
             present = set(f.keys())
         if missing := [key for key, file in layout.items() if file == shard and key not in present]:
             raise FileNotFoundError(f"keys of {folder / INDEX_FILE} missing from their shards: {missing[:5]}")
     return layout
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+        raise FileNotFoundError(f"'{index}' is not a safetensors index ({error}); re-download it") from None
+    if not isinstance(weight_map, dict):
+        raise FileNotFoundError(f"'{index}' has no 'weight_map' of tensor names to files; re-download it")
+    return weight_map
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: Path):
+    """`safe_open(path)`, a truncated or corrupt file reported as such (also when a tensor is
+    read), not as safetensors' bare error."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except SafetensorError as error:
+        raise FileNotFoundError(
+            f"'{path}' is not a readable safetensors file ({error}); re-download or re-save it"
+        ) from None
 
 
 def meta_tensors(layout: Mapping[str, Path]) -> dict[str, torch.Tensor]:
@@ -120,7 +146,7 @@ def meta_tensors(layout: Mapping[str, Path]) -> dict[str, torch.Tensor]:
     without data."""
     headers = {}
     for file, keys in _keys_by_file(layout, list(layout)).items():
-        with safe_open(file, framework="pt") as f:
+        with _open_safetensors(file) as f:
             for key in keys:
                 header = f.get_slice(key)
                 headers[key] = header.get_shape(), header.get_dtype()
@@ -134,7 +160,7 @@ def load_hf_tensors(layout: Mapping[str, Path], keys: list[str]) -> dict[str, to
     """The tensors `keys` of `layout`, on the CPU, reading nothing else."""
     loaded = {}
     for file, file_keys in _keys_by_file(layout, keys).items():
-        with safe_open(file, framework="pt") as f:
+        with _open_safetensors(file) as f:
             loaded.update({key: f.get_tensor(key) for key in file_keys})
     return {key: loaded[key] for key in keys}
 

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 # Token ids copied from the HF repo's config.json (see `StateDictAdapter.hf_config`).
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+HF_CONFIG_FILE = "config.json"
 # Derived buffers some older HF checkpoints still store; nothing of ours corresponds to them.
 _DERIVED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -304,3 +305,36 @@ def build_state_dict_adapter(
     if spec.state_dict_adapter is None:
         raise ConfigError(f"model '{model_name}' has no Hugging Face state-dict adapter")
     return spec.state_dict_adapter(args, hf_assets_path)
+
+
+def build_run_state_dict_adapter(job_config) -> StateDictAdapter | None:
+    """The adapter for what a run trained, from its config (the trainer's, or the config.toml
+    each run writes to its dump folder): the flavor with the run's `[model]` attention keys and
+    YaRN setting (`update_from_config`), the published context unless training.seq_len is
+    longer (`with_trained_seq_len`). None for a model without an adapter.
+
+    Raises:
+        ConfigError: as `update_from_config` (e.g. block_causal with a tokenizer without EOS).
+    """
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    spec = get_train_spec(job_config.model.name)
+    if spec.state_dict_adapter is None:
+        return None
+    flavor = spec.get_flavor(job_config.model.flavor)
+    published = replace(flavor.update_from_config(job_config), max_seq_len=flavor.max_seq_len)
+    args = with_trained_seq_len(published, job_config.training.seq_len)
+    return spec.state_dict_adapter(args, job_config.model.hf_assets_path)
+
+
+def config_differences_from_folder(adapter: StateDictAdapter, folder: str | Path) -> list[str]:
+    """`hf_config_differences` between `adapter`'s config.json and the one in the HF checkpoint
+    `folder`; none when the folder has no config.json or the model has no HF config."""
+    config_file = Path(folder) / HF_CONFIG_FILE
+    if not config_file.is_file():
+        return []
+    try:
+        ours = adapter.hf_config()
+    except HFConfigError:
+        return []
+    return hf_config_differences(ours, json.loads(config_file.read_text()))
