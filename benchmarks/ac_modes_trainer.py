@@ -49,7 +49,9 @@ def run_mode(cli, mode: str, folder: Path) -> list[dict] | str:
         return f"failed (exit {proc.returncode})"
     with open(folder / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
-    return records[cli.warmup :]
+    # Training steps only: a validation pass writes a record of its own (no step time).
+    steps = [r for r in records if "step_seconds" in r]
+    return steps[cli.warmup :]
 
 
 def row(mode: str, records: list[dict], base_seconds: float) -> str:
