@@ -211,6 +211,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.assets and not args.all:
         parser.error("give --assets KIND [KIND ...] or --all")
+    if Path(args.local_dir).exists() and not Path(args.local_dir).is_dir():
+        parser.error(f"--local_dir {args.local_dir} is a file; give a folder (files go to LOCAL_DIR/<repo>/)")
     return args
 
 

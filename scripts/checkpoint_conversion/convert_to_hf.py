@@ -155,6 +155,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--seq_len and --hf_assets come from --run_config; leave them out")
     if args.seq_len is not None and args.seq_len < 1:
         parser.error(f"--seq_len {args.seq_len} must be a positive number of tokens")
+    if args.hf_assets is not None and not (Path(args.hf_assets) / "config.json").is_file():
+        parser.error(f"--hf_assets {args.hf_assets} holds no config.json to take the token ids from")
     return args
 
 

@@ -284,3 +284,14 @@ def test_assets_or_all_is_required(script, capsys):
 
     assert exit_info.value.code == 2
     assert "--assets" in capsys.readouterr().err
+
+
+def test_a_local_dir_that_is_a_file_is_refused_before_the_hub_is_asked(script, hub, tmp_path, capsys):
+    not_a_folder = tmp_path / "assets"
+    not_a_folder.touch()
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--repo_id", REPO_ID, "--assets", "tokenizer", "--local_dir", str(not_a_folder)])
+
+    assert exit_info.value.code == 2
+    assert "is a file; give a folder" in capsys.readouterr().err
+    assert hub.downloaded == []

@@ -621,3 +621,12 @@ def test_a_conversion_that_fails_while_writing_leaves_no_output(tmp_path, to_hf_
     with pytest.raises(OSError, match="No space left"):
         to_hf_script.main([*argv, "--out", str(tmp_path / "hf")])
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+
+
+def test_to_hf_refuses_an_hf_assets_folder_without_config_json(tmp_path, to_hf_script, capsys):
+    argv = ["--model", "llama3", "--flavor", "debugmodel", "--dcp", str(tmp_path),
+            "--out", str(tmp_path / "hf"), "--hf_assets", str(tmp_path / "missing")]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        to_hf_script.main(argv)
+    assert exit_info.value.code == 2
+    assert "holds no config.json to take the token ids from" in capsys.readouterr().err
