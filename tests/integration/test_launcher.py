@@ -32,7 +32,7 @@ def test_config_check_reads_config_file_from_the_environment_as_the_trainer_does
         [sys.executable, "-m", "torchtitan.config.check"], env=env, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 2
-    assert "config file 'no_such_config.toml' does not exist" in proc.stderr
+    assert "config file 'no_such_config.toml' (from $CONFIG_FILE) does not exist" in proc.stderr
 
 
 def test_config_check_passes_a_good_config_without_importing_torch():
