@@ -77,10 +77,12 @@ def test_moe_tp2_float8_matches_one_process(config, tmp_path):
     records = _train(tmp_path / "tp2", 2, 2, moe + tp, converted=False)
     # A float8 rounding flip can flip an expert choice, after which the two runs part by as much
     # as float8 on and off do (on an AMD EPYC CPU, Qwen3 MoE's loss is 9.2e-4 off by step 5, where
-    # float8 off is 5.6e-4 off). Up to step 3 TP 2 matches to 2.1e-5 in loss and 1.5e-4 in
-    # gradient norm, and float8 off differs by 1.4e-4 (Qwen3 MoE, step 2) and 5.9e-4 (DeepSeek-V3,
-    # step 3) in loss; after it, only the loss is compared, loosely.
-    _assert_close(records, reference, 5e-5, 1e-3, steps=3)
+    # float8 off is 5.6e-4 off). Float8 off differs by 1.4e-4 (Qwen3 MoE, step 2) and 5.9e-4
+    # (DeepSeek-V3, step 3) in loss. Which step first flips depends on the order TP sums in:
+    # DeepSeek-V3 was 2.9e-6 off at step 3 and 2.9e-4 at step 4 while each MoE branch all-reduced
+    # its own gradient, and is 7.2e-5 and 7.6e-5 off since one reduce-scatter sums them all. So
+    # up to step 3 the bound is 1e-4 in loss; after it, only the loss is compared, loosely.
+    _assert_close(records, reference, 1e-4, 1e-3, steps=3)
     _assert_close(records, reference, 2e-3, float("inf"))
 
 
