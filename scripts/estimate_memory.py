@@ -37,6 +37,7 @@ fragmentation and reserved memory, and CUDA/NCCL context memory; keep some headr
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import gc
 import sys
 import warnings
@@ -149,6 +150,14 @@ def parse_cli(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
         "as moe_ep_imbalance",
     )
     args, rest = parser.parse_known_args(argv)
+    own = ["--ngpu", "--all-ac-modes", "--ep-imbalance"]
+    for arg in rest:
+        name = arg.split("=", 1)[0]
+        # An option without a section is one of ours misspelled, not a config key.
+        if name.startswith("--") and "." not in name and name not in ("--config", "--help"):
+            close = difflib.get_close_matches(name, own, n=1)
+            if close:
+                parser.error(f"unrecognized option {name}; did you mean {close[0]}?")
     return args, parse_args(rest)
 
 

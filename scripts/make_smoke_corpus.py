@@ -1160,7 +1160,10 @@ def parse_args() -> argparse.Namespace:
         "--val-bytes", type=int, default=DEFAULT_VAL_BYTES, help="validation.jsonl size limit"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of both random streams")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        parser.error(f"--out-dir {args.out_dir} is a file; give a folder")
+    return args
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,7 +97,18 @@ def parse_args() -> argparse.Namespace:
         default=DEFAULT_VOCAB_SIZE,
         help="total vocabulary size, special tokens included",
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if not args.corpus.is_file():
+        parser.error(f"--corpus {args.corpus} is not a file; make it with scripts/make_smoke_corpus.py")
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        parser.error(f"--out-dir {args.out_dir} is a file; give a folder")
+    smallest = len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS)
+    if args.vocab_size < smallest:
+        parser.error(
+            f"--vocab-size {args.vocab_size} is below {smallest}, the byte alphabet plus the special "
+            "tokens; give a larger one"
+        )
+    return args
 
 
 def main() -> None:
@@ -105,10 +117,12 @@ def main() -> None:
     tokenizer = train_tokenizer(args.corpus, args.vocab_size)
     actual_size = tokenizer.get_vocab_size(with_added_tokens=True)
     if actual_size != args.vocab_size:
-        raise SystemExit(
-            f"trained vocabulary has {actual_size} entries, not {args.vocab_size}: the corpus "
-            "has too few distinct words; use a larger corpus or a smaller --vocab-size"
+        print(
+            f"error: trained vocabulary has {actual_size} entries, not {args.vocab_size}: the corpus "
+            "has too few distinct words; use a larger corpus or a smaller --vocab-size",
+            file=sys.stderr,
         )
+        sys.exit(2)
     save(tokenizer, args.out_dir)
     print(f"wrote {args.out_dir} (vocabulary of {actual_size} entries)")
 

@@ -150,6 +150,13 @@ def test_all_ac_modes_table_orders_activations_full_then_op_then_none(capsys):
     assert activations["full"] < activations["selective op"] < activations["none"]
 
 
+def test_a_misspelled_estimator_option_is_named_not_taken_for_a_config_key(capsys):
+    with pytest.raises(SystemExit) as info:
+        em.main(DEBUG + ["--ngpu", "1", "--all-ac-mode"])
+    assert info.value.code == 2
+    assert "unrecognized option --all-ac-mode; did you mean --all-ac-modes?" in capsys.readouterr().err
+
+
 def test_bad_config_from_the_shell_exits_2_without_traceback():
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--ngpu", "1", "--training.stpes", "3"],
