@@ -15,7 +15,7 @@ Asset kinds:
 
 Gated models (e.g. Llama) need a token from an account that accepted the license on the model
 page: pass `--hf_token`, or set `HF_TOKEN`. Hub errors (gated or missing repo, no network) are
-reported in one paragraph on stderr with exit code 2.
+reported in one paragraph on stderr with exit code 2, as is a request that matches no file.
 
 Needs `huggingface_hub` (`pip install -e .[hub]`).
 
@@ -54,8 +54,7 @@ ASSET_PATTERNS: dict[str, tuple[str, ...]] = {
 }
 ALL = "all"
 DEFAULT_LOCAL_DIR = "./assets/hf"
-EXIT_HUB_ERROR = 2
-EXIT_NOTHING_TO_FETCH = 1
+EXIT_BAD_INPUT = 2
 
 
 def _connection_error_types() -> tuple[type[BaseException], ...]:
@@ -136,7 +135,8 @@ def download(repo_id: str, kinds: Sequence[str], local_dir: str | Path, token: s
     names = files_to_fetch(repo_files, kinds)
     if not names:
         raise NothingToFetchError(
-            f"nothing to fetch: {repo_id} has no files for asset kinds {', '.join(kinds)}."
+            f"nothing to fetch: {repo_id} has no files for asset kinds {', '.join(kinds)}. "
+            "Check --repo_id, or ask for other --assets (--all fetches every file)."
         )
     target = repo_folder(local_dir, repo_id)
     target.mkdir(parents=True, exist_ok=True)
@@ -217,7 +217,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0 ok, 1 nothing to fetch, 2 Hub error)."""
+    """Run the command line; returns the exit code (0 ok, 2 nothing to fetch or a Hub error)."""
     args = parse_args(argv)
     token = args.hf_token or os.environ.get("HF_TOKEN") or None
     kinds = [ALL] if args.all else list(dict.fromkeys(args.assets))
@@ -225,13 +225,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         download(args.repo_id, kinds, args.local_dir, token)
     except NothingToFetchError as error:
         print(f"error: {error}", file=sys.stderr)
-        return EXIT_NOTHING_TO_FETCH
+        return EXIT_BAD_INPUT
     except Exception as error:
         message = hub_error_message(error, args.repo_id)
         if message is None:
             raise
         print(message, file=sys.stderr)
-        return EXIT_HUB_ERROR
+        return EXIT_BAD_INPUT
     return 0
 
 

@@ -186,12 +186,12 @@ def test_kind_with_no_matching_file_warns_naming_the_kind(script, hub, tmp_path,
     assert hub.downloaded == TOKENIZER_FILES
 
 
-def test_nothing_to_fetch_exits_1_without_downloading(script, hub, tmp_path, capsys):
+def test_nothing_to_fetch_exits_2_without_downloading(script, hub, tmp_path, capsys):
     (hub.remote / "config.json").unlink()
 
     code = script.main(["--repo_id", REPO_ID, "--assets", "config", "--local_dir", str(tmp_path)])
 
-    assert code == 1
+    assert code == 2
     assert "nothing to fetch" in capsys.readouterr().err
     assert hub.download_calls == []
 

@@ -491,8 +491,9 @@ def llama_hf_folder(tmp_path_factory):
     "script, model, flavor, source, message",
     [
         ("convert_from_hf", "llama3", "debugmodel", "missing", "folder '.*missing' does not exist"),
-        ("convert_from_hf", "llama3", "no_such_flavor", "llama_hf", "unknown flavor"),
-        ("convert_from_hf", "no_such_model", "debugmodel", "llama_hf", "unknown model"),
+        ("convert_from_hf", "llama3", "no_such_flavor", "llama_hf", "unknown flavor --flavor 'no_such"),
+        ("convert_from_hf", "no_such_model", "debugmodel", "llama_hf", "unknown model --model 'no_such"),
+        ("convert_to_hf", "llama3", "no_such_flavor", "missing", "unknown flavor --flavor 'no_such_flavor'"),
         # A Llama checkpoint read as Qwen3: the first few missing keys are named.
         ("convert_from_hf", "qwen3", "debugmodel", "llama_hf", "missing keys: layers.0.attention.q_norm"),
         ("convert_to_hf", "llama3", "debugmodel", "missing", "'.*missing' is not a DCP checkpoint folder"),

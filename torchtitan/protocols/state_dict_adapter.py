@@ -290,18 +290,24 @@ def with_trained_seq_len(args, seq_len: int | None):
 
 
 def build_state_dict_adapter(
-    model_name: str, flavor: str, hf_assets_path: str | Path | None = None, seq_len: int | None = None
+    model_name: str,
+    flavor: str,
+    hf_assets_path: str | Path | None = None,
+    seq_len: int | None = None,
+    keys: tuple[str, str] = ("--model", "--flavor"),
 ) -> StateDictAdapter:
     """The adapter of `model_name`'s TrainSpec for `flavor`, for weights trained at `seq_len`
     tokens (see `with_trained_seq_len`).
 
     Raises:
-        ConfigError: for an unknown model or flavor, or a model without an adapter.
+        ConfigError: for an unknown model or flavor, or a model without an adapter. The message
+            names them as `keys`, the converters' command-line options by default.
     """
     from torchtitan.protocols.train_spec import get_train_spec
 
-    spec = get_train_spec(model_name)
-    args = with_trained_seq_len(spec.get_flavor(flavor), seq_len)
+    model_key, flavor_key = keys
+    spec = get_train_spec(model_name, model_key)
+    args = with_trained_seq_len(spec.get_flavor(flavor, flavor_key), seq_len)
     if spec.state_dict_adapter is None:
         raise ConfigError(f"model '{model_name}' has no Hugging Face state-dict adapter")
     return spec.state_dict_adapter(args, hf_assets_path)

@@ -44,11 +44,12 @@ class TrainSpec:
     post_optimizer_step_fn: Callable | None = None
     state_dict_adapter: type | None = None
 
-    def get_flavor(self, flavor: str) -> BaseModelArgs:
-        """The args of `flavor`; raises ConfigError listing the valid flavors."""
+    def get_flavor(self, flavor: str, key: str = "model.flavor") -> BaseModelArgs:
+        """The args of `flavor`; raises ConfigError listing the valid flavors, naming `flavor`
+        as the config key or command-line option `key` it came from."""
         if flavor not in self.flavors:
             raise ConfigError(
-                f"unknown flavor 'model.flavor' = '{flavor}' for model '{self.name}'. "
+                f"unknown flavor {_given(key, flavor)} for model '{self.name}'. "
                 f"Valid flavors: {', '.join(self.flavors)}."
             )
         return self.flavors[flavor]
@@ -67,6 +68,12 @@ class TrainSpec:
 _REGISTRY: dict[str, TrainSpec] = {}
 
 
+def _given(key: str, value: str) -> str:
+    """How an error names `value`: as the command-line option (`--flavor '9B'`) or config key
+    (`'model.flavor' = '9B'`) the user wrote it under."""
+    return f"{key} '{value}'" if key.startswith("--") else f"'{key}' = '{value}'"
+
+
 def register_train_spec(spec: TrainSpec) -> None:
     """Make `spec` available under `spec.name`; a second registration of a name is a bug."""
     if spec.name in _REGISTRY:
@@ -74,12 +81,13 @@ def register_train_spec(spec: TrainSpec) -> None:
     _REGISTRY[spec.name] = spec
 
 
-def get_train_spec(name: str) -> TrainSpec:
-    """The spec registered as `name`; raises ConfigError listing the registered models."""
+def get_train_spec(name: str, key: str = "model.name") -> TrainSpec:
+    """The spec registered as `name`; raises ConfigError listing the registered models, naming
+    `name` as the config key or command-line option `key` it came from."""
     import torchtitan.models  # noqa: F401  (registers every model)
 
     if name not in _REGISTRY:
         raise ConfigError(
-            f"unknown model 'model.name' = '{name}'. Registered models: {', '.join(sorted(_REGISTRY))}."
+            f"unknown model {_given(key, name)}. Registered models: {', '.join(sorted(_REGISTRY))}."
         )
     return _REGISTRY[name]
