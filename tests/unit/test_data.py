@@ -225,6 +225,21 @@ def test_token_cache_is_rebuilt_for_a_same_size_rewrite_that_kept_the_modificati
     assert token_cache.cache_key([data], tokenizer) != before
 
 
+def test_a_same_size_rewrite_that_kept_the_modification_time_is_tokenized_from_the_new_text(
+    tmp_path, tokenizer, monkeypatch
+):
+    # datasets' own Arrow cache trusts the modification time; reading it would give the old text.
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"text": "apple pie"}) + "\n")
+    build_text_dataset("unused", str(data), tokenizer, 4, 0, 1, 1, infinite=True)
+    stat = data.stat()
+    data.write_text(json.dumps({"text": "lemon pie"}) + "\n")
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    ds = build_text_dataset("unused", str(data), tokenizer, 4, 0, 1, 1, infinite=True)
+    assert np.asarray(ds.tokens).tolist() == tokenizer.encode("lemon pie")
+
+
 def test_token_cache_is_rebuilt_when_tokenizer_config_changes_the_eos(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
     data = tmp_path / "c.jsonl"

@@ -81,14 +81,20 @@ def read_local_documents(files: list[Path], key: str = "training.dataset_path"):
             "one record."
         )
 
+    # Streaming reads the files themselves. A non-streaming load answers from datasets' own
+    # Arrow copy, which it reuses while a file's modification time is unchanged, so a rewrite
+    # that kept its time (cp -p, rsync -t) would be tokenized from the old text.
     try:
-        ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **options)
+        ds = datasets.load_dataset(
+            builder, data_files=[str(f) for f in files], split="train", streaming=True, **options
+        )
+        columns = _stream_columns(ds)
     except Exception as e:  # datasets and arrow raise many types; all mean an unreadable file
         raise unreadable(e) from None
-    _require_text_column(ds.column_names, where, "store each document's text under the key 'text'")
+    _require_text_column(columns, where, "store each document's text under the key 'text'")
     try:
         for index, record in enumerate(ds):
-            text = record["text"]
+            text = record.get("text")
             if not isinstance(text, str):
                 raise ConfigError(
                     f"{where}: record {index} (counting from 0 over the files in order) has 'text' = "
