@@ -177,6 +177,27 @@ def test_force_recompute_fqn_on_non_linear_is_refused():
         _debug_model(cfg)
 
 
+@pytest.mark.parametrize(
+    "entry, refusal",
+    [("attention", r"matches layers\.0\.attention\S* \(\w+\), not an nn.Linear"),
+     ("", "empty entry, which would match every module"),
+     ("output", "matches only output, outside the transformer blocks AC wraps")],
+    ids=["a module holding Linears", "empty", "outside the blocks"],
+)  # fmt: skip
+def test_force_recompute_entry_that_would_force_more_or_nothing_is_refused(entry, refusal):
+    with pytest.raises(ConfigError, match=refusal):
+        _debug_model(replace(OP_SAC, per_op_sac_force_recompute_mm_shapes_by_fqns=[entry]))
+
+
+def test_force_recompute_entry_whose_shape_other_linears_share_is_warned_about(caplog):
+    ac_module._warned.clear()
+    forced = replace(OP_SAC, per_op_sac_force_recompute_mm_shapes_by_fqns=["layers.3.attention.wo"])
+    with caplog.at_level(logging.WARNING, logger=ac_module.logger.name):
+        _debug_model(forced)
+    assert "forces every matmul of weight shape (256, 256), so also 11 Linear(s)" in caplog.text
+    assert "layers.0.attention.wo" in caplog.text
+
+
 def test_force_recompute_fqn_matching_nothing_is_refused_unless_it_is_a_default():
     with pytest.raises(ConfigError, match="matches no module"):
         _debug_model(replace(OP_SAC, per_op_sac_force_recompute_mm_shapes_by_fqns=["moe.rooter"]))
@@ -186,6 +207,19 @@ def test_force_recompute_fqn_matching_nothing_is_refused_unless_it_is_a_default(
 def test_mode_from_the_command_line_is_checked_before_training():
     with pytest.raises(ConfigError, match="activation_checkpoint.mode"):
         parse_args(["--activation_checkpoint.mode", "partial"], env={})
+
+
+@pytest.mark.parametrize(
+    "argv, conflict",
+    [(["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+      "per-op selective AC"),
+     (["--activation_checkpoint.mode", "full", "--compile.enable"], "compiled blocks")],
+    ids=["op-SAC", "compile"],
+)  # fmt: skip
+def test_debug_that_needs_no_model_to_refuse_is_refused_when_the_config_is_parsed(argv, conflict):
+    """So the launchers' check stops it in one line, before torchrun starts any rank."""
+    with pytest.raises(ConfigError, match=f"'activation_checkpoint.debug' = true cannot trace {conflict}"):
+        parse_args([*argv, "--activation_checkpoint.debug"], env={})
 
 
 # ----- save lists --------------------------------------------------------------------------
@@ -230,11 +264,11 @@ def test_dense_llama_list_drops_moe_routing_ops():
 BLOCK_ARGS = replace(llama3_flavors["debugmodel"], max_seq_len=128)
 
 
-def _block(ac: ActivationCheckpoint) -> nn.Module:
+def _block(ac: ActivationCheckpoint, op_sac_save_list: frozenset = LLAMA3_SAVE_LIST) -> nn.Module:
     torch.manual_seed(0)
     holder = nn.Module()
     holder.layers = nn.ModuleDict({"0": TransformerBlock(0, BLOCK_ARGS)})
-    apply_ac(holder, ac, op_sac_save_list=LLAMA3_SAVE_LIST)
+    apply_ac(holder, ac, op_sac_save_list=op_sac_save_list)
     return holder.layers["0"]
 
 
@@ -312,6 +346,11 @@ def test_full_ac_holds_only_the_block_input():
     assert block_input <= held <= 1.05 * block_input
 
 
+def test_op_sac_with_an_empty_save_list_holds_only_the_block_input_as_full_ac_does():
+    block, (x, rope) = _block(OP_SAC, op_sac_save_list=frozenset()), _block_inputs()
+    assert bytes_held_for_backward(block, x, rope) == _held_by_block(FULL)[0]
+
+
 def test_op_sac_holds_under_half_of_no_ac():
     assert _held_by_block(OP_SAC)[0] <= 0.45 * _held_by_block(NONE)[0]
 
@@ -325,12 +364,82 @@ def test_op_sac_keeps_no_output_of_the_blocks_last_matmul_and_never_recomputes_i
     assert _forward_and_backward_flops(saving_w2) == _forward_and_backward_flops(OP_SAC)
 
 
+class _BackwardCollectives(TorchDispatchMode):
+    """Counts the collectives issued while `backward` is True."""
+
+    def __init__(self):
+        super().__init__()
+        self.backward, self.counts = False, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if self.backward and func.namespace == "_c10d_functional" and name != "wait_tensor":
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _tp2_held_and_backward_collectives(*ac_args: str) -> tuple[int, dict[str, int]]:
+    """Bytes a 2-block Llama debug model under TP 2 (a fake process group, one process) holds
+    for backward, and the collectives its backward issues."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    seq, tp = 256, 2
+    cfg = parse_args(
+        ["--training.seq_len", str(seq), "--parallelism.tensor_parallel_degree", str(tp)]
+        + ["--parallelism.data_parallel_shard_degree", "1", *ac_args],
+        env={},
+    )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        dims = ParallelDims.from_config(cfg.parallelism, tp)
+        dims.build_mesh("cpu")
+        spec = get_train_spec("llama3")
+        with torch.device("meta"):
+            model = spec.model_cls(replace(spec.get_flavor("debugmodel").update_from_config(cfg), n_layers=2))
+        spec.parallelize_fn(model, dims, cfg, torch.device("cpu"))
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        model.init_weights()
+        tokens = torch.randint(0, 2000, (2, seq), generator=torch.Generator().manual_seed(0))
+        held = bytes_held_for_backward(model, tokens)
+        with _BackwardCollectives() as collectives:
+            logits = model(tokens)
+            collectives.backward = True
+            logits.to_local().sum().backward()
+        return held, collectives.counts
+    finally:
+        dist.destroy_process_group()
+
+
+def test_op_sac_under_tp_holds_no_reduce_scatter_of_w2_and_never_reissues_one():
+    """w2's sequence-parallel reduce-scatter feeds only the residual add: with early stop
+    (the default) it is neither held nor re-issued; without, recompute re-issues it, so it
+    is saved."""
+    op_sac = [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ]
+    held, collectives = _tp2_held_and_backward_collectives(*op_sac)
+    held_without_early_stop, _ = _tp2_held_and_backward_collectives(
+        *op_sac, "--activation_checkpoint.early_stop", "false"
+    )
+    _, without_ac = _tp2_held_and_backward_collectives()
+    w2_reduce_scatter_output = 2 * (256 // 2) * DEBUG_ARGS.dim * 4  # batch x seq/tp x dim, fp32
+    assert held_without_early_stop - held == 2 * w2_reduce_scatter_output  # one per block
+    assert collectives["reduce_scatter_tensor"] == without_ac["reduce_scatter_tensor"]
+
+
 def test_a_default_force_recompute_entry_never_forces_a_matmul_it_does_not_name():
     from torchtitan.distributed.activation_checkpoint import _forced_recompute_mm_shapes
 
+    block = nn.Module()
+    block.moe = nn.Module()
+    block.moe.shared_experts = nn.ModuleDict({"w1": nn.Linear(4, 4), "w2": nn.Linear(4, 4)})
     model = nn.Module()
-    model.moe = nn.Module()
-    model.moe.shared_experts = nn.ModuleDict({"w1": nn.Linear(4, 4), "w2": nn.Linear(4, 4)})
+    model.layers = nn.ModuleList([block])
     assert _forced_recompute_mm_shapes(model, ["moe.shared_experts.w2"]) == set()  # a default
     assert _forced_recompute_mm_shapes(model, ["shared_experts.w2"]) == {(4, 4)}  # the user's own
 

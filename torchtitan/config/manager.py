@@ -556,7 +556,8 @@ def check_activation_checkpoint(
     ac_config: ActivationCheckpoint, model_compile_enabled: bool, compile_backend: str
 ) -> None:
     """What `[activation_checkpoint]` can be checked for without the model: the mode, the
-    selective option, and memory_budget's range and its need of a compiling backend. Run by
+    selective option, memory_budget's range and its need of a compiling backend, and debug
+    with op-SAC or compile. Run by
     `validate` (so the launchers' check catches it) and by `apply_ac` for direct callers.
 
     Raises:
@@ -591,6 +592,24 @@ def check_activation_checkpoint(
             f"'{compile_backend}', which does not apply the budget; use one of "
             f"{', '.join(MEMORY_BUDGET_BACKENDS)}, or another AC mode."
         )
+    if ac_config.debug and ac_config.mode != "none":
+        if model_compile_enabled:
+            raise ac_debug_conflict('compiled blocks (compile.enable with "model" in compile.components)')
+        if ac_config.mode == "selective" and option == "op":
+            raise ac_debug_conflict(
+                'per-op selective AC (selective_ac_option = "op"), which checkpoints by a policy'
+            )
+
+
+def ac_debug_conflict(conflict: str) -> ConfigError:
+    """The error for `activation_checkpoint.debug` with `conflict`, something torch's checkpoint
+    debug mode cannot trace: it replaces a checkpoint's `context_fn` with its own tracer and
+    refuses one that is set (op-SAC, full AC of MoE blocks), and fails inside compile."""
+    return ConfigError(
+        f"'activation_checkpoint.debug' = true cannot trace {conflict}: torch's checkpoint "
+        'debug mode only wraps blocks checkpointed without a policy. Trace with mode "full" (or '
+        "selective N) on a dense model with compile off, or set debug = false."
+    )
 
 
 def _check_checkpoint(config: JobConfig) -> None:

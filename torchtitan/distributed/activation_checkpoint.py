@@ -31,7 +31,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.config.job_config import ActivationCheckpoint
-from torchtitan.config.manager import ConfigError, check_activation_checkpoint
+from torchtitan.config.manager import ConfigError, ac_debug_conflict, check_activation_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -94,25 +94,12 @@ def _warn_once(message: str) -> None:
         logger.warning(message)
 
 
-def _refuse_debug_with_a_policy(ac_config: ActivationCheckpoint, model: nn.Module, compiled: bool) -> None:
-    """torch's checkpoint debug mode replaces a checkpoint's `context_fn` with its own tracer,
-    and refuses one that is set: every policy-driven wrap here (op-SAC, full AC of MoE blocks)
-    and compiled blocks (which fail inside compile) would stop the run at its first step."""
-    if not ac_config.debug or ac_config.mode == "none":
-        return
-    if compiled:
-        conflict = 'compiled blocks (compile.enable with "model" in compile.components)'
-    elif ac_config.mode == "selective" and ac_config.selective_ac_option == "op":
-        conflict = 'per-op selective AC (selective_ac_option = "op"), which checkpoints by a policy'
-    elif any(hasattr(block, "moe") for block in model.layers.children()):
-        conflict = "MoE blocks, whose full AC saves the routing by a policy"
-    else:
-        return
-    raise ConfigError(
-        f"'activation_checkpoint.debug' = true cannot trace {conflict}: torch's checkpoint "
-        'debug mode only wraps blocks checkpointed without a policy. Trace with mode "full" (or '
-        "selective N) on a dense model with compile off, or set debug = false."
-    )
+def _refuse_debug_with_moe_blocks(ac_config: ActivationCheckpoint, model: nn.Module) -> None:
+    """Full AC of an MoE block saves the routing by a policy, which torch's checkpoint debug
+    mode refuses; the conflicts that need no model are `check_activation_checkpoint`'s."""
+    if ac_config.debug and ac_config.mode != "none":
+        if any(hasattr(block, "moe") for block in model.layers.children()):
+            raise ac_debug_conflict("MoE blocks, whose full AC saves the routing by a policy")
 
 
 def _checkpoint(module: nn.Module, ac_config: ActivationCheckpoint, context_fn=None) -> nn.Module:
@@ -130,12 +117,15 @@ def _checkpoint(module: nn.Module, ac_config: ActivationCheckpoint, context_fn=N
 def _forced_recompute_mm_shapes(model: nn.Module, fqns: list[str]) -> set[tuple[int, int]]:
     """The (in, out) weight shapes of the nn.Linear modules whose FQN contains an entry of `fqns`.
 
-    A default entry never forces a matmul it does not name: its shapes that another Linear
-    shares (the DeepSeek debug model's square shared experts) are left out.
+    The policy sees a matmul's weight shape, not its module, so an entry forces every matmul of
+    its Linears' shapes: a user's entry whose shapes other Linears share is warned about, and a
+    default entry (which names modules only some models have) leaves such shapes out (the
+    DeepSeek debug model's square shared experts).
 
     Raises:
-        ConfigError: an entry matches only non-Linear modules, or (unless it is one of the
-            defaults, which name modules only some models have) matches nothing.
+        ConfigError: an entry is empty (it would match every module), matches a non-Linear
+            module, or matches no Linear inside the blocks AC wraps (`model.layers`); a default
+            entry may match nothing.
     """
     default_fqns = ActivationCheckpoint().per_op_sac_force_recompute_mm_shapes_by_fqns
     key = "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns"
@@ -145,24 +135,48 @@ def _forced_recompute_mm_shapes(model: nn.Module, fqns: list[str]) -> set[tuple[
             names_by_shape[module.in_features, module.out_features].add(name)
     shapes = set()
     for pattern in fqns:
+        if not pattern.strip():
+            raise ConfigError(f"'{key}' has an empty entry, which would match every module; remove it.")
         matches = [(n, m) for n, m in model.named_modules() if pattern in n]
-        linears = [m for _, m in matches if isinstance(m, nn.Linear)]
-        if not matches and pattern not in default_fqns:
-            raise ConfigError(
-                f"'{key}' entry '{pattern}' matches no module of the model; give a substring "
-                "of an nn.Linear's name (e.g. 'moe.router.gate')."
-            )
-        if matches and not linears:
-            name, module = matches[0]
+        if not matches and pattern in default_fqns:
+            continue
+        non_linear = [(n, m) for n, m in matches if not isinstance(m, nn.Linear)]
+        if non_linear:
+            name, module = non_linear[0]
             raise ConfigError(
                 f"'{key}' entry '{pattern}' matches {name} ({type(module).__name__}), not an "
-                "nn.Linear; name Linear modules only."
+                "nn.Linear; name Linear modules only (e.g. 'attention.wo', not 'attention')."
             )
-        named = {(m.in_features, m.out_features) for m in linears}
+        if not matches:
+            raise ConfigError(
+                f"'{key}' entry '{pattern}' matches no module of the model; give a substring of "
+                "an nn.Linear's name inside a block (e.g. 'moe.router.gate')."
+            )
+        if not any(n.startswith("layers.") for n, _ in matches):
+            raise ConfigError(
+                f"'{key}' entry '{pattern}' matches only {', '.join(n for n, _ in matches[:3])}, "
+                "outside the transformer blocks AC wraps (model.layers), so it would force nothing; "
+                "give a substring of a Linear inside a block (e.g. 'moe.router.gate')."
+            )
+        matched = {n for n, _ in matches}
+        named = {(m.in_features, m.out_features) for _, m in matches}
         if pattern in default_fqns:
-            named = {shape for shape in named if all(pattern in n for n in names_by_shape[shape])}
+            named = {shape for shape in named if names_by_shape[shape] <= matched}
+        else:
+            _warn_about_shared_shapes(key, pattern, named, names_by_shape, matched)
         shapes |= named
     return shapes
+
+
+def _warn_about_shared_shapes(key, pattern, shapes, names_by_shape, matched) -> None:
+    for shape in sorted(shapes):
+        others = sorted(names_by_shape[shape] - matched)
+        if others:
+            _warn_once(
+                f"'{key}' entry '{pattern}' forces every matmul of weight shape {shape}, so also "
+                f"{len(others)} Linear(s) it does not name, e.g. {', '.join(others[:3])}: op-SAC "
+                "tells matmuls apart by weight shape only."
+            )
 
 
 def _is_device_to_host_copy(func, args, kwargs) -> bool:
@@ -180,19 +194,26 @@ def _mm_weight_shape(func, args) -> tuple[int, int] | None:
     return None
 
 
-def _op_sac_policy(save_ops: frozenset, forced_mm_shapes: set, counts: dict):
+def _op_sac_policy(save_ops: frozenset, forced_mm_shapes: set, counts: dict, early_stop: bool = False):
     def policy(ctx, func, *args, **kwargs):
         if _is_device_to_host_copy(func, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
+        phase = "recompute" if ctx.is_recompute else "forward"
         weight_shape = _mm_weight_shape(func, args)
         if weight_shape is not None:
-            if weight_shape in forced_mm_shapes:
+            forced = weight_shape in forced_mm_shapes
+            counts[phase, "after forced mm"] = forced
+            if forced:
                 return CheckpointPolicy.PREFER_RECOMPUTE
-            phase = "recompute" if ctx.is_recompute else "forward"
             counts[phase] += 1
             # Recomputing every second matmul halves their memory for half their time.
             if counts[phase] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
+        if func == _c10d.reduce_scatter_tensor.default and counts[phase, "after forced mm"] and early_stop:
+            # The sequence-parallel reduce-scatter of a forced matmul (w2) feeds only the
+            # residual add, as that matmul's output did: backward never reads it, so early
+            # stop never re-issues it, and saving it would hold b x s/tp x dim per block.
+            return CheckpointPolicy.PREFER_RECOMPUTE
         if func in save_ops:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
@@ -219,13 +240,15 @@ def full_ac_moe_context_fn(replay_all_to_all: bool):
     return lambda: create_selective_checkpoint_contexts(_full_ac_moe_policy(replay_all_to_all))
 
 
-def op_sac_context_fn(save_ops: frozenset, forced_mm_shapes: set = frozenset()):
+def op_sac_context_fn(save_ops: frozenset, forced_mm_shapes: set = frozenset(), early_stop: bool = False):
     """A `context_fn` for op-SAC; each checkpointed call gets fresh matmul counters, shared
-    by its forward and its recompute so that both make the same choices."""
+    by its forward and its recompute so that both make the same choices. With `early_stop`
+    (the checkpoint's), the reduce-scatter right after a forced matmul is not saved either,
+    since backward never needs it; without, recompute would re-issue it."""
 
     def context_fn():
         return create_selective_checkpoint_contexts(
-            _op_sac_policy(save_ops, forced_mm_shapes, defaultdict(int))
+            _op_sac_policy(save_ops, forced_mm_shapes, defaultdict(int), early_stop)
         )
 
     return context_fn
@@ -301,7 +324,7 @@ def apply_ac(
         ConfigError: for an invalid setting or one the rest of the config cannot support.
     """
     check_activation_checkpoint(ac_config, model_compile_enabled, compile_backend)
-    _refuse_debug_with_a_policy(ac_config, model, model_compile_enabled)
+    _refuse_debug_with_moe_blocks(ac_config, model)
     if ac_config.mode == "memory_budget":
         _apply_memory_budget(ac_config, base_folder)
         return
@@ -315,7 +338,8 @@ def apply_ac(
     every = int(ac_config.selective_ac_option) if ac_config.mode == "selective" and not is_op_sac else 1
     if is_op_sac:
         shapes = _forced_recompute_mm_shapes(model, ac_config.per_op_sac_force_recompute_mm_shapes_by_fqns)
-        context_fn = op_sac_context_fn(frozenset(op_sac_save_list or DEFAULT_SAVE_LIST), shapes)
+        save_ops = DEFAULT_SAVE_LIST if op_sac_save_list is None else frozenset(op_sac_save_list)
+        context_fn = op_sac_context_fn(save_ops, shapes, ac_config.early_stop)
     full_kind = "full AC" if every == 1 else f"full AC on every {every}th block"
     blocks_by_kind: dict[str, list[str]] = defaultdict(list)
     for index, (name, block) in enumerate(list(model.layers.named_children())):
