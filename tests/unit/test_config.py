@@ -358,6 +358,17 @@ def test_validation_seq_len_beyond_training_seq_len_is_refused():
     assert "Set validation.seq_len to at most 256" in message
 
 
+def test_validation_on_a_hub_dataset_is_refused_before_the_ranks_start():
+    message = _error(["--validation.enable", "--validation.dataset", "c4"])
+    assert "'validation.dataset' = 'c4' would stream from the hub" in message
+    assert "set 'validation.dataset_path'" in message
+
+
+def test_validation_on_local_files_may_keep_any_dataset_name():
+    argv = ["--validation.enable", "--validation.dataset", "c4", "--validation.dataset_path", "val.jsonl"]
+    assert parse_args(argv, env={}).validation.dataset_path == "val.jsonl"
+
+
 def test_disabled_validation_may_keep_a_seq_len_beyond_training():
     assert parse_args(["--validation.seq_len", "512"], env={}).validation.seq_len == 512
 

@@ -1,5 +1,6 @@
 """Data: tokenizer, token cache, packing, rank slicing, resumable state, local formats."""
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -41,6 +42,23 @@ def test_special_token_text_inside_a_document_is_encoded_as_text(tokenizer):
 
 def test_missing_tokenizer_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match="model.hf_assets_path"):
+        HuggingFaceTokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [("tokenizer.json", '{"version": "1.0", "model": {'),  # truncated download
+     ("tokenizer.json", "version https://git-lfs.github.com/spec/v1\noid sha256:0\n"),  # lfs pointer
+     ("tokenizer_config.json", '{"eos_token": "<|end_of_text|>",}')],  # trailing comma
+    ids=["truncated", "git-lfs pointer", "malformed config"],
+)  # fmt: skip
+def test_an_unparsable_tokenizer_file_is_a_config_error_naming_it(tmp_path, name, content):
+    for bundled in Path(BUNDLED_TOKENIZER).iterdir():
+        (tmp_path / bundled.name).write_bytes(bundled.read_bytes())
+    (tmp_path / name).write_text(content)
+    with pytest.raises(
+        ConfigError, match=rf"{re.escape(str(tmp_path / name))} \(in 'model.hf_assets_path'\)"
+    ):
         HuggingFaceTokenizer(str(tmp_path))
 
 
@@ -251,6 +269,17 @@ def test_token_cache_is_rebuilt_when_tokenizer_config_changes_the_eos(tmp_path, 
     assert np.asarray(tokens).tolist() == [1, 2, second.eos_id]
 
 
+def test_an_unusable_cache_folder_is_a_config_error_naming_the_variable(tmp_path, tokenizer, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "a_file" / "tokens"))
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"text": "one"}) + "\n")
+    with pytest.raises(
+        ConfigError, match=r"cannot be written or read \(Not a directory\).*\$TORCHTITAN_CACHE_DIR"
+    ):
+        build_text_dataset("unused", str(data), tokenizer, 4, 0, 1, 1, infinite=True)
+
+
 def test_token_cache_key_changes_with_the_cache_format(tmp_path, tokenizer, monkeypatch):
     data = tmp_path / "c.jsonl"
     data.write_text(json.dumps({"text": "one"}) + "\n")
@@ -416,6 +445,15 @@ def test_a_hub_dataset_that_gives_a_rank_no_document_is_a_config_error_not_an_en
     second_rank = build_text_dataset("some/hub-set", None, tokenizer, 8, 1, 2, 1, infinite=True)
     with pytest.raises(ConfigError, match="gives data-parallel rank 1 of 2 no document"):
         next(iter(second_rank))
+
+
+def test_a_hub_record_whose_text_is_not_a_string_is_a_config_error_naming_the_dataset(
+    monkeypatch, tmp_path, tokenizer
+):
+    _fake_hub(monkeypatch, tmp_path, ["a document " * 5, None])
+    ds = build_text_dataset("some/hub-set", None, tokenizer, 4, 0, 1, 1, infinite=True)
+    with pytest.raises(ConfigError, match=r"'training.dataset' = 'some/hub-set': a record has 'text' = None"):
+        list(itertools.islice(ds, 20))
 
 
 def test_a_hub_dataset_resumed_at_the_end_of_a_pass_continues_into_the_next(monkeypatch, tmp_path, tokenizer):

@@ -72,8 +72,7 @@ def _warn_if_validating_on_the_bundled_corpus_only(job_config: JobConfig) -> Non
     logger.warning(
         f"Validating on the bundled smoke corpus ('validation.dataset' = '{v.dataset}', the default) "
         f"while training on {trained_on}, so the validation loss does not measure this data. "
-        "Set validation.dataset (a hub dataset) or validation.dataset_path (local files) to a "
-        "held-out split of it."
+        "Set validation.dataset_path to local files of a held-out split of it."
     )
 
 

@@ -30,7 +30,12 @@ def _read_special_tokens(config_file: Path) -> dict[str, str | None]:
     """
     if not config_file.is_file():
         return {}
-    data = json.loads(config_file.read_text())
+    try:
+        data = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise _unreadable(config_file, error) from None
+    if not isinstance(data, dict):
+        raise _unreadable(config_file, ValueError("it holds no JSON object"))
     special = {k: _token_name(data[k]) for k in ("bos_token", "eos_token") if k in data}
     # add_bos_token: false is how a model family says it trains without BOS. add_eos_token is
     # false even for families that end every document with EOS (HF leaves that to the data
@@ -38,6 +43,16 @@ def _read_special_tokens(config_file: Path) -> dict[str, str | None]:
     if data.get("add_bos_token") is False:
         special["bos_token"] = None
     return special
+
+
+def _unreadable(file: Path, error: Exception) -> ConfigError:
+    """A tokenizer file of 'model.hf_assets_path' that cannot be parsed: often truncated by an
+    interrupted download, or a git-lfs pointer left by a clone without LFS."""
+    line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return ConfigError(
+        f"{file} (in 'model.hf_assets_path') cannot be read: {line}. Fetch the file again, e.g. "
+        "with scripts/download_hf_assets.py --assets tokenizer."
+    )
 
 
 class HuggingFaceTokenizer:
@@ -60,7 +75,10 @@ class HuggingFaceTokenizer:
                 "scripts/download_hf_assets.py."
             )
         self.path = file
-        self._tok = Tokenizer.from_file(str(file))
+        try:
+            self._tok = Tokenizer.from_file(str(file))
+        except Exception as error:  # tokenizers raises a bare Exception for every parse error
+            raise _unreadable(file, error) from None
         # A special token's text inside a document ("<|end_of_text|>" quoted in a web page or
         # code) is text: ids of special tokens come from bos/eos only, or fake document
         # boundaries would appear (which block_causal masks at).

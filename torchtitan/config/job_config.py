@@ -94,6 +94,13 @@ class LRScheduler:
     )
 
 
+# The datasets shipped in torchtitan/assets, by name: the file of each, relative to that folder.
+BUNDLED_DATASET_FILES = {
+    "smoke": "smoke_corpus/train.jsonl",
+    "smoke_validation": "smoke_corpus/validation.jsonl",
+}
+
+
 @dataclass
 class Training:
     dataset: str = opt("smoke", "dataset name: smoke (bundled), or a Hugging Face hub name")
@@ -289,7 +296,9 @@ class Comm:
 @dataclass
 class Validation:
     enable: bool = opt(False, "evaluate on a held-out split")
-    dataset: str = opt("smoke_validation", "validation dataset name")
+    dataset: str = opt(
+        "smoke_validation", "validation dataset name: smoke_validation (bundled), or set dataset_path"
+    )
     dataset_path: str | None = opt(None, "local validation file or folder, as training.dataset_path")
     local_batch_size: int = opt(8, "validation sequences per rank", min=1)
     seq_len: int = opt(2048, "validation tokens per sequence; at most training.seq_len", min=1)

@@ -15,6 +15,7 @@ import typing
 from pathlib import Path
 
 from torchtitan.config.job_config import (
+    BUNDLED_DATASET_FILES,
     CHECKPOINT_STATE_KEYS,
     ActivationCheckpoint,
     JobConfig,
@@ -728,14 +729,21 @@ def _check_upstream_datasets(config: JobConfig) -> None:
     for section in ("training", "validation") if config.validation.enable else ("training",):
         name = getattr(config, section).dataset
         if name in UPSTREAM_BUNDLED_DATASETS and getattr(config, section).dataset_path is None:
+            streamed = "'c4' (streamed from the hub), " if section == "training" else ""
             raise ConfigError(
                 f"'{section}.dataset' = '{name}' is upstream torchtitan's bundled C4 sample, which is "
                 f"not shipped here; use '{UPSTREAM_BUNDLED_DATASETS[name]}' (the bundled corpus here), "
-                f"'c4' (streamed from the hub), or set '{section}.dataset_path' to local files."
+                f"{streamed}or set '{section}.dataset_path' to local files."
             )
 
 
 def _check_validation(v, t) -> None:
+    if v.enable and v.dataset_path is None and v.dataset not in BUNDLED_DATASET_FILES:
+        raise ConfigError(
+            f"'validation.dataset' = '{v.dataset}' would stream from the hub, but validation needs a "
+            "finite split: set 'validation.dataset_path' to local files of a held-out split (or use "
+            "'smoke_validation', the bundled one)."
+        )
     if v.steps == 0 or v.steps < -1:
         raise ConfigError(
             f"'validation.steps' = {v.steps} is invalid: use a positive number of batches or -1 "

@@ -13,16 +13,14 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from torchtitan.config.job_config import BUNDLED_DATASET_FILES
 from torchtitan.config.manager import ConfigError
 from torchtitan.datasets import token_cache
 from torchtitan.tools.paths import BUNDLED_ASSETS, resolve_path
 
 logger = logging.getLogger(__name__)
 
-BUNDLED_DATASETS = {
-    "smoke": BUNDLED_ASSETS / "smoke_corpus" / "train.jsonl",
-    "smoke_validation": BUNDLED_ASSETS / "smoke_corpus" / "validation.jsonl",
-}
+BUNDLED_DATASETS = {name: BUNDLED_ASSETS / file for name, file in BUNDLED_DATASET_FILES.items()}
 # Short names for hub datasets: name -> (hub path, dataset config).
 HUB_ALIASES = {"c4": ("allenai/c4", "en")}
 _BUILDER_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
@@ -94,17 +92,22 @@ def read_local_documents(files: list[Path], key: str = "training.dataset_path"):
     _require_text_column(columns, where, "store each document's text under the key 'text'")
     try:
         for index, record in enumerate(ds):
-            text = record.get("text")
-            if not isinstance(text, str):
-                raise ConfigError(
-                    f"{where}: record {index} (counting from 0 over the files in order) has 'text' = "
-                    f"{text!r:.80}; every record needs its document as a string under 'text'."
-                )
-            yield text
+            yield _document_text(record, where, f"record {index} (counting from 0 over the files in order)")
     except ConfigError:
         raise
     except Exception as e:  # e.g. bytes that are not UTF-8, decoded only as records are read
         raise unreadable(e) from None
+
+
+def _document_text(record: dict, where: str, which: str) -> str:
+    """The record's 'text'; a ConfigError naming `where` and `which` record if it is not a string."""
+    text = record.get("text")
+    if not isinstance(text, str):
+        raise ConfigError(
+            f"{where}: {which} has 'text' = {text!r:.80}; every record needs its document as a "
+            "string under 'text'."
+        )
+    return text
 
 
 def _name_files(files: list[Path]) -> str:
@@ -269,7 +272,8 @@ class StreamingTokenDataset(IterableDataset):
             empty = True
             for record in self.data:
                 empty = False
-                self.buffer.extend(self.tokenizer.encode(record["text"], bos=True, eos=True))
+                text = _document_text(record, f"'training.dataset' = '{self.name}'", "a record")
+                self.buffer.extend(self.tokenizer.encode(text, bos=True, eos=True))
                 while len(self.buffer) >= self.seq_len + 1:
                     chunk = torch.tensor(self.buffer[: self.seq_len + 1])
                     self.buffer = self.buffer[self.seq_len + 1 :]

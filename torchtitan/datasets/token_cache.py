@@ -19,13 +19,17 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan.config.manager import ConfigError
+
 logger = logging.getLogger(__name__)
 
 TOKEN_DTYPE = np.uint32
 _DOCS_PER_BATCH = 1024
 # Bump when the same files and tokenizer would tokenize differently (how documents are read or
 # wrapped), so caches written by older code are not reused.
-CACHE_FORMAT = 3  # 2: a .txt file is one document, no longer one per line; 3: special-token text is text
+# 2: a .txt file is one document, no longer one per line; 3: special-token text is text;
+# 4: local files are read directly, so no cache holds text from datasets' stale Arrow copy.
+CACHE_FORMAT = 4
 
 
 def cache_dir() -> Path:
@@ -102,11 +106,17 @@ def load_or_build(files: list[Path], tokenizer, read_documents) -> np.memmap:
     then tokenizes on its own, which is slower but still correct.
     """
     path = cache_dir() / f"{cache_key(files, tokenizer)}.bin"
-    if not path.exists():
-        with _build_lock(path):
-            if not path.exists():
-                _write_tokens(path, read_documents(), tokenizer)
-    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+    try:
+        if not path.exists():
+            with _build_lock(path):
+                if not path.exists():
+                    _write_tokens(path, read_documents(), tokenizer)
+        return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+    except OSError as error:  # reading the data files raises ConfigError, so this is the cache
+        raise ConfigError(
+            f"the token cache '{path}' cannot be written or read ({error.strerror or error}). Set "
+            "$TORCHTITAN_CACHE_DIR to a writable folder with room for the tokens (4 bytes each)."
+        ) from None
 
 
 @contextlib.contextmanager
