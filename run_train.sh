@@ -16,6 +16,6 @@ if [ -z "${NGPU:-}" ]; then
 fi
 LOG_RANK=${LOG_RANK:-0}
 
-exec torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+exec python -m torchtitan.launch --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
   -m torchtitan.train "$@"

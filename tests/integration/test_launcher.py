@@ -1,4 +1,5 @@
-"""`run_train.sh` checks the config in one process before it starts torchrun."""
+"""`run_train.sh` checks the config in one process before it starts torchrun, and ends with
+exit code 2 when a rank stops on bad input only it could see (`torchtitan.launch`)."""
 
 import os
 import subprocess
@@ -24,6 +25,26 @@ def test_run_train_sh_reports_a_config_mistake_in_one_line_with_exit_code_2():
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "'training.steps' = 'abc'" in proc.stderr and "expected int" in proc.stderr
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+
+
+@pytest.mark.parametrize("log_rank", ["0", "1"])
+def test_run_train_sh_ends_a_mistake_the_ranks_find_with_exit_code_2_and_no_traceback(log_rank):
+    """A dataset path is checked where the data is read, on each rank; with LOG_RANK hiding
+    the rank whose error comes first, the launcher prints it."""
+    env = {**os.environ, "NGPU": "2", "LOG_RANK": log_rank}
+    proc = subprocess.run(
+        ["./run_train.sh", "--training.dataset_path", "/no/such/corpus", "--training.steps", "1"],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    assert "'training.dataset_path' = '/no/such/corpus' does not exist" in output
+    assert "Traceback" not in output and "ChildFailedError" not in output
+    assert ("rank 0: error: 'training.dataset_path'" in proc.stderr) == (log_rank == "1")
 
 
 def test_config_check_reads_config_file_from_the_environment_as_the_trainer_does():

@@ -89,7 +89,8 @@ def test_the_time_limit_signal_makes_the_trainers_save_and_stop(slurm, tmp_path)
     )
     checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoint").iterdir())
     assert checkpoints == [f"step-{stopped_at}"], checkpoints
-    assert "stopped before the time limit" in output and "resubmit the same command" in output
+    assert "stopped before the time limit (exit 143)" in output and "resubmit the same command" in output
+    assert "ExitCode=143:0" in job and "Traceback" not in output, job
     assert not (PROJECT_ROOT / f".torchtitan-stop-{job_id}").exists()  # the script cleans up
 
 
@@ -99,3 +100,11 @@ def test_a_config_mistake_ends_the_job_with_exit_code_2_before_any_torchrun(slur
     assert "ExitCode=2:0" in job, job + output[-3000:]
     assert "error: 'training.steps' = 'abc'" in output
     assert "torchrun" not in output and "Traceback" not in output
+
+
+def test_a_mistake_only_the_ranks_can_find_ends_the_job_with_exit_code_2_and_no_traceback(slurm, tmp_path):
+    job = _wait_for_job(_submit(tmp_path, ["--training.dataset_path", "/no/such/corpus"]))
+    output = (tmp_path / "job.out").read_text()
+    assert "ExitCode=2:0" in job, job + output[-3000:]
+    assert "'training.dataset_path' = '/no/such/corpus' does not exist" in output
+    assert "Traceback" not in output and "ChildFailedError" not in output

@@ -1,0 +1,76 @@
+"""torchrun, as the launch scripts run it, ending a run that stopped on purpose with its own exit code.
+
+    python -m torchtitan.launch [torchrun options] -m torchtitan.train [trainer arguments]
+
+This is torchrun in this process (`torch.distributed.run`), with one difference. torchrun
+reports any rank that exits non-zero as a failure: a ChildFailedError traceback and exit code 1.
+When the first rank to fail exited on purpose, that hides what happened:
+
+- exit 2: the rank met bad input it could only see there (a dataset path, a tokenizer file, a
+  setting that needs the model). The rank has printed the one-paragraph message; this prints it
+  again only when `--local-ranks-filter` hid that rank's output, and exits 2.
+- exit 143: the rank stopped on the stop file or SIGTERM after saving a checkpoint; this exits
+  143, so a job script can tell "resubmit to resume" from a crash.
+
+Any other failure (a crash, a NaN, a signal to torchrun itself) is torchrun's, unchanged.
+"""
+
+import signal
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.run import parse_args, run
+
+EXIT_BAD_INPUT = 2
+EXIT_STOPPED = 143  # 128 + SIGTERM, what the trainer exits with after a requested stop
+_ON_PURPOSE = (EXIT_BAD_INPUT, EXIT_STOPPED)
+# How torchrun ends the other ranks once one has exited: SIGTERM, then SIGKILL after a grace time.
+_TEARDOWN = {-signal.SIGTERM, -signal.SIGKILL}
+
+
+def _output_shown(local_rank: int, local_ranks_filter: str) -> bool:
+    """Whether torchrun showed this local rank's output (`--local-ranks-filter`, empty: all)."""
+    return not local_ranks_filter or str(local_rank) in local_ranks_filter.split(",")
+
+
+def closing_report(error: ChildFailedError, local_ranks_filter: str) -> tuple[int, str] | None:
+    """(exit code, message to print) when the ranks that failed exited on purpose, else None.
+
+    On purpose: every failure exited with one of the codes above, or was killed by the signal
+    torchrun tears the other ranks down with once one has exited. The message is empty when
+    the rank's own output already showed it."""
+    codes = {failure.exitcode for failure in error.failures.values()}
+    on_purpose = codes & set(_ON_PURPOSE)
+    if len(on_purpose) != 1 or not codes - on_purpose <= _TEARDOWN:
+        return None
+    code = on_purpose.pop()
+    rank = min(r for r, f in error.failures.items() if f.exitcode == code)
+    failure = error.failures[rank]
+    if code == EXIT_STOPPED or _output_shown(failure.local_rank, local_ranks_filter):
+        return code, ""
+    return code, f"rank {rank}: {_message(failure)}"
+
+
+def _message(failure: ProcessFailure) -> str:
+    message = failure.message
+    return message.get("message", str(message)) if isinstance(message, dict) else str(message)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run torchrun with `argv` (default: the command line); returns the exit code."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run(args)
+    except ChildFailedError as error:
+        report = closing_report(error, args.local_ranks_filter or "")
+        if report is None:
+            raise
+        code, message = report
+        if message:
+            print(message, file=sys.stderr)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
