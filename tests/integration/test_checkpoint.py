@@ -150,6 +150,18 @@ def test_excluded_dataloader_restarts_the_data_but_keeps_the_weights(uninterrupt
     assert resumed[6] < 0.95 * original[1]  # ... with the trained weights, not fresh ones
 
 
+def test_an_initial_load_that_is_not_model_only_continues_the_run_it_was_saved_by(uninterrupted, tmp_path):
+    """As upstream: initial_load_model_only = false reads a training checkpoint whole (step, lr
+    schedule, data position, optimizer), so the new folder's steps 6-10 are the source's."""
+    step_5 = uninterrupted / "checkpoint" / "step-5"
+    proc = _train(tmp_path, extra=["--checkpoint.initial_load_path", str(step_5),
+                                   "--checkpoint.no_initial_load_model_only"])  # fmt: skip
+    assert "loaded model, optimizer, lr_scheduler, train_state, dataloader" in proc.stderr
+    resumed, original = _losses(tmp_path), _losses(uninterrupted)
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
+    assert all(resumed[s] == original[s] for s in resumed), (resumed, original)
+
+
 def test_a_resumed_run_logs_its_own_first_step_and_counts_only_its_own_steps(uninterrupted, tmp_path):
     proc = _resume_from_step_5(uninterrupted, tmp_path, extra=["--metrics.log_freq", "4"])
     assert sorted(_losses(tmp_path)) == [6, 8, 10]  # first of this run, every 4th, last

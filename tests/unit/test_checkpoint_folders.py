@@ -157,15 +157,51 @@ def test_a_seed_checkpoint_alone_is_loaded(tmp_path):
     assert _load_folders_only(manager, restarts_at_step_0=True) == ["step-0"]
 
 
-def test_a_load_that_restarts_the_step_count_sets_the_newer_checkpoints_aside(tmp_path):
+def test_a_load_that_restarts_the_step_count_sets_the_newer_checkpoints_aside_at_its_first_save(tmp_path):
     manager = _manager(tmp_path, "--checkpoint.exclude_from_loading", "train_state")
     for step in (3, 6):
         _save(manager.folder, step)
 
     assert _load_folders_only(manager, restarts_at_step_0=True) == ["step-6"]
+    # A crash before this run's first save must find what it loaded: the relaunch loads it again.
+    assert complete_steps(manager.folder) == [3, 6]
 
-    assert complete_steps(manager.folder) == []
-    assert sorted(p.name for p in manager.folder.iterdir()) == ["step-3.superseded", "step-6.superseded"]
+    _save(manager.folder, 1, suffix=".partial")
+    manager._publish(manager.folder / "step-1.partial", manager.folder / "step-1", start=0.0)
+
+    assert complete_steps(manager.folder) == [1]
+    assert sorted(p.name for p in manager.folder.iterdir()) == [
+        "step-1",
+        "step-3.superseded",
+        "step-6.superseded",
+    ]
+
+
+def test_a_rollback_that_restarts_the_step_count_sets_aside_the_newer_checkpoints_at_once(tmp_path):
+    manager = _manager(
+        tmp_path, "--checkpoint.load_step", "3", "--checkpoint.exclude_from_loading", "train_state"
+    )
+    for step in (3, 6):
+        _save(manager.folder, step)
+
+    assert _load_folders_only(manager, restarts_at_step_0=True) == ["step-3"]
+
+    assert complete_steps(manager.folder) == [3]  # 6 would be the relaunch's newest otherwise
+
+
+def test_a_folder_of_hf_exports_only_is_refused_rather_than_restarted_from_random_weights(tmp_path):
+    manager = _manager(tmp_path)
+    (manager.folder / "step-2-hf").mkdir(parents=True)  # a finished run's last_save_in_hf export
+
+    with pytest.raises(ConfigError, match=r"only Hugging Face exports \(steps \[2\].*initial_load_path = "
+                       r"'.*step-2-hf' and checkpoint.initial_load_in_hf = true"):  # fmt: skip
+        manager.load(TrainState())
+
+
+def test_a_checkpoint_folder_that_is_a_file_is_refused_before_training(tmp_path):
+    (tmp_path / "checkpoint").write_text("")
+    with pytest.raises(ConfigError, match=r"checkpoint folder '.*checkpoint' .* is a file"):
+        _manager(tmp_path)
 
 
 def test_a_save_of_an_existing_step_replaces_the_folder_whole_and_leaves_nothing_aside(tmp_path):

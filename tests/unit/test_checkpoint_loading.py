@@ -147,11 +147,33 @@ def test_a_dcp_checkpoint_of_another_model_is_refused_naming_a_wrong_shape(tmp_p
         manager.load(TrainState())
 
 
-def test_initial_load_path_without_checkpointing_enabled_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    "argv, named",
+    [(["--checkpoint.initial_load_path", "/x"], "'checkpoint.initial_load_path' = '/x'"),
+     (["--checkpoint.load_step", "3"], "'checkpoint.load_step' = 3"),
+     (["--checkpoint.exclude_from_loading", "model"], "'checkpoint.exclude_from_loading' = ['model']"),
+     (["--checkpoint.last_save_in_hf"], "'checkpoint.last_save_in_hf' = True")],
+    ids=["initial_load_path", "load_step", "exclude_from_loading", "last_save_in_hf"],
+)  # fmt: skip
+def test_a_key_that_acts_only_with_checkpointing_enabled_is_refused_without_it(tmp_path, argv, named):
+    with pytest.raises(ConfigError, match=re.escape(f"{named} acts only with checkpoint.enable = true")):
+        parse_args(["--job.dump_folder", str(tmp_path), *argv], env={})
+
+
+def test_an_hf_initial_load_that_asks_for_the_optimizer_state_is_refused(tmp_path):
+    argv = ["--checkpoint.enable", "--checkpoint.initial_load_path", "/x", "--checkpoint.initial_load_in_hf"]
     with pytest.raises(
-        ConfigError, match=r"'checkpoint.initial_load_path' = '/x' is read only with checkpoint.enable"
+        ConfigError, match="'checkpoint.initial_load_model_only' = false asks for the optimizer"
     ):
-        _manager(tmp_path, ["--checkpoint.initial_load_path", "/x"])
+        parse_args([*argv, "--checkpoint.no_initial_load_model_only"], env={})
+
+
+def test_an_hf_last_save_that_should_be_resumable_is_refused(tmp_path):
+    argv = ["--checkpoint.enable", "--checkpoint.last_save_in_hf", "--checkpoint.no_last_save_model_only"]
+    with pytest.raises(
+        ConfigError, match="'checkpoint.last_save_in_hf' = true writes the model weights only"
+    ):
+        parse_args(argv, env={})
 
 
 def test_a_final_hf_export_that_cannot_be_written_is_refused_at_startup(tmp_path):

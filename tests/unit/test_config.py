@@ -123,7 +123,7 @@ def test_an_empty_config_value_is_refused_rather_than_training_the_default(argv)
          "'activation_checkpoint.selective_ac_option' = 'x'"),
         (["--activation_checkpoint.mode", "memory_budget"], "set compile.enable = true"),
         (["--profiling.enable_profiling", "--profiling.profile_freq", "2"], "'profiling.profile_freq' = 2"),
-        (["--checkpoint.initial_load_path", "/x"], "read only with checkpoint.enable = true"),
+        (["--checkpoint.initial_load_path", "/x"], "acts only with checkpoint.enable = true"),
         (["--checkpoint.enable", "--checkpoint.exclude_from_loading", "modle"], "names ['modle']"),
         (["--checkpoint.enable", "--checkpoint.initial_load_in_hf"], "needs 'checkpoint.initial_load_path'"),
         (["--checkpoint.load_step", "-5"], "'checkpoint.load_step' = -5 is out of range: it must be >= -1"),

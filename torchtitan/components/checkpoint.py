@@ -66,6 +66,7 @@ from torchtitan.tools.dtypes import TORCH_DTYPES
 logger = logging.getLogger(__name__)
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
+HF_EXPORT_FOLDER = re.compile(r"^step-(\d+)-hf$")  # last_save_in_hf's final export
 PARTIAL_SUFFIX = ".partial"
 SUPERSEDED_SUFFIX = ".superseded"
 REPLACED_SUFFIX = ".replaced"  # a checkpoint folder being replaced by a newer save of its step
@@ -153,6 +154,13 @@ def saved_keys(folder: Path) -> set[str]:
     return {key.split(".")[0] for key in metadata.state_dict_metadata}
 
 
+def hf_export_steps(folder: Path) -> list[int]:
+    """Steps with a Hugging Face export (`step-N-hf`, model weights only) in `folder`, ascending."""
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := HF_EXPORT_FOLDER.match(p.name)))
+
+
 def resumable_steps(folder: Path) -> list[int]:
     """Complete checkpoints that hold a training state (not model-only exports), ascending."""
     return [s for s in complete_steps(folder) if "train_state" in saved_keys(folder / f"step-{s}")]
@@ -206,6 +214,7 @@ class CheckpointManager:
         self.folder = Path(job_config.job.dump_folder) / c.folder
         self.pending = None  # (future, partial folder, final folder) of an async save
         self.resumable_step: int | None = None  # the step of the last full checkpoint saved or loaded
+        self.set_aside_after_first_save = False  # see `load`
         self.stager: DefaultStager | None = None  # async_with_pinned_mem's, built at its first save
         self.staging = None  # future of the pending save's copy to host memory
         self._check(job_config)
@@ -217,6 +226,11 @@ class CheckpointManager:
 
     def _check(self, job_config: JobConfig) -> None:
         c = self.config
+        if c.enable and self.folder.exists() and not self.folder.is_dir():
+            raise ConfigError(
+                f"the checkpoint folder '{self.folder}' (job.dump_folder / checkpoint.folder) is a file; "
+                "move it, or set checkpoint.folder to another name."
+            )
         if c.create_seed_checkpoint and dist.is_initialized() and dist.get_world_size() > 1:
             raise ConfigError(
                 "'checkpoint.create_seed_checkpoint' = true writes the initial weights from one process; "
@@ -434,7 +448,10 @@ class CheckpointManager:
             _barrier()
         if _rank() == 0:
             _replace_folder(final, partial)
+            if self.set_aside_after_first_save:
+                self._set_aside_newer_than(int(final.name.removeprefix("step-")))
             self._keep_latest()
+        self.set_aside_after_first_save = False
         if collective:
             _barrier()
         logger.info(f"Saved checkpoint {final} in {time.perf_counter() - start:.1f}s")
@@ -508,6 +525,14 @@ class CheckpointManager:
                 f"checkpoint.initial_load_path = '{self.folder / f'step-{exports[-1]}'}'; to end runs "
                 "resumably, set checkpoint.last_save_model_only = false."
             )
+        if hf_exports := hf_export_steps(self.folder):
+            return None, (
+                f"{self.folder} holds only Hugging Face exports (steps {hf_exports}: what a run "
+                "writes at its end with checkpoint.last_save_in_hf), which a run cannot resume from. "
+                "To train on from those weights, start a new job.dump_folder with "
+                f"checkpoint.initial_load_path = '{self.folder / f'step-{hf_exports[-1]}-hf'}' and "
+                "checkpoint.initial_load_in_hf = true; to end runs resumably, set last_save_in_hf = false."
+            )
         return (0 if steps else None), None
 
     def load(self, train_state: TrainState) -> bool:
@@ -520,14 +545,29 @@ class CheckpointManager:
             # A rollback, or a load that restarts the step count (a model-only step, or
             # train_state excluded): the checkpoints after it belong to the abandoned run.
             if self.config.load_step >= 0 or train_state.step < step:
-                self._set_aside_newer_than(train_state.step)
+                self._set_aside_newer_than(step)
+            # Those from the restart point up to the loaded step too, but only once this run has
+            # a checkpoint of its own: set aside now, a crash before that would leave nothing
+            # to resume from, and the relaunch would train from random weights.
+            if train_state.step < step:
+                self.set_aside_after_first_save = True
             if train_state.step == step > 0:
                 self.resumable_step = step
+            if self.config.initial_load_path:
+                logger.info(
+                    f"checkpoint.initial_load_path '{self.config.initial_load_path}' not read: "
+                    f"{self.folder} already holds this run's checkpoints, resumed from step-{step}"
+                )
         elif self.config.initial_load_path:
-            self._load_initial(Path(self.config.initial_load_path))
+            self._load_initial(Path(self.config.initial_load_path), train_state)
         else:
             return False
         self._use_the_schedulers_lr()
+        if train_state.step >= (steps := self.job_config.training.steps):
+            logger.warning(
+                f"The loaded checkpoint is at step {train_state.step}, and training.steps = {steps}: "
+                "nothing is left to train. Raise training.steps to train on."
+            )
         return True
 
     def _use_the_schedulers_lr(self) -> None:
@@ -555,12 +595,12 @@ class CheckpointManager:
                 shutil.rmtree(folder.with_name(folder.name + SUPERSEDED_SUFFIX), ignore_errors=True)
                 folder.rename(folder.with_name(folder.name + SUPERSEDED_SUFFIX))
             logger.warning(
-                f"Rolled back to step {step}: set aside the newer checkpoints of steps {newer} as "
+                f"Set aside the checkpoints of steps {newer}, newer than step {step} of this run, as "
                 f"step-N{SUPERSEDED_SUFFIX} in {self.folder} (rename one back to resume from it)"
             )
         _barrier()
 
-    def _load_full(self, folder: Path, train_state: TrainState) -> None:
+    def _load_full(self, folder: Path, train_state: TrainState, key: str = "checkpoint.folder") -> None:
         excluded = set(self.config.exclude_from_loading)
         metadata = dcp.FileSystemReader(str(folder)).read_metadata()
         saved = saved_keys(folder)
@@ -581,7 +621,7 @@ class CheckpointManager:
                 state["train_state"]["rng"] = {f"rank{_rank()}": _rng_state(self.device)}
         on_disk = self._on_disk(state)
         if "model" in on_disk:
-            self._check_fits(folder, on_disk["model"], "checkpoint.folder")
+            self._check_fits(folder, on_disk["model"], key)
         dcp.load(on_disk, checkpoint_id=str(folder))
         if "model" in state:
             set_model_state_dict(self.model, state["model"])
@@ -672,7 +712,7 @@ class CheckpointManager:
         dcp.load(state, checkpoint_id=str(folder), planner=DefaultLoadPlanner(allow_partial_load=True))
         return state["dataloader"][slot]
 
-    def _load_initial(self, path: Path) -> None:
+    def _load_initial(self, path: Path, train_state: TrainState) -> None:
         c = self.config
         if not path.exists():
             raise ConfigError(f"'checkpoint.initial_load_path' = '{path}' does not exist.")
@@ -681,15 +721,16 @@ class CheckpointManager:
             logger.info(f"Initialized the model from Hugging Face safetensors in {path}")
             return
         self._check_initial_dcp(path)
-        state = {"model": self._model_state()}
         if not c.initial_load_model_only:
-            state["optimizer"] = self._optimizer_state()
+            # As upstream: a training checkpoint like any other (optimizer, lr schedule, data
+            # position, step), less `exclude_from_loading`; this run saves to its own folder.
+            self._load_full(path, train_state, "checkpoint.initial_load_path")
+            return
+        state = {"model": self._model_state()}
         on_disk = self._on_disk(state)
         self._check_fits(path, on_disk["model"], "checkpoint.initial_load_path")
         dcp.load(on_disk, checkpoint_id=str(path))
         set_model_state_dict(self.model, state["model"])
-        if "optimizer" in state:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         logger.info(f"Initialized the model from checkpoint {path}")
 
     def _check_initial_dcp(self, path: Path) -> None:
@@ -763,6 +804,11 @@ class CheckpointManager:
                 self.hf_adapter.from_hf(dequantize_fp8(meta_tensors(layout), block))
             )
         except (StateDictMismatchError, FileNotFoundError) as error:
+            if _is_dcp(path):
+                raise ConfigError(
+                    f"'checkpoint.initial_load_path' = '{path}' is a DCP checkpoint, not Hugging Face "
+                    "safetensors; set checkpoint.initial_load_in_hf = false."
+                ) from None
             raise ConfigError(f"{self._not_this_model(path)}: {error}. {_HF_LOAD_FIX}") from None
         except HFQuantizationError as error:
             raise ConfigError(f"'checkpoint.initial_load_path' = '{path}': {error}") from None

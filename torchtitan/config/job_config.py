@@ -266,7 +266,11 @@ class Checkpoint:
     enable_first_step_checkpoint: bool = opt(False, "save right after step 1")
     create_seed_checkpoint: bool = opt(False, "write initial weights and exit (one process)")
     initial_load_path: str | None = opt(None, "checkpoint to start from when the folder is empty")
-    initial_load_model_only: bool = opt(True, "initial load reads model weights only")
+    initial_load_model_only: bool = opt(
+        True,
+        "initial load reads model weights only; false reads it as a training checkpoint (optimizer, "
+        "lr schedule, data position and step, less exclude_from_loading)",
+    )
     initial_load_in_hf: bool = opt(False, "initial_load_path holds HF safetensors")
     last_save_in_hf: bool = opt(False, "final save as HF safetensors")
 

@@ -621,16 +621,42 @@ def _check_checkpoint(config: JobConfig) -> None:
             f"'checkpoint.exclude_from_loading' = {c.exclude_from_loading} names {unknown}, which a "
             f"checkpoint does not hold; valid entries: {', '.join(CHECKPOINT_STATE_KEYS)}."
         )
-    if c.initial_load_path and not c.enable:
-        folder = Path(config.job.dump_folder) / c.folder
+    if not c.enable:
+        _refuse_checkpoint_keys_without_enable(config)
+    if c.initial_load_in_hf and not c.initial_load_model_only:
         raise ConfigError(
-            f"'checkpoint.initial_load_path' = '{c.initial_load_path}' is read only with "
-            f"checkpoint.enable = true; set it (this run's checkpoints then go to '{folder}')."
+            "'checkpoint.initial_load_model_only' = false asks for the optimizer and training state, "
+            "which a Hugging Face checkpoint (checkpoint.initial_load_in_hf = true) does not hold; "
+            "set initial_load_model_only = true."
+        )
+    if c.last_save_in_hf and not c.last_save_model_only:
+        raise ConfigError(
+            "'checkpoint.last_save_in_hf' = true writes the model weights only, but "
+            "checkpoint.last_save_model_only = false asks for a last checkpoint to resume from; set "
+            "last_save_model_only = true, or last_save_in_hf = false (and convert a DCP checkpoint "
+            "later with scripts/checkpoint_conversion/convert_to_hf.py)."
         )
     if c.initial_load_in_hf and not c.initial_load_path:
         raise ConfigError(
             "'checkpoint.initial_load_in_hf' = true needs 'checkpoint.initial_load_path', the folder "
             "with the Hugging Face safetensors."
+        )
+
+
+def _refuse_checkpoint_keys_without_enable(config: JobConfig) -> None:
+    """Keys that act only with checkpoint.enable; ignoring them would train from scratch, or end
+    with no export, without a word."""
+    c, defaults = config.checkpoint, type(config.checkpoint)()
+    set_keys = [
+        f"'checkpoint.{key}' = {getattr(c, key)!r}"
+        for key in ("initial_load_path", "load_step", "exclude_from_loading", "last_save_in_hf")
+        if getattr(c, key) != getattr(defaults, key)
+    ]
+    if set_keys:
+        folder = Path(config.job.dump_folder) / c.folder
+        raise ConfigError(
+            f"{set_keys[0]} acts only with checkpoint.enable = true; set it (this run's checkpoints "
+            f"then go to '{folder}'), or remove the key."
         )
 
 
