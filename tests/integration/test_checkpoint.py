@@ -162,6 +162,25 @@ def test_an_initial_load_that_is_not_model_only_continues_the_run_it_was_saved_b
     assert all(resumed[s] == original[s] for s in resumed), (resumed, original)
 
 
+def test_a_load_that_restarts_the_step_count_on_two_ranks_sets_the_loaded_step_aside_at_its_first_save(
+    uninterrupted, tmp_path
+):
+    (tmp_path / "checkpoint").mkdir(parents=True)
+    shutil.copytree(uninterrupted / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-5")
+    extra = [
+        "--checkpoint.exclude_from_loading",
+        "train_state",
+        "--training.steps",
+        "4",
+        "--checkpoint.interval",
+        "2",
+    ]
+    proc = _train(tmp_path, "FSDP 2", extra)
+    assert "Set aside the checkpoints of steps [5], newer than step 2 of this run" in proc.stderr
+    assert _steps(tmp_path) == ["step-2", "step-4", "step-5.superseded"]
+    assert sorted(_losses(tmp_path)) == [1, 2, 3, 4]
+
+
 def test_a_resumed_run_logs_its_own_first_step_and_counts_only_its_own_steps(uninterrupted, tmp_path):
     proc = _resume_from_step_5(uninterrupted, tmp_path, extra=["--metrics.log_freq", "4"])
     assert sorted(_losses(tmp_path)) == [6, 8, 10]  # first of this run, every 4th, last

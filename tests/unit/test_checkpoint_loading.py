@@ -151,8 +151,8 @@ def test_a_dcp_checkpoint_of_another_model_is_refused_naming_a_wrong_shape(tmp_p
     "argv, named",
     [(["--checkpoint.initial_load_path", "/x"], "'checkpoint.initial_load_path' = '/x'"),
      (["--checkpoint.load_step", "3"], "'checkpoint.load_step' = 3"),
-     (["--checkpoint.exclude_from_loading", "model"], "'checkpoint.exclude_from_loading' = ['model']"),
-     (["--checkpoint.last_save_in_hf"], "'checkpoint.last_save_in_hf' = True")],
+     (["--checkpoint.exclude_from_loading", "model"], "'checkpoint.exclude_from_loading' = [\"model\"]"),
+     (["--checkpoint.last_save_in_hf"], "'checkpoint.last_save_in_hf' = true")],
     ids=["initial_load_path", "load_step", "exclude_from_loading", "last_save_in_hf"],
 )  # fmt: skip
 def test_a_key_that_acts_only_with_checkpointing_enabled_is_refused_without_it(tmp_path, argv, named):

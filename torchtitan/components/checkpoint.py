@@ -448,13 +448,18 @@ class CheckpointManager:
             _barrier()
         if _rank() == 0:
             _replace_folder(final, partial)
-            if self.set_aside_after_first_save:
-                self._set_aside_newer_than(int(final.name.removeprefix("step-")))
+            self._after_first_save(int(final.name.removeprefix("step-")))
             self._keep_latest()
         self.set_aside_after_first_save = False
         if collective:
             _barrier()
         logger.info(f"Saved checkpoint {final} in {time.perf_counter() - start:.1f}s")
+
+    def _after_first_save(self, step: int) -> None:
+        """Rank 0, once this run's first checkpoint or export of `step` is published: set aside
+        what a restarting load left (see `load`)."""
+        if self.set_aside_after_first_save:
+            self._rename_newer_than(step)
 
     def _keep_latest(self) -> None:
         prune_checkpoints(self.folder, self.config.keep_latest_k)
@@ -480,7 +485,10 @@ class CheckpointManager:
                 self.hf_adapter.to_hf(self._in_export_dtype(full)), self.hf_adapter.hf_config(dtype), partial
             )
             _replace_folder(folder, partial)
+            # The abandoned run's step-N folders would otherwise be the next resume's newest.
+            self._after_first_save(int(folder.name.removeprefix("step-").removesuffix("-hf")))
             logger.info(f"Saved the model as Hugging Face safetensors in {folder}")
+        self.set_aside_after_first_save = False
         _barrier()
 
     # ----- loading ----------------------------------------------------------------------
@@ -587,18 +595,24 @@ class CheckpointManager:
         """After a rollback (`load_step` older than the newest, or a load that restarts at an
         earlier step), rename the newer checkpoints to `step-N.superseded`: left in place, the
         next plain resume would pick the abandoned run's newest, this run would overwrite them
-        one by one, and `keep_latest_k` would delete this run's checkpoints before them."""
+        one by one, and `keep_latest_k` would delete this run's checkpoints before them.
+        Collective: every rank calls it."""
+        if _rank() == 0:
+            self._rename_newer_than(step)
+        _barrier()
+
+    def _rename_newer_than(self, step: int) -> None:
+        """`_set_aside_newer_than`'s renames; rank 0 only, no collective."""
         newer = [s for s in complete_steps(self.folder) if s > step]
-        if _rank() == 0 and newer:
-            for s in newer:
-                folder = self.folder / f"step-{s}"
-                shutil.rmtree(folder.with_name(folder.name + SUPERSEDED_SUFFIX), ignore_errors=True)
-                folder.rename(folder.with_name(folder.name + SUPERSEDED_SUFFIX))
+        for s in newer:
+            folder = self.folder / f"step-{s}"
+            shutil.rmtree(folder.with_name(folder.name + SUPERSEDED_SUFFIX), ignore_errors=True)
+            folder.rename(folder.with_name(folder.name + SUPERSEDED_SUFFIX))
+        if newer:
             logger.warning(
                 f"Set aside the checkpoints of steps {newer}, newer than step {step} of this run, as "
                 f"step-N{SUPERSEDED_SUFFIX} in {self.folder} (rename one back to resume from it)"
             )
-        _barrier()
 
     def _load_full(self, folder: Path, train_state: TrainState, key: str = "checkpoint.folder") -> None:
         excluded = set(self.config.exclude_from_loading)

@@ -648,7 +648,7 @@ def _refuse_checkpoint_keys_without_enable(config: JobConfig) -> None:
     with no export, without a word."""
     c, defaults = config.checkpoint, type(config.checkpoint)()
     set_keys = [
-        f"'checkpoint.{key}' = {getattr(c, key)!r}"
+        f"'checkpoint.{key}' = {_as_written(getattr(c, key))}"
         for key in ("initial_load_path", "load_step", "exclude_from_loading", "last_save_in_hf")
         if getattr(c, key) != getattr(defaults, key)
     ]
@@ -880,6 +880,11 @@ def to_toml(config: JobConfig) -> str:
                 out.append(f"{key} = {_toml_value(value)}")
         out.append("")
     return "\n".join(out)
+
+
+def _as_written(value) -> str:
+    """A value as messages quote it: a string in single quotes, anything else as TOML writes it."""
+    return f"'{value}'" if isinstance(value, str) else _toml_value(value)
 
 
 def _toml_value(value) -> str:
