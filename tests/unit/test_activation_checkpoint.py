@@ -432,6 +432,18 @@ def test_op_sac_under_tp_holds_no_reduce_scatter_of_w2_and_never_reissues_one():
     assert collectives["reduce_scatter_tensor"] == without_ac["reduce_scatter_tensor"]
 
 
+def test_forcing_wo_under_tp_keeps_its_reduce_scatter_which_backward_needs():
+    """Unlike w2's, wo's reduce-scatter feeds the next norm's input, which recompute rebuilds."""
+    ac = "--activation_checkpoint."
+    forced = ["moe.router.gate", "feed_forward.w2", "moe.shared_experts.w2", "attention.wo"]
+    op_sac = [ac + "mode", "selective", ac + "selective_ac_option", "op"]
+    _, collectives = _tp2_held_and_backward_collectives(
+        *op_sac, ac + "per_op_sac_force_recompute_mm_shapes_by_fqns", ",".join(forced)
+    )
+    _, without_ac = _tp2_held_and_backward_collectives()
+    assert collectives["reduce_scatter_tensor"] == without_ac["reduce_scatter_tensor"]
+
+
 def test_a_default_force_recompute_entry_never_forces_a_matmul_it_does_not_name():
     from torchtitan.distributed.activation_checkpoint import _forced_recompute_mm_shapes
 

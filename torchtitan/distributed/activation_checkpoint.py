@@ -79,6 +79,10 @@ MOE_ONLY_OPS: frozenset = frozenset(
 # expert), so recompute can neither route differently nor hit a shape mismatch.
 ROUTING_OPS: frozenset = frozenset({_aten.topk.default, _aten.scatter_add.default})
 
+# Force-recompute entries that name a block's last matmul (or that of the part of an MoE block
+# that is not routed): its output, and under TP its reduce-scatter's, feed only the residual add.
+BLOCK_END_FQNS = ("feed_forward.w2", "moe.shared_experts.w2")
+
 
 def save_list(add=(), drop=()) -> frozenset:
     """A model's op save list: `DEFAULT_SAVE_LIST` plus `add`, minus `drop`."""
@@ -194,25 +198,27 @@ def _mm_weight_shape(func, args) -> tuple[int, int] | None:
     return None
 
 
-def _op_sac_policy(save_ops: frozenset, forced_mm_shapes: set, counts: dict, early_stop: bool = False):
+def _op_sac_policy(
+    save_ops: frozenset, forced_mm_shapes: set, counts: dict, block_end_mm_shapes: set = frozenset()
+):
     def policy(ctx, func, *args, **kwargs):
         if _is_device_to_host_copy(func, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
         phase = "recompute" if ctx.is_recompute else "forward"
         weight_shape = _mm_weight_shape(func, args)
         if weight_shape is not None:
-            forced = weight_shape in forced_mm_shapes
-            counts[phase, "after forced mm"] = forced
-            if forced:
+            counts[phase, "after block-end mm"] = weight_shape in block_end_mm_shapes
+            if weight_shape in forced_mm_shapes:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             counts[phase] += 1
             # Recomputing every second matmul halves their memory for half their time.
             if counts[phase] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
-        if func == _c10d.reduce_scatter_tensor.default and counts[phase, "after forced mm"] and early_stop:
-            # The sequence-parallel reduce-scatter of a forced matmul (w2) feeds only the
-            # residual add, as that matmul's output did: backward never reads it, so early
-            # stop never re-issues it, and saving it would hold b x s/tp x dim per block.
+        if func == _c10d.reduce_scatter_tensor.default and counts[phase, "after block-end mm"]:
+            # The sequence-parallel reduce-scatter of the block's last matmul (w2) feeds only
+            # the residual add, as that matmul's output did: backward never reads it, so early
+            # stop never re-issues it, and saving it would hold b x s/tp x dim per block. (Not
+            # so after wo: the next norm's input is recomputed from it.)
             return CheckpointPolicy.PREFER_RECOMPUTE
         if func in save_ops:
             return CheckpointPolicy.MUST_SAVE
@@ -240,15 +246,18 @@ def full_ac_moe_context_fn(replay_all_to_all: bool):
     return lambda: create_selective_checkpoint_contexts(_full_ac_moe_policy(replay_all_to_all))
 
 
-def op_sac_context_fn(save_ops: frozenset, forced_mm_shapes: set = frozenset(), early_stop: bool = False):
+def op_sac_context_fn(
+    save_ops: frozenset, forced_mm_shapes: set = frozenset(), block_end_mm_shapes: set = frozenset()
+):
     """A `context_fn` for op-SAC; each checkpointed call gets fresh matmul counters, shared
-    by its forward and its recompute so that both make the same choices. With `early_stop`
-    (the checkpoint's), the reduce-scatter right after a forced matmul is not saved either,
-    since backward never needs it; without, recompute would re-issue it."""
+    by its forward and its recompute so that both make the same choices. The reduce-scatter
+    right after a matmul of `block_end_mm_shapes` is not saved: give them only under
+    `early_stop` (the checkpoint's), which never recomputes it; without, recompute would
+    re-issue it."""
 
     def context_fn():
         return create_selective_checkpoint_contexts(
-            _op_sac_policy(save_ops, forced_mm_shapes, defaultdict(int), early_stop)
+            _op_sac_policy(save_ops, forced_mm_shapes, defaultdict(int), block_end_mm_shapes)
         )
 
     return context_fn
@@ -337,9 +346,12 @@ def apply_ac(
     is_op_sac = ac_config.mode == "selective" and ac_config.selective_ac_option == "op"
     every = int(ac_config.selective_ac_option) if ac_config.mode == "selective" and not is_op_sac else 1
     if is_op_sac:
-        shapes = _forced_recompute_mm_shapes(model, ac_config.per_op_sac_force_recompute_mm_shapes_by_fqns)
+        fqns = ac_config.per_op_sac_force_recompute_mm_shapes_by_fqns
+        shapes = _forced_recompute_mm_shapes(model, fqns)
+        block_ends = [fqn for fqn in fqns if fqn in BLOCK_END_FQNS] if ac_config.early_stop else []
+        block_end_shapes = _forced_recompute_mm_shapes(model, block_ends)
         save_ops = DEFAULT_SAVE_LIST if op_sac_save_list is None else frozenset(op_sac_save_list)
-        context_fn = op_sac_context_fn(save_ops, shapes, ac_config.early_stop)
+        context_fn = op_sac_context_fn(save_ops, shapes, block_end_shapes)
     full_kind = "full AC" if every == 1 else f"full AC on every {every}th block"
     blocks_by_kind: dict[str, list[str]] = defaultdict(list)
     for index, (name, block) in enumerate(list(model.layers.named_children())):
