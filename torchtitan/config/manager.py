@@ -558,8 +558,8 @@ def check_activation_checkpoint(
 ) -> None:
     """What `[activation_checkpoint]` can be checked for without the model: the mode, the
     selective option, memory_budget's range and its need of a compiling backend, and debug
-    with op-SAC or compile. Run by
-    `validate` (so the launchers' check catches it) and by `apply_ac` for direct callers.
+    with op-SAC or compile. Run by `validate` (so the launchers' check catches it) and by
+    `apply_ac` for direct callers.
 
     Raises:
         ConfigError: naming the key, its value and the fix.
