@@ -216,7 +216,7 @@ class Trainer:
             self.checkpointer.wait_for_staging()
             self.optimizer.step()
         # Read before the scheduler advances: the log line reports the lr this step used.
-        self.lr = self.lr_scheduler.get_last_lr()[0]
+        self.lr = self.optimizer.param_groups[0]["lr"]
         self.lr_scheduler.step()
         self.converters.post_optimizer_hook(self.model)
         if self.spec.post_optimizer_step_fn is not None:

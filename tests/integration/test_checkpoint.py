@@ -14,6 +14,8 @@ import torch
 
 from tests.conftest import PROJECT_ROOT, python_path, read_metrics, run_trainer
 from torchtitan.components.hf_io import load_hf
+from torchtitan.components.lr_scheduler import build_lr_scheduler
+from torchtitan.config.manager import parse_args
 from torchtitan.train import STOP_FILE_ENV, Trainer, main
 
 pytestmark = pytest.mark.integration
@@ -179,6 +181,24 @@ def test_a_load_that_restarts_the_step_count_on_two_ranks_sets_the_loaded_step_a
     assert "Set aside the checkpoints of steps [5], newer than step 2 of this run" in proc.stderr
     assert _steps(tmp_path) == ["step-2", "step-4", "step-5.superseded"]
     assert sorted(_losses(tmp_path)) == [1, 2, 3, 4]
+
+
+def test_a_resume_with_more_steps_runs_its_first_step_at_the_new_schedules_lr(uninterrupted, tmp_path):
+    """The checkpoint holds the 10-step schedule's lr for step 6; a 20-step run decays later."""
+    _resume_from_step_5(uninterrupted, tmp_path, extra=["--training.steps", "20"])
+    logged = _lrs(tmp_path)
+    cfg = parse_args(BASE + ["--training.steps", "20"], env={})
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.optimizer.lr)
+    scheduler = build_lr_scheduler(optimizer, cfg)
+    for _ in range(5):
+        optimizer.step()
+        scheduler.step()
+    assert logged[6] == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-6)
+    assert logged[6] != pytest.approx(_lrs(uninterrupted)[6], rel=1e-3)
+
+
+def _lrs(folder) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in read_metrics(folder)}
 
 
 def test_a_resumed_run_logs_its_own_first_step_and_counts_only_its_own_steps(uninterrupted, tmp_path):

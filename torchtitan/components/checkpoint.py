@@ -579,7 +579,7 @@ class CheckpointManager:
         return True
 
     def _use_the_schedulers_lr(self) -> None:
-        """Set the optimizer's lr to the one the LR scheduler will log for the next step.
+        """Set the optimizer's lr to the one this run's schedule gives the next step.
 
         `LambdaLR.load_state_dict` restores the schedule's position but leaves the optimizer's
         lr alone, and a loaded optimizer brings the lr of the step after its save: with only one
@@ -588,8 +588,13 @@ class CheckpointManager:
         """
         if self.optimizer is None or self.lr_scheduler is None:
             return
-        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr
+        # Recomputed from this run's schedule rather than the saved `get_last_lr()`: a resume
+        # with another training.steps (or warmup, decay) would run its first step at the old
+        # schedule's lr. The multipliers are this run's: LambdaLR saves no plain function.
+        scheduler = self.lr_scheduler
+        factors = [factor(scheduler.last_epoch) for factor in scheduler.lr_lambdas]
+        for group, base, factor in zip(self.optimizer.param_groups, scheduler.base_lrs, factors, strict=True):
+            group["lr"] = base * factor
 
     def _set_aside_newer_than(self, step: int) -> None:
         """After a rollback (`load_step` older than the newest, or a load that restarts at an
