@@ -12,12 +12,15 @@ When the first rank to fail exited on purpose, that hides what happened:
 - exit 143: the rank stopped on the stop file or SIGTERM after saving a checkpoint; this exits
   143, so a job script can tell "resubmit to resume" from a crash.
 
-Any other failure (a crash, a NaN, a signal to torchrun itself) is torchrun's, unchanged.
+A signal to the launcher itself (SIGTERM, or Ctrl-C's SIGINT) is passed on to the ranks by
+torchrun, as always; the launcher then exits 128 + its number (143, 130) instead of torchrun's
+SignalException traceback and exit 1. Any other failure (a crash, a NaN) is torchrun's, unchanged.
 """
 
 import signal
 import sys
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import parse_args, run
 
@@ -61,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run(args)
+    except SignalException as error:
+        # torchrun has passed the signal on and the ranks have stopped (after SIGTERM, with a
+        # checkpoint saved); its traceback would say nothing more.
+        print(f"torchtitan.launch: stopped by {error.sigval.name}", file=sys.stderr)
+        return 128 + error.sigval
     except ChildFailedError as error:
         report = closing_report(error, args.local_ranks_filter or "")
         if report is None:

@@ -3,8 +3,10 @@ exit code 2 when a rank stops on bad input only it could see (`torchtitan.launch
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -50,6 +52,24 @@ def test_run_train_sh_ends_a_mistake_the_ranks_find_with_exit_code_2_and_no_trac
     hidden_first = re.search(r"^rank (\d): error: 'training.dataset_path'", proc.stderr, re.M)
     assert shown in output
     assert hidden_first is None or hidden_first.group(1) != log_rank
+
+
+def test_sigterm_to_run_train_sh_saves_and_ends_with_143_and_no_traceback(tmp_path):
+    env = {**os.environ, "NGPU": "2"}
+    argv = ["./run_train.sh", "--training.steps", "100000", "--training.seq_len", "64",
+            "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "100000",
+            "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.monotonic() + 180
+    while not (tmp_path / "metrics.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)  # run_train.sh execs the launcher: this is torchrun's process
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, output[-3000:]
+    assert "Traceback" not in output and "torchtitan.launch: stopped by SIGTERM" in output
+    assert [p.name for p in (tmp_path / "checkpoint").iterdir()] != []
 
 
 def test_config_check_reads_config_file_from_the_environment_as_the_trainer_does():
