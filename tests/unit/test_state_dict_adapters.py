@@ -404,6 +404,16 @@ def test_sharded_save_round_trips_and_its_index_lists_every_key(tmp_path):
     assert loaded.keys() == hf.keys() and all(torch.equal(loaded[k], hf[k]) for k in hf)
 
 
+def test_shards_get_the_umasks_permissions_as_config_json_does(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        save_hf({"w": torch.zeros(2)}, {"model_type": "llama"}, tmp_path)
+    finally:
+        os.umask(previous)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert set(modes.values()) == {0o644}, modes
+
+
 def test_shards_stay_under_the_limit_unless_one_tensor_exceeds_it(tmp_path):
     tensors = {"a": torch.zeros(100), "b": torch.zeros(100), "c": torch.zeros(300), "d": torch.zeros(10)}
     save_hf(tensors, {}, tmp_path, max_shard_bytes=800)  # 400, 400, 1200, 40 bytes

@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import re
+import shutil
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -66,16 +67,19 @@ def save_hf(
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     shards = _plan_shards(state_dict, max_shard_bytes)
     weight_map = {}
     for number, keys in enumerate(shards, start=1):
         name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         save_file(_unshared({key: state_dict[key] for key in keys}), folder / name, metadata={"format": "pt"})
+        # safetensors writes through a private temporary file, so a shard came out 0600 where
+        # config.json gets the umask's permissions: others sharing the folder could not read it.
+        shutil.copymode(folder / CONFIG_FILE, folder / name)
         weight_map.update(dict.fromkeys(keys, name))
     total_size = sum(_nbytes(tensor) for tensor in state_dict.values())
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 
 def load_hf(folder: str | Path) -> dict[str, torch.Tensor]:
