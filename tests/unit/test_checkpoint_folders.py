@@ -1,5 +1,6 @@
 """Checkpoint folders: which survive keep_latest_k, and when an async save becomes visible."""
 
+import logging
 import time
 
 import pytest
@@ -131,14 +132,16 @@ def test_a_rollback_sets_the_newer_checkpoints_aside_so_they_neither_resume_nor_
     ]
 
 
-def test_a_plain_resume_keeps_a_newer_model_only_export(tmp_path):
+def test_a_plain_resume_keeps_a_newer_model_only_export_and_says_why_it_is_passed_over(tmp_path, caplog):
     manager = _manager(tmp_path)
     _save(manager.folder, 10)
     _save(manager.folder, 12, resumable=False)  # last_save_model_only
 
-    assert _load_folders_only(manager) == ["step-10"]
+    with caplog.at_level(logging.INFO, logger="torchtitan.components.checkpoint"):
+        assert _load_folders_only(manager) == ["step-10"]
 
     assert complete_steps(manager.folder) == [10, 12]
+    assert "Newer step-N folders [12] are model-only exports" in caplog.text
 
 
 def test_a_folder_of_model_only_exports_is_refused_rather_than_restarted_from_step_0(tmp_path):

@@ -364,7 +364,10 @@ class CheckpointManager:
             self.pending = (future, partial, final, start)
             return
         dcp.save(state, checkpoint_id=str(partial))
-        self._publish(partial, final, start)
+        model_only = last and c.last_save_model_only
+        self._publish(
+            partial, final, start, kind=" (model only: an export, not resumable)" if model_only else ""
+        )
 
     def _stager(self) -> DefaultStager:
         """The one stager of `async_with_pinned_mem`, reused by every save so that its host
@@ -440,7 +443,9 @@ class CheckpointManager:
         future.result()
         self._publish(partial, final, start, collective=False)
 
-    def _publish(self, partial: Path, final: Path, start: float, collective: bool = True) -> None:
+    def _publish(
+        self, partial: Path, final: Path, start: float, collective: bool = True, kind: str = ""
+    ) -> None:
         crash_step = os.environ.get(CRASH_DURING_SAVE_ENV)
         if crash_step is not None and final.name == f"step-{crash_step}":
             os._exit(17)
@@ -453,7 +458,7 @@ class CheckpointManager:
         self.set_aside_after_first_save = False
         if collective:
             _barrier()
-        logger.info(f"Saved checkpoint {final} in {time.perf_counter() - start:.1f}s")
+        logger.info(f"Saved checkpoint {final}{kind} in {time.perf_counter() - start:.1f}s")
 
     def _after_first_save(self, step: int) -> None:
         """Rank 0, once this run's first checkpoint or export of `step` is published: set aside
@@ -561,6 +566,13 @@ class CheckpointManager:
                 self.set_aside_after_first_save = True
             if train_state.step == step > 0:
                 self.resumable_step = step
+            if self.config.load_step < 0 and (
+                exports := [s for s in complete_steps(self.folder) if s > step]
+            ):
+                logger.info(
+                    f"Newer step-N folders {exports} are model-only exports (last_save_model_only), "
+                    f"which cannot be resumed from: resumed from step-{step}"
+                )
             if self.config.initial_load_path:
                 logger.info(
                     f"checkpoint.initial_load_path '{self.config.initial_load_path}' not read: "
