@@ -59,9 +59,28 @@ def _message(failure: ProcessFailure) -> str:
     return message.get("message", str(message)) if isinstance(message, dict) else str(message)
 
 
+def ranks_filter_problem(local_ranks_filter: str, nproc_per_node: str) -> str | None:
+    """Why `--local-ranks-filter` (run_train.sh's LOG_RANK) would hide output it means to show:
+    a rank that is not a local rank of this launch. None when it is fine."""
+    if not local_ranks_filter or not nproc_per_node.isdecimal():
+        return None
+    wanted = local_ranks_filter.split(",")
+    missing = [r for r in wanted if not r.isdecimal() or int(r) >= int(nproc_per_node)]
+    if not missing:
+        return None
+    return (
+        f"LOG_RANK (--local-ranks-filter) = '{local_ranks_filter}' names {', '.join(missing)}, not a "
+        f"local rank of the {nproc_per_node} processes per node (0 to {int(nproc_per_node) - 1}); "
+        "its output would never be shown. Give local ranks in that range, comma-separated."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with `argv` (default: the command line); returns the exit code."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if problem := ranks_filter_problem(args.local_ranks_filter or "", str(args.nproc_per_node)):
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         run(args)
     except SignalException as error:

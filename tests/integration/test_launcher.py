@@ -90,6 +90,16 @@ def test_config_check_passes_a_good_config_without_importing_torch():
     assert proc.stdout.split() == ["0", "False"], proc.stderr
 
 
+def test_config_check_run_by_hand_says_the_config_is_ok_and_lists_the_arguments_on_help():
+    check = [sys.executable, "-m", "torchtitan.config.check"]
+    ok = subprocess.run([*check, "--config", "llama3_8b.toml"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "config OK: llama3 8B, 1000 steps" in ok.stderr, ok.stderr
+    helped = subprocess.run([*check, "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "--training.steps" in helped.stdout
+    quiet = subprocess.run([*check, "--errors-only", "--help"], capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 0 and quiet.stdout == quiet.stderr == ""  # the trainer prints it
+
+
 def _check_stderr(tmp_path, *check_args: str) -> str:
     config = tmp_path / "upstream.toml"
     config.write_text("[training]\nbatch_size = 2\n")

@@ -6,7 +6,7 @@ import signal
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from torchtitan.launch import closing_report
+from torchtitan.launch import closing_report, ranks_filter_problem
 
 TERMINATED, KILLED = -signal.SIGTERM, -signal.SIGKILL
 
@@ -57,3 +57,13 @@ def test_the_message_of_a_hidden_rank_is_printed_naming_it(tmp_path):
 
 def test_a_stop_prints_nothing_more(tmp_path):
     assert closing_report(_failed(tmp_path, {1: 143, 0: 143}), "0") == (143, "")
+
+
+@pytest.mark.parametrize("ranks_filter", ["5", "0,2", "x"])
+def test_a_log_rank_that_is_no_local_rank_is_refused(ranks_filter):
+    assert "its output would never be shown" in ranks_filter_problem(ranks_filter, "2")
+
+
+@pytest.mark.parametrize("ranks_filter, nproc", [("0", "2"), ("0,1", "2"), ("", "2"), ("3", "gpu")])
+def test_local_ranks_of_the_launch_are_accepted(ranks_filter, nproc):
+    assert ranks_filter_problem(ranks_filter, nproc) is None

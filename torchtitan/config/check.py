@@ -7,13 +7,16 @@ mistake and torchrun would report it as a ChildFailedError traceback with exit c
 imports no torch, so it costs a fraction of a second.
 
 `--errors-only`, given first, hides the config's warnings (an upstream key that is renamed or
-ignored): launchers pass it because rank 0 logs the same warnings when training starts.
+ignored) and the closing "config OK" line: launchers pass it because rank 0 logs the same
+warnings when training starts. `--help` lists the trainer's arguments.
 """
 
 import logging
 import sys
 
-from torchtitan.config.manager import ConfigError, parse_args, wants_help
+from torchtitan.config.manager import ConfigError, format_help, parse_args, wants_help
+
+USAGE = "usage: python -m torchtitan.config.check [--errors-only] [the trainer's arguments]"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,18 +25,23 @@ def main(argv: list[str] | None = None) -> int:
     if errors_only:
         argv = argv[1:]
     if wants_help(argv):
-        return 0  # the trainer prints the help
+        if not errors_only:  # run by hand; a launcher leaves the help to the trainer it starts
+            print(USAGE + "\n\nThe trainer's arguments:\n\n" + format_help())
+        return 0
     config_logger = logging.getLogger("torchtitan")
     level = config_logger.level
     if errors_only:
         config_logger.setLevel(logging.ERROR)
     try:
-        parse_args(argv)
+        config = parse_args(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         config_logger.setLevel(level)
+    if not errors_only:
+        m = config.model
+        print(f"config OK: {m.name} {m.flavor}, {config.training.steps} steps", file=sys.stderr)
     return 0
 
 
