@@ -109,6 +109,26 @@ def _error(argv, env=None) -> str:
     return str(info.value)
 
 
+def test_a_config_folder_is_refused_naming_a_toml_file_in_it():
+    message = _error(["--config", "torchtitan/models/llama3/train_configs"])
+    assert "is a folder; give a TOML file in it, e.g." in message and message.endswith(".toml'.")
+
+
+def test_a_number_written_as_a_toml_string_is_refused_with_the_fix(tmp_path):
+    config = tmp_path / "quoted.toml"
+    config.write_text('[optimizer]\nlr = "3e-3"\n')
+    message = _error(["--config", str(config)])
+    assert "expected float (written as a string: write 3e-3 without quotes)" in message
+
+
+@pytest.mark.parametrize("flavor, suggested", [("8b", "8B"), ("debugmodle", "debugmodel")])
+def test_a_misspelled_flavor_gets_the_closest_one(flavor, suggested):
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    with pytest.raises(ConfigError, match=f"Did you mean '{suggested}'\\?"):
+        get_train_spec("llama3").get_flavor(flavor)
+
+
 @pytest.mark.parametrize("argv", [["--config", ""], ["--config="], ["--job.config_file", ""]])
 def test_an_empty_config_value_is_refused_rather_than_training_the_default(argv):
     message = _error(argv, env={"CONFIG_FILE": "llama3_8b.toml"})

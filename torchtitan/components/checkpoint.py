@@ -234,7 +234,7 @@ class CheckpointManager:
         if c.create_seed_checkpoint and dist.is_initialized() and dist.get_world_size() > 1:
             raise ConfigError(
                 "'checkpoint.create_seed_checkpoint' = true writes the initial weights from one process; "
-                "run it with NGPU=1 (no torchrun), then start the real run from that folder."
+                "run it with NGPU=1 (one process), then start the real run from that folder."
             )
         if (c.initial_load_in_hf or c.last_save_in_hf) and self.hf_adapter is None:
             raise ConfigError(

@@ -85,6 +85,11 @@ def resolve_config_path(name_or_path: str, source: str = "") -> Path:
             )
         looked += [str(d) for d in find_config_dirs()]
     given = f" (from {source})" if source else ""
+    if path.is_dir():
+        raise ConfigError(
+            f"config file '{name_or_path}'{given} is a folder; give a TOML file in it, e.g. "
+            f"'{next(iter(sorted(path.glob('*.toml'))), path / 'debug_model.toml')}'."
+        )
     raise ConfigError(
         f"config file '{name_or_path}'{given} does not exist. Looked in: {'; '.join(looked)}. "
         "Pass a path to a TOML file, or the name of a file in one of those folders."
@@ -105,13 +110,16 @@ def _is_abbreviation(short: str, name: str) -> bool:
     return short[:1] == name[:1] and all(c in letters for c in short)
 
 
-def _closest(name: str, choices) -> str:
-    """' Did you mean X?' with the most similar choice: close spelling, else an abbreviation."""
-    choices = list(choices)
-    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
-    close = close or [c for c in choices if _is_abbreviation(c, name)][:1]
-    close = close or difflib.get_close_matches(name, choices, n=1, cutoff=0.0)
-    return f" Did you mean '{close[0]}'?" if close else ""
+def did_you_mean(name: str, choices, always: bool = True) -> str:
+    """' Did you mean X?' with the most similar choice, case aside: close spelling, else an
+    abbreviation, else (with `always`) the least dissimilar; '' when there is none."""
+    by_lower = {c.lower(): c for c in choices}
+    lowered, choices = name.lower(), list(by_lower)
+    close = difflib.get_close_matches(lowered, choices, n=1, cutoff=0.5)
+    close = close or [c for c in choices if _is_abbreviation(c, lowered)][:1]
+    if always:
+        close = close or difflib.get_close_matches(lowered, choices, n=1, cutoff=0.0)
+    return f" Did you mean '{by_lower[close[0]]}'?" if close else ""
 
 
 def _unknown_key_error(where: str, section: str, key: str) -> ConfigError:
@@ -123,7 +131,7 @@ def _unknown_key_error(where: str, section: str, key: str) -> ConfigError:
         )
     if section not in sections:
         return ConfigError(
-            f"unknown section [{section}] in {where}.{_closest(section, sections)} "
+            f"unknown section [{section}] in {where}.{did_you_mean(section, sections)} "
             f"Valid sections: {', '.join(sections)}."
         )
     fields = _section_fields(sections[section])
@@ -136,7 +144,7 @@ def _unknown_key_error(where: str, section: str, key: str) -> ConfigError:
             f"write it as '{owners[0]}.{key}'."
         )
     return ConfigError(
-        f"unknown key '{section}.{key}' in {where}.{_closest(key, fields)} "
+        f"unknown key '{section}.{key}' in {where}.{did_you_mean(key, fields)} "
         f"Valid keys of [{section}]: {', '.join(fields)}."
     )
 
@@ -223,7 +231,7 @@ def _option_without_key_error(name: str) -> ConfigError:
         spelled = " or ".join(f"--{owner}.{name}" for owner in owners)
         return ConfigError(f"--{name} needs its section: use {spelled}.")
     return ConfigError(
-        f"unknown option --{name}: options look like --section.key VALUE.{_closest(name, sections)} "
+        f"unknown option --{name}: options look like --section.key VALUE.{did_you_mean(name, sections)} "
         f"Valid sections: {', '.join(sections)}."
     )
 
@@ -372,9 +380,21 @@ def _set_value(config: JobConfig, section: str, key: str, value, where: str, fro
     except (ValueError, TypeError):
         problem = "is not" if _is_choice(tp) else "has the wrong type: expected"
         raise ConfigError(
-            f"'{section}.{key}' = {value!r} in {where} {problem} {describe_type(tp)}."
+            f"'{section}.{key}' = {value!r} in {where} {problem} {describe_type(tp)}"
+            f"{_quoted_hint(value, tp) if not from_text else ''}."
         ) from None
     setattr(getattr(config, section), key, parsed)
+
+
+def _quoted_hint(value, tp) -> str:
+    """The fix for a number or boolean written as a TOML string ("3e-3" where 3e-3 was meant)."""
+    if not isinstance(value, str) or _is_choice(tp):
+        return ""
+    try:
+        _parse_text(value, tp)
+    except (ValueError, TypeError):
+        return ""
+    return f" (written as a string: write {value} without quotes)"
 
 
 def _read_toml(path: Path) -> dict:

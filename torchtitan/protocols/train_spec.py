@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from torchtitan.config.manager import ConfigError
+from torchtitan.config.manager import ConfigError, did_you_mean
 from torchtitan.protocols.model_args import BaseModelArgs
 
 
@@ -48,8 +48,9 @@ class TrainSpec:
         """The args of `flavor`; raises ConfigError listing the valid flavors, naming `flavor`
         as the config key or command-line option `key` it came from."""
         if flavor not in self.flavors:
+            hint = did_you_mean(flavor, self.flavors, always=False)
             raise ConfigError(
-                f"unknown flavor {_given(key, flavor)} for model '{self.name}'. "
+                f"unknown flavor {_given(key, flavor)} for model '{self.name}'.{hint} "
                 f"Valid flavors: {', '.join(self.flavors)}."
             )
         return self.flavors[flavor]
@@ -87,7 +88,8 @@ def get_train_spec(name: str, key: str = "model.name") -> TrainSpec:
     import torchtitan.models  # noqa: F401  (registers every model)
 
     if name not in _REGISTRY:
+        hint = did_you_mean(name, _REGISTRY, always=False)
         raise ConfigError(
-            f"unknown model {_given(key, name)}. Registered models: {', '.join(sorted(_REGISTRY))}."
+            f"unknown model {_given(key, name)}.{hint} Registered models: {', '.join(sorted(_REGISTRY))}."
         )
     return _REGISTRY[name]
