@@ -1,5 +1,6 @@
 """The package's import direction (../shared/ARCHITECTURE.md, README "Layout"), lazy imports included:
-tools, then config, then protocols, then components / distributed / datasets, then models, then train.py.
+tools, then config, then protocols, then components / distributed / datasets, then models, then the
+entry points (train.py, launch.py).
 A package may import its own layer and those before it, never one after it."""
 
 import ast
@@ -18,6 +19,7 @@ LAYER_OF_PACKAGE = {
     "datasets": 3,
     "models": 4,
     "train": 5,
+    "launch": 5,  # the launch scripts' torchrun; imports no torchtitan module
 }
 
 # The registry's lookup imports every model so that each registers its TrainSpec, as upstream
