@@ -4,7 +4,8 @@
 
 This is torchrun in this process (`torch.distributed.run`), with one difference. torchrun
 reports any rank that exits non-zero as a failure: a ChildFailedError traceback and exit code 1.
-When the first rank to fail exited on purpose, that hides what happened:
+When the ranks that failed exited on purpose (the others torn down by torchrun), that hides
+what happened:
 
 - exit 2: the rank met bad input it could only see there (a dataset path, a tokenizer file, a
   setting that needs the model). The rank has printed the one-paragraph message; this prints it
