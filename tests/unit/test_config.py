@@ -121,6 +121,13 @@ def test_a_number_written_as_a_toml_string_is_refused_with_the_fix(tmp_path):
     assert "expected float (written as a string: write 3e-3 without quotes)" in message
 
 
+def test_a_mistyped_number_gets_an_example_spelled_where_it_was_written(tmp_path):
+    assert _error(["--training.steps", "five"]).endswith("expected int, for example --training.steps 10000.")
+    config = tmp_path / "words.toml"
+    config.write_text('[optimizer]\nlr = "fast"\n')
+    assert _error(["--config", str(config)]).endswith("expected float, for example lr = 0.0008.")
+
+
 @pytest.mark.parametrize("flavor, suggested", [("8b", "8B"), ("debugmodle", "debugmodel")])
 def test_a_misspelled_flavor_gets_the_closest_one(flavor, suggested):
     from torchtitan.protocols.train_spec import get_train_spec

@@ -379,11 +379,23 @@ def _set_value(config: JobConfig, section: str, key: str, value, where: str, fro
         parsed = _parse_text(value, tp) if from_text else _coerce(value, tp)
     except (ValueError, TypeError):
         problem = "is not" if _is_choice(tp) else "has the wrong type: expected"
+        quoted = "" if from_text else _quoted_hint(value, tp)
+        hint = quoted or _example(section, key, fields[key], from_text)
         raise ConfigError(
-            f"'{section}.{key}' = {value!r} in {where} {problem} {describe_type(tp)}"
-            f"{_quoted_hint(value, tp) if not from_text else ''}."
+            f"'{section}.{key}' = {value!r} in {where} {problem} {describe_type(tp)}{hint}."
         ) from None
     setattr(getattr(config, section), key, parsed)
+
+
+def _example(section: str, key: str, field: dataclasses.Field, from_text: bool) -> str:
+    """A correctly typed example of a number or boolean key, from its default value."""
+    default = field.default
+    if isinstance(default, bool) or not isinstance(default, (int, float)):
+        # Booleans and choices already say "expected bool" / list the values.
+        return ""
+    if from_text:
+        return f", for example --{section}.{key} {default!r}"
+    return f", for example {key} = {_toml_value(default)}"
 
 
 def _quoted_hint(value, tp) -> str:
