@@ -378,25 +378,28 @@ class _BackwardCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _tp2_held_and_backward_collectives(*ac_args: str) -> tuple[int, dict[str, int]]:
-    """Bytes a 2-block Llama debug model under TP 2 (a fake process group, one process) holds
-    for backward, and the collectives its backward issues."""
+def _tp2_held_and_backward_collectives(
+    *ac_args: str, model_name: str = "llama3", flavor: str = "debugmodel"
+) -> tuple[int, dict[str, int]]:
+    """Bytes a 2-block debug model under TP 2 (a fake process group, one process) holds for
+    backward, and the collectives its backward issues."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     seq, tp = 256, 2
     cfg = parse_args(
-        ["--training.seq_len", str(seq), "--parallelism.tensor_parallel_degree", str(tp)]
-        + ["--parallelism.data_parallel_shard_degree", "1", *ac_args],
+        ["--model.name", model_name, "--model.flavor", flavor, "--training.seq_len", str(seq)]
+        + ["--parallelism.tensor_parallel_degree", str(tp), "--parallelism.data_parallel_shard_degree", "1"]
+        + list(ac_args),
         env={},
     )
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
     try:
         dims = ParallelDims.from_config(cfg.parallelism, tp)
         dims.build_mesh("cpu")
-        spec = get_train_spec("llama3")
+        spec = get_train_spec(model_name)
         with torch.device("meta"):
-            model = spec.model_cls(replace(spec.get_flavor("debugmodel").update_from_config(cfg), n_layers=2))
+            model = spec.model_cls(replace(spec.get_flavor(flavor).update_from_config(cfg), n_layers=2))
         spec.parallelize_fn(model, dims, cfg, torch.device("cpu"))
         model.to_empty(device="cpu")
         torch.manual_seed(0)
@@ -412,23 +415,30 @@ def _tp2_held_and_backward_collectives(*ac_args: str) -> tuple[int, dict[str, in
         dist.destroy_process_group()
 
 
-def test_op_sac_under_tp_holds_no_reduce_scatter_of_w2_and_never_reissues_one():
-    """w2's sequence-parallel reduce-scatter feeds only the residual add: with early stop
-    (the default) it is neither held nor re-issued; without, recompute re-issues it, so it
-    is saved."""
+@pytest.mark.parametrize(
+    "model_name, flavor",
+    [("llama3", "debugmodel"), ("qwen3", "debugmodel_moe"), ("deepseek_v3", "debugmodel")],
+    ids=["dense w2", "MoE without shared experts", "dense block then MoE with shared experts"],
+)
+def test_op_sac_under_tp_holds_no_block_ending_reduce_scatter_and_never_reissues_one(model_name, flavor):
+    """The reduce-scatter that ends a block (of w2's output, or of the MoE's) feeds only the
+    residual add: with early stop (the default) it is neither held nor re-issued; without,
+    recompute re-issues it, so it is saved."""
     op_sac = [
         "--activation_checkpoint.mode",
         "selective",
         "--activation_checkpoint.selective_ac_option",
         "op",
     ]
-    held, collectives = _tp2_held_and_backward_collectives(*op_sac)
+    model = {"model_name": model_name, "flavor": flavor}
+    held, collectives = _tp2_held_and_backward_collectives(*op_sac, **model)
     held_without_early_stop, _ = _tp2_held_and_backward_collectives(
-        *op_sac, "--activation_checkpoint.early_stop", "false"
+        *op_sac, "--activation_checkpoint.early_stop", "false", **model
     )
-    _, without_ac = _tp2_held_and_backward_collectives()
-    w2_reduce_scatter_output = 2 * (256 // 2) * DEBUG_ARGS.dim * 4  # batch x seq/tp x dim, fp32
-    assert held_without_early_stop - held == 2 * w2_reduce_scatter_output  # one per block
+    _, without_ac = _tp2_held_and_backward_collectives(**model)
+    dim = get_train_spec(model_name).get_flavor(flavor).dim
+    block_output_shard = 2 * (256 // 2) * dim * 4  # batch x seq/tp x dim, fp32
+    assert held_without_early_stop - held == 2 * block_output_shard  # one per block
     assert collectives["reduce_scatter_tensor"] == without_ac["reduce_scatter_tensor"]
 
 

@@ -79,9 +79,9 @@ MOE_ONLY_OPS: frozenset = frozenset(
 # expert), so recompute can neither route differently nor hit a shape mismatch.
 ROUTING_OPS: frozenset = frozenset({_aten.topk.default, _aten.scatter_add.default})
 
-# Force-recompute entries that name a block's last matmul (or that of the part of an MoE block
-# that is not routed): its output, and under TP its reduce-scatter's, feed only the residual add.
-BLOCK_END_FQNS = ("feed_forward.w2", "moe.shared_experts.w2")
+# The part of a block that ends it: under sequence parallelism its output is reduce-scattered,
+# and that reduce-scatter's output feeds only the residual add.
+BLOCK_END_PARTS = ("feed_forward", "moe")
 
 
 def save_list(add=(), drop=()) -> frozenset:
@@ -183,6 +183,21 @@ def _warn_about_shared_shapes(key, pattern, shapes, names_by_shape, matched) -> 
             )
 
 
+def _block_end_mm_shapes(model: nn.Module) -> frozenset:
+    """The (in, out) weight shapes of the Linears in the blocks' last parts (`BLOCK_END_PARTS`)
+    that no other Linear in the blocks has. A reduce-scatter that follows a matmul of one of
+    these, with no other matmul between, is the sequence-parallel one that ends the block:
+    after a dense feed-forward's w2, an MoE's shared experts' w2, or (routed experts run as
+    grouped mm) an MoE router's gate. A shape that attention shares is left out, so its
+    reduce-scatter, which the next norm's recompute reads, is never taken for the block's end."""
+    end_part, elsewhere = set(), set()
+    for name, module in model.layers.named_modules():
+        if isinstance(module, nn.Linear):
+            in_end_part = any(part in name.split(".") for part in BLOCK_END_PARTS)
+            (end_part if in_end_part else elsewhere).add((module.in_features, module.out_features))
+    return frozenset(end_part - elsewhere)
+
+
 def _is_device_to_host_copy(func, args, kwargs) -> bool:
     return (
         func == _aten._to_copy.default
@@ -215,10 +230,10 @@ def _op_sac_policy(
             if counts[phase] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         if func == _c10d.reduce_scatter_tensor.default and counts[phase, "after block-end mm"]:
-            # The sequence-parallel reduce-scatter of the block's last matmul (w2) feeds only
-            # the residual add, as that matmul's output did: backward never reads it, so early
-            # stop never re-issues it, and saving it would hold b x s/tp x dim per block. (Not
-            # so after wo: the next norm's input is recomputed from it.)
+            # The block's last sequence-parallel reduce-scatter (of its feed-forward or MoE
+            # output) feeds only the residual add: backward never reads it, so early stop never
+            # re-issues it, and saving it would hold b x s/tp x dim per block. (Not so after
+            # wo: the next norm's input is recomputed from it.)
             return CheckpointPolicy.PREFER_RECOMPUTE
         if func in save_ops:
             return CheckpointPolicy.MUST_SAVE
@@ -348,8 +363,7 @@ def apply_ac(
     if is_op_sac:
         fqns = ac_config.per_op_sac_force_recompute_mm_shapes_by_fqns
         shapes = _forced_recompute_mm_shapes(model, fqns)
-        block_ends = [fqn for fqn in fqns if fqn in BLOCK_END_FQNS] if ac_config.early_stop else []
-        block_end_shapes = _forced_recompute_mm_shapes(model, block_ends)
+        block_end_shapes = _block_end_mm_shapes(model) if ac_config.early_stop else frozenset()
         save_ops = DEFAULT_SAVE_LIST if op_sac_save_list is None else frozenset(op_sac_save_list)
         context_fn = op_sac_context_fn(save_ops, shapes, block_end_shapes)
     full_kind = "full AC" if every == 1 else f"full AC on every {every}th block"
