@@ -21,6 +21,7 @@ def _traced_iterations(tmp_path, first_step: int, last_step: int) -> list[int]:
     return sorted(int(f.name.removeprefix("iteration_")) for f in folders)
 
 
-@pytest.mark.parametrize("first_step", [0, 5, 6])
+# 3 and 7: the resume's first step is a traced one, whose warm-up step ran before the resume.
+@pytest.mark.parametrize("first_step", [0, 3, 5, 6, 7])
 def test_traces_stay_on_the_profile_freq_grid_after_a_resume(tmp_path, first_step):
     assert _traced_iterations(tmp_path, first_step, 12) == [s for s in (4, 8, 12) if s > first_step]

@@ -57,10 +57,14 @@ def maybe_profile(job_config: JobConfig, rank: int, first_step: int = 0):
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     schedule = torch.profiler.schedule(wait=wait, warmup=p.profiler_warmup, active=p.profiler_active)
-    with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write_trace) as prof:
-        # A resumed run keeps its traces on the profile_freq grid (iteration_10, 20, ...).
-        prof.step_num = first_step
-        yield _CountingProfiler(prof, step)
+    profiler = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write_trace)
+    # A resumed run keeps its traces on the profile_freq grid (iteration_10, 20, ...). Set before
+    # entering, which acts on the first step's action: set after, a resume right before a traced
+    # step lost that trace.
+    profiler.step_num = first_step
+    profiler.current_action = schedule(first_step)
+    with profiler:
+        yield _CountingProfiler(profiler, step)
 
 
 class _CountingProfiler:
