@@ -130,3 +130,51 @@ def test_mfu_uses_the_bf16_peak_of_the_gpu_variant_its_name_gives(name, peak, mo
 
     assert peak_bf16_flops(torch.device("cuda")) == peak
     assert peak_bf16_flops(torch.device("cpu")) is None
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A CUDA device as the metrics see it: its name, capacity and allocator statistics."""
+    gib = 1024**3
+    stats = {"reserved_bytes.all.peak": 70 * gib, "allocated_bytes.all.peak": 60 * gib}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    properties = types.SimpleNamespace(total_memory=140 * gib)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: properties)
+    monkeypatch.setattr(torch.accelerator, "memory_stats", lambda device=None: dict(stats))
+    monkeypatch.setattr(torch.accelerator, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: None)
+    return stats
+
+
+def _gpu_processor(tmp_path) -> MetricsProcessor:
+    cfg = parse_args(["--job.dump_folder", str(tmp_path)], env={})
+    return MetricsProcessor(cfg, torch.device("cuda"), flops_per_token=6e9, is_writer=True)
+
+
+def test_gpu_memory_is_logged_as_a_share_of_the_devices_capacity(tmp_path, clock, fake_gpu, caplog):
+    caplog.set_level("INFO", logger="torchtitan.components.metrics")
+    record = _gpu_processor(tmp_path).log(step=1, loss=1.0, grad_norm=1.0, lr=1e-3)
+    assert record["memory/max_reserved_gib"] == 70.0 and record["memory/max_reserved_pct"] == 50.0
+    assert "memory: 70.00GiB(50.00%)" in caplog.text
+
+
+def test_allocation_retries_are_warned_about_when_their_count_grows(tmp_path, clock, fake_gpu, caplog):
+    metrics = _gpu_processor(tmp_path)
+    fake_gpu["num_alloc_retries"] = 3
+    metrics.log(step=10, loss=1.0, grad_norm=1.0, lr=1e-3)
+    metrics.log(step=20, loss=1.0, grad_norm=1.0, lr=1e-3)  # no new retry: no new warning
+    fake_gpu["num_alloc_retries"] = 5
+    record = metrics.log(step=30, loss=1.0, grad_norm=1.0, lr=1e-3)
+    warnings = [r.getMessage() for r in caplog.records if "allocation retries" in r.getMessage()]
+    assert [w.split(":")[0] for w in warnings] == [
+        "3 memory allocation retries up to step 10 (3 in all)",
+        "2 memory allocation retries up to step 30 (5 in all)",
+    ]
+    assert record["memory/num_alloc_retries"] == 5
+
+
+def test_a_gpu_without_a_known_peak_says_why_mfu_is_not_reported(tmp_path, fake_gpu, monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
+    metrics = _gpu_processor(tmp_path)
+    assert metrics.peak_flops is None
+    assert "MFU is not reported (mfu: n/a): the peak bf16 FLOP/s of NVIDIA L40S" in caplog.text

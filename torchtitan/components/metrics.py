@@ -10,7 +10,7 @@ import torch
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
-from torchtitan.tools.device_info import peak_bf16_flops, peak_memory_gib, reset_peak_memory
+from torchtitan.tools.device_info import device_name, peak_bf16_flops, peak_memory_gib, reset_peak_memory
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,12 @@ class MetricsProcessor:
         self.cfg = job_config.metrics
         self.device, self.flops_per_token = device, flops_per_token
         self.peak_flops = peak_bf16_flops(device)
+        if self.peak_flops is None and device.type != "cpu" and is_writer:
+            logger.warning(
+                f"MFU is not reported (mfu: n/a): the peak bf16 FLOP/s of {device_name(device)} is not in "
+                "torchtitan/tools/device_info.py's table; tflops is still logged."
+            )
+        self.alloc_retries = 0
         self.is_writer = is_writer or self.cfg.save_for_all_ranks
         dump = Path(job_config.job.dump_folder)
         suffix = f"_rank{rank}" if self.cfg.save_for_all_ranks else ""
@@ -152,9 +158,22 @@ class MetricsProcessor:
             **(extra or {}),
         }
         logger.info(self.format_line(record, eta_seconds, extra or {}))
+        self._warn_of_alloc_retries(record.get("memory/num_alloc_retries", 0), step)
         self.write(record)
         self.reset_window()
         return record
+
+    def _warn_of_alloc_retries(self, retries: int, step: int) -> None:
+        """An allocation retry frees the allocator's whole cache and synchronizes: steps that hit
+        one are much slower, with no other sign in the log."""
+        if retries > self.alloc_retries:
+            logger.warning(
+                f"{retries - self.alloc_retries} memory allocation retries up to step {step} "
+                f"({retries} in all): the caching allocator ran out of free blocks and emptied its "
+                "cache, which slows those steps. Lower the peak (activation_checkpoint.mode, "
+                "training.local_batch_size) or try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
+            )
+        self.alloc_retries = retries
 
     def write(self, record: dict) -> None:
         """Append a record to metrics.jsonl and every enabled sink (writer ranks only)."""
@@ -168,6 +187,8 @@ class MetricsProcessor:
     @staticmethod
     def format_line(r: dict, eta_seconds: float | None, extra: dict | None = None) -> str:
         memory = next((f"{v:.2f}GiB" for k, v in r.items() if k.startswith("memory/max")), "n/a")
+        if "memory/max_reserved_pct" in r:
+            memory += f"({r['memory/max_reserved_pct']:.2f}%)"
         mfu = f"{r['mfu_pct']:.2f}%" if r["mfu_pct"] is not None else "n/a"
         eta = f"  eta: {_format_eta(eta_seconds)}" if eta_seconds is not None else ""
         eta = "".join(f"  {k}: {v:.3f}" for k, v in (extra or {}).items()) + eta
