@@ -69,6 +69,7 @@ from torchtitan.distributed import expert_parallel
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.expert_parallel import _ExpertParallelHooks, is_ep_local
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models import attention
 from torchtitan.models.moe import MoE
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.dtypes import TORCH_DTYPES
@@ -170,13 +171,24 @@ def with_ac(cfg: JobConfig, mode: ActivationCheckpoint) -> JobConfig:
 
 
 def _eager(cfg: JobConfig) -> JobConfig:
-    """`cfg` with compile off; refuses memory_budget AC, which only compile can apply."""
+    """`cfg` as the estimator runs it: compile off, and so async TP (which needs compile and a
+    GPU) off too, estimated as plain TP. Refuses what it cannot run: memory_budget AC, which only
+    compile can apply, and CPU offload, which moves memory to a host the estimator has not."""
     if cfg.activation_checkpoint.mode == "memory_budget":
         raise ConfigError(
             "'activation_checkpoint.mode' = 'memory_budget' is decided by torch.compile's partitioner, "
             "which the estimator does not run; estimate another mode (or use --all-ac-modes)."
         )
-    return dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, enable=False))
+    if cfg.training.enable_cpu_offload:
+        raise ConfigError(
+            "'training.enable_cpu_offload' = true keeps the parameter shards, gradients and optimizer "
+            "state in host memory, which the estimator does not model; estimate without the key: "
+            "with it, a GPU holds about that estimate less its 'parameters', 'gradients' and "
+            "'optimizer state' rows."
+        )
+    parallelism = dataclasses.replace(cfg.parallelism, enable_async_tensor_parallel=False)
+    compile_off = dataclasses.replace(cfg.compile, enable=False)
+    return dataclasses.replace(cfg, compile=compile_off, parallelism=parallelism)
 
 
 # ----- building ------------------------------------------------------------------------------
@@ -265,28 +277,39 @@ def no_warning_for_fake_collective_views():
 
 
 @contextlib.contextmanager
-def fused_attention_for_unequal_head_dims():
-    """SDPA calls whose values have another head dim than the queries (DeepSeek's MLA: 192 vs
-    128) run on values zero-padded to the queries' head dim, and the padding is sliced off.
+def gpu_attention_kernels():
+    """Attention holds for backward what a GPU's fused kernels hold, not what the CPU's would.
 
-    The CPU has no fused kernel for unequal head dims and would run SDPA's math kernel, whose
-    batch x heads x seq x seq scores and their gradients the estimate would then count; a GPU
-    runs a fused kernel that holds none (memory-efficient attention). Padded, the CPU's fused
-    kernel holds what that one does, plus the padded output.
+    - SDPA calls whose values have another head dim than the queries (DeepSeek's MLA: 192 vs
+      128) run on values zero-padded to the queries' head dim, and the padding is sliced off.
+      The CPU has no fused kernel for unequal head dims and would run SDPA's math kernel, whose
+      batch x heads x seq x seq scores and their gradients the estimate would then count; a GPU
+      runs a fused kernel that holds none (memory-efficient attention). Padded, the CPU's fused
+      kernel holds what that one does, plus the padded output.
+    - flex attention (`model.attn_backend = "flex"`) runs on the CPU as SDPA with a dense boolean
+      mask, which would hold a float seq x seq copy of the mask per layer and the mask itself; a
+      GPU runs flex's kernel, which holds its output and logsumexp, under a BlockMask of a few KB.
+      So the mask is built as one element and the call runs the CPU's fused causal kernel, which
+      holds what flex's does: which positions a mask allows changes no tensor's size.
     """
-    sdpa = F.scaled_dot_product_attention
+    sdpa, create_mask = F.scaled_dot_product_attention, attention.create_mask
 
-    def padded(q, k, v, *args, **kwargs):
+    def fused(q, k, v, attn_mask=None, *args, **kwargs):
+        if attn_mask is not None:
+            kwargs["is_causal"] = True
         if v.shape[-1] == q.shape[-1]:
-            return sdpa(q, k, v, *args, **kwargs)
-        out = sdpa(q, k, F.pad(v, (0, q.shape[-1] - v.shape[-1])), *args, **kwargs)
+            return sdpa(q, k, v, None, *args, **kwargs)
+        out = sdpa(q, k, F.pad(v, (0, q.shape[-1] - v.shape[-1])), None, *args, **kwargs)
         return out[..., : v.shape[-1]]
 
-    F.scaled_dot_product_attention = padded
+    def one_element_mask(mask_mod, batch, heads, q_len, kv_len, device=None):
+        return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+
+    F.scaled_dot_product_attention, attention.create_mask = fused, one_element_mask
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = sdpa
+        F.scaled_dot_product_attention, attention.create_mask = sdpa, create_mask
 
 
 def _refuse_fp32_moe(cfg: JobConfig, model: torch.nn.Module) -> None:
@@ -512,7 +535,7 @@ def measure(cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 
                 _refuse_fp32_moe(cfg, model)
             with (
                 FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
-                fused_attention_for_unequal_head_dims() if fake else contextlib.nullcontext(),
+                gpu_attention_kernels() if fake else contextlib.nullcontext(),
                 no_warning_for_fake_collective_views() if fake else contextlib.nullcontext(),
             ):
                 return breakdown(tracked_step(cfg, model, parallel_dims, device))
@@ -575,6 +598,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     if cfg.compile.enable:
         print("note: torch.compile is not simulated; this is the eager step's memory.", file=sys.stderr)
+    if cfg.parallelism.enable_async_tensor_parallel:
+        print(
+            "note: async tensor parallelism is estimated as plain tensor parallelism (without its "
+            "symmetric-memory buffers).",
+            file=sys.stderr,
+        )
     if cfg.parallelism.expert_parallel_degree > 1 and args.ep_imbalance == 1.0:
         print(
             "note: expert parallelism is estimated with balanced routing; an imbalanced step holds "

@@ -178,8 +178,9 @@ def test_bad_config_from_the_shell_exits_2_without_traceback():
             "does not run",
         ),
         (["--ngpu", "2", "--parallelism.data_parallel_replicate_degree", "2"], "cannot run under Fake"),
+        (["--ngpu", "2", "--training.enable_cpu_offload"], "less its 'parameters', 'gradients' and"),
     ],
-    ids=["degrees-do-not-fit-ngpu", "memory-budget-needs-compile", "ddp-needs-real-storage"],
+    ids=["degrees-do-not-fit-ngpu", "memory-budget-needs-compile", "ddp-needs-real-storage", "cpu-offload"],
 )
 def test_config_refused_after_parsing_exits_2_with_its_message(argv, expected, capsys):
     with pytest.raises(SystemExit) as info:
@@ -257,9 +258,31 @@ def test_attention_with_another_value_head_dim_is_estimated_on_a_fused_kernel_wi
     q, k = (torch.randn(1, 4, 64, 48, generator=generator) for _ in range(2))
     v = torch.randn(1, 4, 64, 32, generator=generator)
     math = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    with em.fused_attention_for_unequal_head_dims(), Ops() as ops:
+    with em.gpu_attention_kernels(), Ops() as ops:
         fused = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in ops.seen
     assert "aten.bmm.default" not in ops.seen
     torch.testing.assert_close(fused, math, rtol=1e-5, atol=1e-6)
     assert F.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"  # restored
+
+
+@pytest.mark.parametrize("mask_type", ["block_causal", "sliding_window"])
+def test_flex_attention_is_estimated_as_its_gpu_kernel_holding_no_seq_by_seq_mask(mask_type):
+    """On the CPU flex runs as SDPA with a dense mask, holding a float seq x seq copy per layer;
+    a GPU's flex kernel holds what the fused causal kernel does, so the estimates are equal."""
+    base = DEBUG[:2] + ["--training.local_batch_size", "1", "--training.seq_len", "1024"]
+    flex = ["--model.attn_backend", "flex", "--model.attn_mask_type", mask_type]
+    sdpa_peak = em.measure(_config(base, "none"), 1)[em.TOTAL]
+    flex_peak = em.measure(_config(base + flex, "none"), 1)[em.TOTAL]
+    assert flex_peak == sdpa_peak
+
+
+def test_async_tensor_parallel_is_estimated_as_plain_tensor_parallel_with_a_note(capsys):
+    tp2 = ["--config", "debug_model.toml", "--ngpu", "2", "--parallelism.tensor_parallel_degree", "2"]
+    tp2 += ["--parallelism.data_parallel_shard_degree", "1", "--training.seq_len", "64"]
+    em.main(tp2)
+    plain = capsys.readouterr().out
+    em.main(tp2 + ["--parallelism.enable_async_tensor_parallel", "--compile.enable"])
+    out, err = capsys.readouterr()
+    assert out == plain
+    assert "async tensor parallelism is estimated as plain tensor parallelism" in err
