@@ -46,6 +46,12 @@ LAYOUTS = {
     "hsdp2x2": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2"]),
     "ddp2": (2, 2, ["--parallelism.data_parallel_replicate_degree", "2",
                     "--parallelism.data_parallel_shard_degree", "1"]),
+    # Compiled blocks and loss (op-SAC, the default): the embedding's asynchronous
+    # reduce-scatter enters compiled block 0, and without loss parallel the logits' all-gather
+    # enters the compiled loss.
+    "tp2_compiled": (2, 1, ["--parallelism.tensor_parallel_degree", "2", "--compile.enable"]),
+    "tp2_compiled_without_loss_parallel": (2, 1, ["--parallelism.tensor_parallel_degree", "2",
+                                                  "--compile.enable", "--parallelism.disable_loss_parallel"]),
     # Local batch 1 on 2 replicas: 2 micro-batches per step, gradients reduced on the last.
     "ddp2_accumulating": (2, 4, ["--parallelism.data_parallel_replicate_degree", "2",
                                  "--parallelism.data_parallel_shard_degree", "1",

@@ -47,3 +47,30 @@ def test_a_non_finite_loss_or_gradient_norm_stops_the_run_naming_the_step(loss, 
 
 def test_finite_loss_and_gradient_norm_pass():
     finite_or_raise(3, 2.0, 1e30)
+
+
+def test_a_partial_gradient_is_reduced_once_so_the_optimizer_step_issues_no_collective():
+    """Under TP without FSDP a sequence-parallel norm's weight gradient is left a pending sum
+    (Partial); the norm reduces it and stores it back, or every optimizer op on it (AdamW's
+    foreach ops) all-reduced it again."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = torch.nn.Parameter(DTensor.from_local(torch.ones(8), mesh, [Replicate()]))
+        weight.grad = DTensor.from_local(torch.full((8,), 0.5), mesh, [Partial()])
+        optimizer = torch.optim.AdamW([weight], lr=1e-3, foreach=True)
+        with CommDebugMode() as clipping:
+            clip_grad_norm_([weight], max_norm=1.0)
+        with CommDebugMode() as stepping:
+            optimizer.step()
+    finally:
+        dist.destroy_process_group()
+    assert weight.grad.placements == (Replicate(),)
+    assert clipping.get_total_counts() == 1  # the one reduction of the pending sum
+    assert stepping.get_total_counts() == 0

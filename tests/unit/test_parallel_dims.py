@@ -43,14 +43,46 @@ def test_degrees_not_dividing_world_size_are_refused():
         ParallelDims(dp_replicate=1, dp_shard=-1, tp=4, world_size=6)
 
 
-@pytest.mark.parametrize(
-    "tp, heads, kv_heads, seq_len, what",
-    [(3, 12, 4, 64, "kv heads"), (4, 6, 4, 64, "attention heads"), (2, 16, 8, 63, "training.seq_len")],
-)
-def test_tp_degree_must_divide_heads_kv_heads_and_seq_len(tp, heads, kv_heads, seq_len, what):
-    cfg = parse_args(["--training.seq_len", str(seq_len)], env={})
+@pytest.mark.parametrize("tp, heads, kv_heads, what", [(3, 12, 4, "kv heads"), (4, 6, 4, "attention heads")])
+def test_tp_degree_must_divide_heads_and_kv_heads(tp, heads, kv_heads, what):
+    cfg = parse_args([], env={})
     with pytest.raises(ConfigError, match=what):
         check_tp_divisibility(ParallelDims(1, 1, tp, tp), cfg, heads, kv_heads)
+
+
+@pytest.mark.parametrize(
+    "argv, key",
+    [(["--training.seq_len", "63"], "'training.seq_len' = 63"),
+     (["--validation.enable", "--training.seq_len", "64", "--validation.seq_len", "63"],
+      "'validation.seq_len' = 63")],
+)  # fmt: skip
+def test_a_sequence_length_tp_does_not_divide_is_refused_when_the_config_is_parsed(argv, key):
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv + ["--parallelism.tensor_parallel_degree", "2"], env={})
+    assert str(info.value).startswith(f"{key} is not a multiple of 'parallelism.tensor_parallel_degree' = 2")
+    assert str(info.value).endswith("Use a multiple of 2, e.g. 62.")
+
+
+def test_a_validation_sequence_length_is_not_checked_while_validation_is_off():
+    parse_args(
+        [
+            "--training.seq_len",
+            "64",
+            "--validation.seq_len",
+            "63",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
+        env={},
+    )
+
+
+def test_tp_degree_must_divide_the_feed_forward_hidden_width():
+    from torchtitan.distributed.tensor_parallel import dense_mlp_plan
+    from torchtitan.models.layers import FeedForward
+
+    with pytest.raises(ConfigError, match="does not divide the feed-forward hidden width 769"):
+        dense_mlp_plan(FeedForward(dim=16, hidden_dim=769), tp=2)
 
 
 def test_async_tp_without_compile_or_cuda_is_refused():

@@ -724,6 +724,7 @@ def _check_consistency(config: JobConfig) -> None:
             "training.max_norm = 0 (grad_norm is still logged) or early_step_in_backward = false."
         )
     _check_expert_parallel(p)
+    _check_sequence_shards(config)
     _check_converters(config)
     _check_upstream_datasets(config)
     _check_validation(config.validation, t)
@@ -815,6 +816,22 @@ def _check_validation(v, t) -> None:
             f"model's RoPE table covers only training.seq_len positions. Set validation.seq_len "
             f"to at most {t.seq_len}."
         )
+
+
+def _check_sequence_shards(config: JobConfig) -> None:
+    """Sequence parallelism splits every sequence into tensor_parallel_degree equal shards:
+    the training one, and the validation one when validation runs."""
+    tp = config.parallelism.tensor_parallel_degree
+    lengths = [("training.seq_len", config.training.seq_len)]
+    if config.validation.enable:
+        lengths.append(("validation.seq_len", config.validation.seq_len))
+    for key, length in lengths:
+        if length % tp:
+            raise ConfigError(
+                f"'{key}' = {length} is not a multiple of 'parallelism.tensor_parallel_degree' = {tp}: "
+                f"sequence parallelism splits each sequence into {tp} equal shards. Use a multiple "
+                f"of {tp}, e.g. {length - length % tp or tp}."
+            )
 
 
 def _check_expert_parallel(p) -> None:

@@ -8,7 +8,9 @@ lives here.
 import contextlib
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -43,10 +45,10 @@ def loss_context(parallel_dims: ParallelDims, job_config: JobConfig):
 def check_tp_divisibility(
     parallel_dims: ParallelDims, job_config: JobConfig, n_heads: int, n_kv_heads: int
 ) -> None:
-    """Refuse a TP degree that does not divide the head counts or the sequence length."""
+    """Refuse a TP degree that does not divide the head counts (the config's checks refuse
+    one that does not divide the sequence lengths)."""
     tp = parallel_dims.tp
-    for what, value in (("attention heads", n_heads), ("kv heads", n_kv_heads),
-                        ("training.seq_len", job_config.training.seq_len)):  # fmt: skip
+    for what, value in (("attention heads", n_heads), ("kv heads", n_kv_heads)):
         if value % tp:
             raise ConfigError(
                 f"'parallelism.tensor_parallel_degree' = {tp} does not divide the {value} {what} of "
@@ -156,9 +158,13 @@ class _ReplicatedInputPartialGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):
-        if not all(p.is_partial() for p in grad.placements):
-            grad = grad.redistribute(grad.device_mesh, [Partial()])
-        return grad.to_local(), None
+        if all(p.is_partial() for p in grad.placements):
+            return grad.to_local(), None
+        # Compiled code hands back a whole (Replicate) gradient; each rank's share of the
+        # partial sum is then 1/tp of it, what a redistribute to Partial gives, which compile
+        # refuses ("redistributing to Partial is for internal use only").
+        whole = grad.redistribute(grad.device_mesh, [Replicate()]).to_local()
+        return whole / grad.device_mesh.size(), None
 
 
 class PartialGradColwiseParallel(ColwiseParallel):
@@ -216,9 +222,50 @@ class ExpertTensorParallel(ParallelStyle):
         return distribute_module(module, device_mesh, partition_fn=shard_hidden)
 
 
-def dense_mlp_plan() -> dict[str, ParallelStyle]:
+def apply_tp_to_ends(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """The embedding (row-wise, out to sequence shards), final norm and output projection
+    (column-wise; vocab-sharded logits under loss parallel) of any decoder with these names.
+
+    The embedding's reduce-scatter, and without loss parallel the logits' all-gather, run
+    asynchronously; their outputs are waited for at once, since they enter compiled code
+    (block 0, the loss) next. An un-waited collective's output that enters a compiled region
+    breaks its backward (pytorch/pytorch#180614, #179506), or is read before it has arrived.
+    """
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
+    model.tok_embeddings.register_forward_hook(_wait_for_collective)
+    model.output.register_forward_hook(_wait_for_collective)
+
+
+def _wait_for_collective(_module, _inputs, out):
+    # wait_tensor, unlike AsyncCollectiveTensor.wait(), keeps the output in the autograd graph.
+    return funcol.wait_tensor(out) if isinstance(out, AsyncCollectiveTensor) else out
+
+
+def dense_mlp_plan(feed_forward: nn.Module, tp: int) -> dict[str, ParallelStyle]:
     """A block's SwiGLU feed-forward: gather the sequence, w1/w3 column-wise, w2 row-wise with a
-    reduce-scatter back to sequence shards."""
+    reduce-scatter back to sequence shards.
+
+    Raises:
+        ConfigError: when TP does not divide the hidden width.
+    """
+    hidden = feed_forward.w1.out_features
+    if hidden % tp:
+        raise ConfigError(
+            f"'parallelism.tensor_parallel_degree' = {tp} does not divide the feed-forward hidden "
+            f"width {hidden}; choose a degree that divides it."
+        )
     return {
         "ffn_norm": SequenceParallel(),
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -271,4 +318,4 @@ def shard_experts_over_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 def mlp_plan(block: nn.Module, tp: int) -> dict[str, ParallelStyle]:
     """The TP plan of `block`'s MLP, whichever it has: `feed_forward` or `moe`."""
-    return moe_plan(block.moe, tp) if hasattr(block, "moe") else dense_mlp_plan()
+    return moe_plan(block.moe, tp) if hasattr(block, "moe") else dense_mlp_plan(block.feed_forward, tp)

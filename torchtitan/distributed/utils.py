@@ -167,7 +167,10 @@ class GradSquareSums:
         """Add the squared norms of `params`' gradients (each must have one)."""
         if not params:
             return
-        grads = [_without_partial(p.grad) for p in params]
+        for param in params:
+            # Stored back: left Partial, each optimizer op on it would all-reduce it again.
+            param.grad = _without_partial(param.grad)
+        grads = [p.grad for p in params]
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         self._device = self._device or local[0].device
         for param, grad, norm in zip(params, grads, torch._foreach_norm(local, 2.0, dtype=torch.float64)):

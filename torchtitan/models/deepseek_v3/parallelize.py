@@ -16,8 +16,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import save_list
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize_decoder
-from torchtitan.distributed.tensor_parallel import ReplicatedParams, SumGradOverTP, mlp_plan
-from torchtitan.models.llama3.parallelize import apply_tp_to_ends
+from torchtitan.distributed.tensor_parallel import ReplicatedParams, SumGradOverTP, apply_tp_to_ends, mlp_plan
 
 # Every flavor has MoE blocks, so op-SAC keeps the default's routing topk and expert
 # all-to-all: a recompute must route exactly as the forward did. The router gate's matmul is

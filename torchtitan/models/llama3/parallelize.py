@@ -15,29 +15,11 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import MOE_ONLY_OPS, save_list
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize_decoder
-from torchtitan.distributed.tensor_parallel import mlp_plan
+from torchtitan.distributed.tensor_parallel import apply_tp_to_ends, mlp_plan
 
 # A dense model never routes tokens: MoE routing and the expert all-to-all are dropped. The
 # default keeps reduce_scatter, so op-SAC saves what sequence parallelism scatters.
 LLAMA3_SAVE_LIST = save_list(drop=MOE_ONLY_OPS)
-
-
-def apply_tp_to_ends(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
-    """The embedding (row-wise, out to sequence shards), final norm and output projection
-    (column-wise; vocab-sharded logits under loss parallel) of any decoder with these names."""
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(
-                input_layouts=Shard(1),
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            ),
-        },
-    )
 
 
 def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
