@@ -91,18 +91,19 @@ def fsdp_comm_report():
 
 def test_ac_adds_no_fsdp_communication(fsdp_comm_report):
     # Six blocks gathered for forward, and again for backward (recompute included) all but the
-    # last, which stays gathered; the root once; one reduce-scatter per FSDP unit.
-    expected = {"all_gather": 6 + 5 + 1, "reduce_scatter": 6 + 1}
+    # last, which stays gathered; the embedding, freed after its forward, twice too; the root
+    # (norm, output) once; one reduce-scatter per FSDP unit.
+    expected = {"all_gather": 6 + 5 + 2 + 1, "reduce_scatter": 6 + 1 + 1}
     modes = {mode: fsdp_comm_report[mode] for mode in ("none", "full", "selective op")}
     assert modes == {"none": expected, "full": expected, "selective op": expected}
 
 
 def test_fsdp_reshard_after_forward_policies_gather_what_they_free(fsdp_comm_report):
-    """Policy "always" frees the last block and the root too, so backward gathers all seven
-    units again; "never" gathers each unit once per step."""
+    """Policy "always" frees the last block and the root too, so backward gathers all eight
+    units (six blocks, the embedding, the root) again; "never" gathers each unit once per step."""
     report = fsdp_comm_report
-    assert report["reshard always"] == {"all_gather": 2 * (6 + 1), "reduce_scatter": 6 + 1}
-    assert report["reshard never"] == {"all_gather": 6 + 1, "reduce_scatter": 6 + 1}
+    assert report["reshard always"] == {"all_gather": 2 * (6 + 2), "reduce_scatter": 6 + 2}
+    assert report["reshard never"] == {"all_gather": 6 + 2, "reduce_scatter": 6 + 2}
 
 
 def test_op_sac_recommunicates_only_the_sequence_parallel_all_gathers():
