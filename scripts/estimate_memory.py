@@ -102,12 +102,6 @@ ALWAYS_SHOWN = ("parameters", "gradients", "optimizer state", "activations")
 # ----- command line --------------------------------------------------------------------------
 
 
-# The device whose kernels the optimizer is built for: a GPU run's fused Adam, whose step keeps
-# no temporaries (the CPU's foreach fallback makes some the size of the parameters). Only the
-# kernel choice reads it; the tensors stay on the CPU, where fused Adam runs too.
-ESTIMATED_DEVICE = torch.device("cuda")
-
-
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:
@@ -490,7 +484,7 @@ def tracked_step(
     model.to_empty(device=device).train()
     if prepare is not None:
         prepare(model)
-    optimizer = spec.build_optimizer_fn(model, cfg, ESTIMATED_DEVICE)
+    optimizer = spec.build_optimizer_fn(model, cfg, device)
     _prime_optimizer(model, optimizer)
     batch = _batch(cfg, device)
     tracker = make_tracker(model, optimizer, batch)

@@ -474,3 +474,8 @@ def test_shipped_config_names_a_flavor_and_degrees_that_fit_the_gpus_its_header_
     dims = ParallelDims.from_config(cfg.parallelism, int(named.group(1)) if named else 1)
     if dims.ep_enabled:
         assert flavor.moe_args.num_experts % dims.ep == 0
+
+
+@pytest.mark.parametrize("seed", ["18446744073709551616", "-9223372036854775809"])
+def test_a_seed_torch_cannot_take_is_refused_when_the_config_is_parsed(seed):
+    assert _error(["--training.seed", seed]).startswith(f"'training.seed' = {seed} is out of range")

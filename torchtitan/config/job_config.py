@@ -69,7 +69,7 @@ class Optimizer:
     eps: float = opt(1e-8, "Adam epsilon", gt=0.0)
     weight_decay: float = opt(0.1, "decoupled weight decay (AdamW) or L2 penalty (Adam)", min=0.0)
     implementation: Literal["fused", "foreach", "for-loop"] = opt(
-        "fused", "optimizer kernel; fused falls back to foreach on devices without it"
+        "fused", "optimizer kernel; fused falls back to foreach on devices torch has no fused one for"
     )
     early_step_in_backward: bool = opt(
         False,
@@ -126,7 +126,9 @@ class Training:
         "float32", "dtype of FSDP gradient reduction"
     )
     gc_freq: int = opt(50, "run gc.collect every this many steps", min=1)
-    seed: int | None = opt(None, "random seed; unset = 0 for weights, fixed data order")
+    seed: int | None = opt(
+        None, "random seed; unset = 0 for weights, fixed data order", min=-(2**63), max=2**64 - 1
+    )  # the range torch.manual_seed takes
     deterministic: bool = opt(False, "use deterministic algorithms (slower)")
     enable_cpu_offload: bool = opt(
         False, "FSDP CPU offload of parameters and optimizer state (accelerator and FSDP only)"
