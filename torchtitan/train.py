@@ -166,7 +166,10 @@ class Trainer:
         run's args (attention overrides included, so an export that HF would run with another
         mask is refused) with the published flavor's context length unless training.seq_len
         is longer (`with_trained_seq_len`: a config.json that says what this run computed)."""
-        return build_run_state_dict_adapter(self.job_config)
+        adapter = build_run_state_dict_adapter(self.job_config)
+        if adapter is not None:
+            adapter.use_tokenizer_ids(self.tokenizer.bos_id, self.tokenizer.eos_id)
+        return adapter
 
     def _build_validator(self, dp_rank: int, dp_degree: int) -> Validator | None:
         if not self.job_config.validation.enable:

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtitan.components.hf_io import save_hf
+from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.config.manager import ConfigError
 from torchtitan.config.manager import parse_args as parse_run_config
 from torchtitan.protocols.state_dict_adapter import (
@@ -117,6 +118,12 @@ def _run_adapter(run_config: str, model: str | None, flavor: str | None) -> tupl
     adapter = build_run_state_dict_adapter(job_config)
     if adapter is None:
         raise ConfigError(f"model '{m.name}' has no Hugging Face state-dict adapter")
+    try:
+        tokenizer = build_hf_tokenizer(job_config)
+    except ConfigError:  # the run's tokenizer is gone: config.json gets the assets' ids, if any
+        pass
+    else:
+        adapter.use_tokenizer_ids(tokenizer.bos_id, tokenizer.eos_id)
     return adapter, m.name, m.flavor
 
 

@@ -23,6 +23,7 @@ from torchtitan.protocols.state_dict_adapter import (
     HFConfigError,
     StateDictMismatchError,
     build_state_dict_adapter,
+    describe_mismatch,
     half_split_to_interleaved,
     hf_config_differences,
     interleaved_to_half_split,
@@ -641,3 +642,59 @@ def test_to_hf_refuses_an_hf_assets_folder_without_config_json(tmp_path, to_hf_s
         to_hf_script.main(argv)
     assert exit_info.value.code == 2
     assert "holds no config.json to take the token ids from" in capsys.readouterr().err
+
+
+def test_an_moe_checkpoint_read_as_a_dense_flavor_names_the_router_keys_as_unexpected():
+    """No AttributeError on the dense flavor's missing moe_args: the load's mismatch names them."""
+    hf = _adapter("qwen3_moe").to_hf(_random_state_dict("qwen3_moe"))
+    ours = _adapter("qwen3").from_hf(hf)
+    expected = {key: tensor.shape for key, tensor in _meta_model("qwen3").state_dict().items()}
+    assert "unexpected keys: layers.0.moe.router.gate.weight" in describe_mismatch(
+        expected, {key: tensor.shape for key, tensor in ours.items()}
+    )
+
+
+@pytest.mark.parametrize(
+    "theirs, difference",
+    [({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}, "rope_theta: checkpoint 10000.0"),
+     ({"rope_parameters": {"rope_theta": 500000.0, "rope_type": "yarn", "factor": 40.0}},
+      "rope_scaling: checkpoint {'rope_type': 'yarn', 'factor': 40.0}, this run None")],
+)  # fmt: skip
+def test_config_differences_read_transformers_5s_rope_parameters(theirs, difference):
+    ours = {"rope_theta": 500000, "rope_scaling": None}
+    assert [d[: len(difference)] for d in hf_config_differences(ours, theirs)] == [difference]
+
+
+def test_config_differences_find_nothing_in_rope_parameters_that_agree():
+    theirs = {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}
+    assert hf_config_differences({"rope_theta": 500000, "rope_scaling": None}, theirs) == []
+
+
+def test_a_tied_flavor_drops_a_stored_lm_head_equal_to_the_embedding_and_refuses_another():
+    adapter = _adapter("qwen3_tied")
+    hf = adapter.to_hf(_random_state_dict("qwen3_tied"))
+    tied = {**hf, "lm_head.weight": hf["model.embed_tokens.weight"].clone()}
+    assert adapter.from_hf(tied).keys() == adapter.from_hf(hf).keys()
+    untied = {**hf, "lm_head.weight": hf["model.embed_tokens.weight"] + 1}
+    with pytest.raises(StateDictMismatchError, match="the checkpoint has its own output projection"):
+        adapter.from_hf(untied)
+
+
+@pytest.mark.parametrize("text", ['{"hidden_size": 4', "[1, 2]"], ids=["truncated", "not an object"])
+def test_an_unreadable_config_json_is_a_config_error_naming_it(text, tmp_path):
+    from torchtitan.components.hf_io import fp8_block_size
+    from torchtitan.config.manager import ConfigError
+
+    (tmp_path / CONFIG_FILE).write_text(text)
+    with pytest.raises(ConfigError, match="config.json"):
+        fp8_block_size(tmp_path)
+    with pytest.raises(ConfigError, match="fetch it again"):
+        build_state_dict_adapter("llama3", "debugmodel", tmp_path).hf_config()
+
+
+def test_hf_config_takes_token_ids_from_the_tokenizer_when_the_assets_have_no_config(tmp_path):
+    adapter = build_state_dict_adapter("llama3", "debugmodel", tmp_path)
+    adapter.use_tokenizer_ids(bos_id=0, eos_id=1)
+    assert (adapter.hf_config()["bos_token_id"], adapter.hf_config()["eos_token_id"]) == (0, 1)
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({"bos_token_id": 5, "eos_token_id": 6}))
+    assert (adapter.hf_config()["bos_token_id"], adapter.hf_config()["eos_token_id"]) == (5, 6)

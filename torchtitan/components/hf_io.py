@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from torchtitan.protocols.state_dict_adapter import HF_CONFIG_FILE
+from torchtitan.protocols.state_dict_adapter import HF_CONFIG_FILE, read_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -177,10 +177,10 @@ def fp8_block_size(folder: str | Path) -> tuple[int, int]:
     Raises:
         HFQuantizationError: config.json names another quantization method than block-scaled
             fp8 (``quant_method`` "fp8"), or a block that is not two positive integers.
+        ConfigError: config.json is not a readable JSON object.
     """
     config_file = Path(folder) / CONFIG_FILE
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    quantization = config.get("quantization_config")
+    quantization = read_hf_config(folder).get("quantization_config")
     if quantization is None:
         return DEFAULT_FP8_BLOCK
     method = quantization.get("quant_method")

@@ -24,8 +24,28 @@ logger = logging.getLogger(__name__)
 # Token ids copied from the HF repo's config.json (see `StateDictAdapter.hf_config`).
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 HF_CONFIG_FILE = "config.json"
+_HF_LM_HEAD, _HF_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 # Derived buffers some older HF checkpoints still store; nothing of ours corresponds to them.
 _DERIVED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_hf_config(folder: str | Path) -> dict:
+    """The config.json of the HF checkpoint or asset folder `folder`; {} when it has none.
+
+    Raises:
+        ConfigError: the file is not a readable JSON object (often truncated by an interrupted
+            download, or a git-lfs pointer), naming it.
+    """
+    config_file = Path(folder) / HF_CONFIG_FILE
+    if not config_file.is_file():
+        return {}
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"'{config_file}' cannot be read as JSON ({error}); fetch it again.") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"'{config_file}' holds no JSON object; fetch it again.")
+    return config
 
 
 class StateDictMismatchError(ValueError):
@@ -52,7 +72,8 @@ class StateDictAdapter(ABC):
     Args:
         model_args: the flavor's args.
         hf_assets_path: the HF repo's asset folder; when it holds a config.json, `hf_config`
-            copies its token ids (bos/eos/pad) so that generation stops where the tokenizer says.
+            copies its token ids (bos/eos/pad) so that generation stops where the tokenizer says
+            (without one, see `use_tokenizer_ids`).
 
     Pitfalls: tensors must be full (unsharded: gather DTensors first), since the RoPE
     permutation and the expert split reshape whole tensors; dtypes and devices are kept as given;
@@ -66,6 +87,7 @@ class StateDictAdapter(ABC):
     def __init__(self, model_args, hf_assets_path: str | Path | None = None):
         self.model_args = model_args
         self.hf_assets_path = hf_assets_path
+        self._tokenizer_ids: dict[str, int] = {}
         self._from_hf_map = {hf: ours for ours, hf in self.key_map.items()}
         self._stacked = {ours for ours, hf in self.key_map.items() if hf.count("{}") == ours.count("{}") + 1}
 
@@ -116,6 +138,7 @@ class StateDictAdapter(ABC):
                 stacked tensor with a gap in its slices.
         """
         ours, stacks, unknown = {}, defaultdict(dict), []
+        hf_state_dict = self._without_tied_lm_head(hf_state_dict)
         for hf_key, tensor in hf_state_dict.items():
             if self.ignores_hf_key(hf_key):
                 continue
@@ -136,6 +159,26 @@ class StateDictAdapter(ABC):
             ours[key] = _stack_in_order(key, pieces)
         return ours
 
+    def _without_tied_lm_head(self, hf_state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """For a tied flavor, whose logits reuse the embedding: `hf_state_dict` without its
+        ``lm_head.weight``, which some tied checkpoints store too.
+
+        Raises:
+            StateDictMismatchError: that lm_head differs from the embedding: the checkpoint is
+                untied, and loading it into a tied flavor would drop its output projection.
+        """
+        head = hf_state_dict.get(_HF_LM_HEAD)
+        if head is None or not self.model_args.tie_word_embeddings:
+            return hf_state_dict
+        embedding = hf_state_dict.get(_HF_EMBEDDING)
+        real = head.device.type != "meta" and embedding is not None and embedding.device.type != "meta"
+        if real and not torch.equal(head, embedding):
+            raise StateDictMismatchError(
+                f"{_HF_LM_HEAD} differs from {_HF_EMBEDDING}: the checkpoint has its own output "
+                "projection (untied), which this flavor, tying it to the embedding, would drop"
+            )
+        return {key: tensor for key, tensor in hf_state_dict.items() if key != _HF_LM_HEAD}
+
     def experts_to_read(self, hf_keys: Iterable[str], experts: range) -> dict[str, str]:
         """For a rank that holds only `experts` of each MoE layer (expert parallelism): the keys
         of `hf_keys` it needs, each mapped to its key in a checkpoint of those experts alone,
@@ -155,12 +198,17 @@ class StateDictAdapter(ABC):
         architecture (none by default)."""
         return []
 
+    def use_tokenizer_ids(self, bos_id: int | None, eos_id: int | None) -> None:
+        """The token ids config.json gets when `hf_assets_path` has no config.json of its own
+        (a folder with the tokenizer only, as fetched by `download_hf_assets.py --assets
+        tokenizer`): the run's tokenizer's. Without them transformers falls back to its
+        architecture's defaults (Llama's bos 1, eos 2), and generation never stops at EOS."""
+        ids = (("bos_token_id", bos_id), ("eos_token_id", eos_id))
+        self._tokenizer_ids = {key: value for key, value in ids if value is not None}
+
     def ignores_hf_key(self, hf_key: str) -> bool:
-        """Whether `from_hf` skips `hf_key`: derived buffers, and ``lm_head.weight`` of a tied
-        model (some tied checkpoints store it; our logits reuse the embedding)."""
-        if hf_key.endswith(_DERIVED_HF_SUFFIXES):
-            return True
-        return hf_key == "lm_head.weight" and self.model_args.tie_word_embeddings
+        """Whether `from_hf` skips `hf_key` (and loaders need not read it): derived buffers."""
+        return hf_key.endswith(_DERIVED_HF_SUFFIXES)
 
     def base_hf_config(self, dtype: torch.dtype) -> dict:
         """The config fields every decoder here shares (same arg names in every model's args),
@@ -191,16 +239,14 @@ class StateDictAdapter(ABC):
             # "torch_dtype" rather than transformers 5's "dtype": what Hub configs carry and
             # every reader (transformers 4 and 5, vLLM) understands.
             "torch_dtype": str(dtype).removeprefix("torch."),
+            **self._tokenizer_ids,
             **self._token_ids_from_assets(),
         }
 
     def _token_ids_from_assets(self) -> dict:
         if self.hf_assets_path is None:
             return {}
-        config_file = Path(self.hf_assets_path) / "config.json"
-        if not config_file.is_file():
-            return {}
-        hf_config = json.loads(config_file.read_text())
+        hf_config = read_hf_config(self.hf_assets_path)
         return {key: hf_config[key] for key in _TOKEN_ID_KEYS if key in hf_config}
 
 
@@ -271,11 +317,27 @@ def hf_config_differences(ours: Mapping, theirs: Mapping) -> list[str]:
             return math.isclose(a, b, rel_tol=1e-6)
         return a == b
 
+    theirs = _with_top_level_rope_keys(theirs)
     return [
         f"{key}: checkpoint {theirs[key]}, this run {ours.get(key)}"
         for key in NUMERIC_HF_CONFIG_KEYS
         if key in theirs and not same(ours.get(key), theirs[key])
     ]
+
+
+def _with_top_level_rope_keys(config: Mapping) -> Mapping:
+    """`config` with transformers 5's ``rope_parameters`` (``rope_theta``, ``rope_type`` and the
+    scaling's fields in one table) also spelled as the older top-level ``rope_theta`` and
+    ``rope_scaling`` (None for ``rope_type`` "default": no scaling) that we write and compare."""
+    params = config.get("rope_parameters")
+    if not isinstance(params, Mapping):
+        return config
+    spelled = dict(config)
+    if "rope_theta" in params:
+        spelled.setdefault("rope_theta", params["rope_theta"])
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    spelled.setdefault("rope_scaling", None if params.get("rope_type", "default") == "default" else scaling)
+    return spelled
 
 
 def with_trained_seq_len(args, seq_len: int | None):
@@ -336,11 +398,11 @@ def build_run_state_dict_adapter(job_config) -> StateDictAdapter | None:
 def config_differences_from_folder(adapter: StateDictAdapter, folder: str | Path) -> list[str]:
     """`hf_config_differences` between `adapter`'s config.json and the one in the HF checkpoint
     `folder`; none when the folder has no config.json or the model has no HF config."""
-    config_file = Path(folder) / HF_CONFIG_FILE
-    if not config_file.is_file():
+    theirs = read_hf_config(folder)
+    if not theirs:
         return []
     try:
         ours = adapter.hf_config()
     except HFConfigError:
         return []
-    return hf_config_differences(ours, json.loads(config_file.read_text()))
+    return hf_config_differences(ours, theirs)

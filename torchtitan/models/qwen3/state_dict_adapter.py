@@ -52,7 +52,10 @@ def without_expert_bias(state_dict: dict[str, torch.Tensor], hf_model: str) -> d
 
 def with_zero_expert_bias(ours: dict[str, torch.Tensor], model_args) -> dict[str, torch.Tensor]:
     """`ours` (converted from an HF model without expert bias) with a zero bias per MoE layer
-    (`model_args.moe_args.num_experts` wide; dense models have no router and get none)."""
+    (`model_args.moe_args.num_experts` wide; dense models have no router and get none: an MoE
+    checkpoint's router keys are then left for the load to report as unexpected)."""
+    if getattr(model_args, "moe_args", None) is None:
+        return ours
     for key in list(ours):
         template, layer = split_indices(key)
         if template == _ROUTER:
