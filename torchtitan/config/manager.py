@@ -388,10 +388,10 @@ def _set_value(config: JobConfig, section: str, key: str, value, where: str, fro
 
 
 def _example(section: str, key: str, field: dataclasses.Field, from_text: bool) -> str:
-    """A correctly typed example of a number or boolean key, from its default value."""
+    """A correctly typed example for a number key, from its default value; none for other
+    keys (a boolean's "expected bool" and a choice's list of values say enough)."""
     default = field.default
     if isinstance(default, bool) or not isinstance(default, (int, float)):
-        # Booleans and choices already say "expected bool" / list the values.
         return ""
     if from_text:
         return f", for example --{section}.{key} {default!r}"
