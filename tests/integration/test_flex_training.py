@@ -67,9 +67,9 @@ def test_flex_config_trains_on_two_processes_and_loss_falls(config, mode, runs):
     logs = proc.stdout + proc.stderr
     assert "exact dense boolean mask" in logs  # the CPU path says which path it took
     if mode == "op-SAC":
-        assert "attention full +" in logs  # flex without compile: attention under full AC
+        assert "attention branch full +" in logs  # flex without compile: attention under full AC
     if mode == "op-SAC + compile":
-        assert "Compiled each transformer block" in logs and "attention full +" not in logs
+        assert "Compiled each transformer block" in logs and "attention branch full +" not in logs
         # The AC module's rule for MoE blocks: routing splits the block's graph, so attention
         # and MoE are two SAC regions.
         assert ("attention op-SAC + moe op-SAC" in logs) == (config in MOE_CONFIGS)

@@ -277,8 +277,8 @@ def test_every_ac_mode_under_flex_keeps_loss_and_gradients(model, mode, flex_ref
     args, tokens, (ref_loss, ref_grads) = flex_reference(model)
     module = _build(model, args, AC_MODES[mode])
     if mode == "selective op":
-        # flex without compile: attention under full AC, the feed-forward or MoE under op-SAC.
-        assert all(type(b.attention).__name__ == "CheckpointWrapper" for b in module.layers.values())
+        # flex without compile: the attention branch under full AC, the MLP branch under op-SAC.
+        assert all("attention_branch" in vars(b) for b in module.layers.values())
     loss, grads = _loss_and_grads(module, tokens)
     assert torch.equal(loss, ref_loss)
     assert grads.keys() == ref_grads.keys()

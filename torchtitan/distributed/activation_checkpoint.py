@@ -28,7 +28,7 @@ from torch._higher_order_ops.flex_attention import flex_attention as _flex_atten
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper as ptd_checkpoint_wrapper,
 )
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.config.manager import ConfigError, ac_debug_conflict, check_activation_checkpoint
@@ -106,16 +106,31 @@ def _refuse_debug_with_moe_blocks(ac_config: ActivationCheckpoint, model: nn.Mod
             raise ac_debug_conflict("MoE blocks, whose full AC saves the routing by a policy")
 
 
+def _checkpoint_options(ac_config: ActivationCheckpoint, context_fn=None) -> dict:
+    options = {
+        "preserve_rng_state": ac_config.preserve_rng_state,
+        "early_stop": ac_config.early_stop,
+        "determinism_check": ac_config.determinism_check,
+        "debug": ac_config.debug,
+    }
+    return options | ({"context_fn": context_fn} if context_fn is not None else {})
+
+
 def _checkpoint(module: nn.Module, ac_config: ActivationCheckpoint, context_fn=None) -> nn.Module:
-    kwargs = {"context_fn": context_fn} if context_fn is not None else {}
-    return ptd_checkpoint_wrapper(
-        module,
-        preserve_rng_state=ac_config.preserve_rng_state,
-        early_stop=ac_config.early_stop,
-        determinism_check=ac_config.determinism_check,
-        debug=ac_config.debug,
-        **kwargs,
-    )
+    return ptd_checkpoint_wrapper(module, **_checkpoint_options(ac_config, context_fn))
+
+
+def _checkpoint_branch(block: nn.Module, name: str, ac_config: ActivationCheckpoint, context_fn=None) -> None:
+    """Make `block`'s method `name` (a residual branch, see `DecoderBlock`) one checkpointed
+    region. The method is shadowed on this block only; its modules stay where they are, so
+    parameter names (state-dict keys) do not change."""
+    branch = getattr(block, name)
+    options = _checkpoint_options(ac_config, context_fn)
+
+    def checkpointed(*args, **kwargs):
+        return checkpoint(branch, *args, use_reentrant=False, **options, **kwargs)
+
+    setattr(block, name, checkpointed)
 
 
 def _forced_recompute_mm_shapes(model: nn.Module, fqns: list[str]) -> set[tuple[int, int]]:
@@ -288,21 +303,23 @@ def _apply_op_sac_to_block(block, ac_config, context_fn, use_flex_attn, model_co
     """Wrap one block for op-SAC; returns what was wrapped, for the log.
 
     flex_attention is itself a compiled higher-order op. Under SAC without compile its
-    saved outputs would be recomputed eagerly, so attention gets full AC and only the
-    feed-forward/MoE gets SAC. With compile on, an MoE block's data-dependent routing breaks
-    the block's graph, so its attention and MoE are wrapped as separate regions.
+    saved outputs would be recomputed eagerly, so the attention branch gets full AC and only
+    the feed-forward/MoE branch gets SAC, each branch with its norm (`DecoderBlock`'s
+    `attention_branch` and `mlp_branch`), so that no norm tensor is held between the regions.
+    With compile on, an MoE block's data-dependent routing breaks the block's graph, so its
+    attention and MoE are wrapped as separate regions.
     """
     sac = lambda m: _checkpoint(m, ac_config, context_fn)  # noqa: E731
     ffn_name = "moe" if hasattr(block, "moe") else "feed_forward"
     if use_flex_attn and not model_compile_enabled:
         _warn_once(
-            "flex_attention with per-op SAC and compile off: attention gets full AC and "
-            f"the {ffn_name} gets SAC, so that SAC does not discard flex_attention's compile. "
-            "Enable compile to keep attention under SAC."
+            "flex_attention with per-op SAC and compile off: the attention branch (its norm "
+            f"included) gets full AC and the {ffn_name} branch gets SAC, so that SAC does not "
+            "discard flex_attention's compile. Enable compile to keep attention under SAC."
         )
-        _wrap_child(block, "attention", lambda m: _checkpoint(m, ac_config))
-        _wrap_child(block, ffn_name, sac)
-        return block, "attention full + " + ffn_name + " op-SAC"
+        _checkpoint_branch(block, "attention_branch", ac_config)
+        _checkpoint_branch(block, "mlp_branch", ac_config, context_fn)
+        return block, f"attention branch full + {ffn_name} branch op-SAC (norms inside)"
     if use_flex_attn and model_compile_enabled and hasattr(block, "moe"):
         _warn_once(
             "flex_attention with per-op SAC, compile on and MoE blocks: attention and moe "

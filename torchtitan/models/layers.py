@@ -194,9 +194,20 @@ class DecoderBlock(nn.Module):
         self, x: torch.Tensor, rope_cache: torch.Tensor, masks: AttentionMasks | None = None
     ) -> torch.Tensor:
         """``masks``: this batch's, from `AttentionArgs.build_masks`; None for the sdpa backend."""
+        h = x + self.attention_branch(x, rope_cache, masks)
+        return h + self.mlp_branch(h)
+
+    # The two residual branches, each with its norm: the regions the AC module checkpoints when
+    # the whole block cannot be one (flex attention with op-SAC and compile off).
+
+    def attention_branch(
+        self, x: torch.Tensor, rope_cache: torch.Tensor, masks: AttentionMasks | None = None
+    ) -> torch.Tensor:
         # By keyword: TP's PrepareModuleInput on `attention` lays out the positional inputs only.
-        h = x + self.attention(self.attention_norm(x), rope_cache, masks=masks)
-        return h + self.mlp(self.ffn_norm(h))
+        return self.attention(self.attention_norm(x), rope_cache, masks=masks)
+
+    def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ffn_norm(h))
 
     def init_weights(self) -> None:
         for norm in (self.attention_norm, self.ffn_norm):
