@@ -128,7 +128,8 @@ def test_accumulated_micro_batches_reduce_across_replicas_once_per_step():
     # After the first micro-batch, nothing has crossed the replicas yet.
     assert report["ddp4"]["after_first"] == "local"
     assert report["hsdp2x2"]["after_first"] == "held"
-    # One all-reduce per FSDP unit (six blocks and the root) for the step, not per micro-batch.
-    assert report["hsdp2x2"]["all_reduces"] == 6 + 1
+    # One all-reduce per FSDP unit (six blocks, the embedding and the root) for the step, not
+    # per micro-batch.
+    assert report["hsdp2x2"]["all_reduces"] == 6 + 2
     for layout in ("ddp4", "hsdp2x2"):
         assert report[layout]["max_rel_error"] < 1e-5, (layout, report[layout])
