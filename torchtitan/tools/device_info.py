@@ -26,7 +26,7 @@ def peak_bf16_flops(device: torch.device) -> float | None:
 
 
 def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def peak_memory_gib(device: torch.device) -> dict[str, float]:
