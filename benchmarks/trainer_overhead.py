@@ -51,10 +51,10 @@ class BareLoop:
         self.model.to_empty(device=trainer.device)
         torch.manual_seed(0)
         self.model.init_weights()
-        o = cfg.optimizer
+        o, kernel = cfg.optimizer, trainer.optimizer.defaults  # the trainer's kernel: fused or foreach
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-            weight_decay=o.weight_decay, foreach=True,
+            weight_decay=o.weight_decay, fused=kernel["fused"], foreach=kernel["foreach"],
         )  # fmt: skip
         vocab = llama3_flavors[args.flavor].vocab_size
         self.tokens = torch.randint(0, vocab, (args.batch, args.seq_len + 1), device=trainer.device)

@@ -290,8 +290,8 @@ def test_async_tensor_parallel_is_estimated_as_plain_tensor_parallel_with_a_note
 
 
 def test_ac_wraps_blocks_as_the_compiled_run_does_though_the_step_runs_eagerly():
-    """Op-SAC with flex attention checkpoints attention and feed-forward as separate regions only
-    when compile is off; a compiled run wraps the whole block, as with sdpa."""
+    """Op-SAC with flex attention checkpoints the attention and MLP branches as separate regions
+    only when compile is off; a compiled run wraps the whole block, as with sdpa."""
     base = DEBUG[:2] + ["--training.local_batch_size", "1", "--training.seq_len", "512"]
     flex = ["--model.attn_backend", "flex", "--model.attn_mask_type", "block_causal"]
     sdpa_peak = em.measure(_config(base, "selective op"), 1)[em.TOTAL]
@@ -299,4 +299,5 @@ def test_ac_wraps_blocks_as_the_compiled_run_does_though_the_step_runs_eagerly()
     flex_eager = em.measure(_config(base + flex, "selective op"), 1)[em.TOTAL]
     document_ids, stand_in_mask = 512 * 8, 1  # block_causal's int64 ids per token, the 1-element mask
     assert flex_compiled == sdpa_peak + document_ids + stand_in_mask
-    assert flex_eager > flex_compiled
+    # Uncompiled, the attention branch is under full AC: it keeps less than block op-SAC.
+    assert flex_eager < flex_compiled
