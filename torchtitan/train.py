@@ -226,8 +226,9 @@ class Trainer:
             self.step_metrics = self.spec.post_optimizer_step_fn(self.model, self.parallel_dims.dp_group())
         return total_loss, grad_norm, data_seconds
 
-    def _finite_or_raise(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
-        """This step's loss (the mean over ranks) and gradient norm, once both are finite.
+    def _finite_or_raise(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float, float]:
+        """This step's loss (the mean and the largest over ranks) and gradient norm, once all are
+        finite.
 
         Checked where the host waits for them anyway, on log and checkpoint steps, so never
         between them. A non-finite gradient leaves NaN weights after the step, so they are
@@ -236,18 +237,18 @@ class Trainer:
         Raises:
             FloatingPointError: naming the step.
         """
-        global_loss = dist_utils.all_reduce_mean(loss.item(), self.device)
+        global_loss, max_loss = dist_utils.mean_and_max_over_ranks(loss.item(), self.device)
         norm = grad_norm.item()
         dist_utils.finite_or_raise(self.step, global_loss, norm)
-        return global_loss, norm
+        return global_loss, max_loss, norm
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, started: float) -> None:
-        global_loss, norm = self._finite_or_raise(loss, grad_norm)
+        global_loss, max_loss, norm = self._finite_or_raise(loss, grad_norm)
         steps_left = self.job_config.training.steps - self.step
         steps_done = self.step - self.first_step + 1  # in this run: a resumed run starts later
         eta = (time.perf_counter() - started) / steps_done * steps_left
         extra = {name: value.item() for name, value in self.step_metrics.items()}
-        self.metrics.log(self.step, global_loss, norm, self.lr, eta, extra=extra)
+        self.metrics.log(self.step, global_loss, norm, self.lr, eta, extra=extra, max_loss=max_loss)
 
     def _validate(self) -> None:
         autocast = autocast_context(self.job_config, self.parallel_dims, self.device)

@@ -63,9 +63,29 @@ LAYOUTS = {
 @pytest.mark.parametrize(
     "layout", [pytest.param(k, marks=pytest.mark.full_matrix) if k == "ddp2" else k for k in LAYOUTS]
 )
-def test_layout_matches_single_process_losses_and_grad_norms(layout, single_process, tmp_path):
-    nproc, split, extra = LAYOUTS[layout]
-    _assert_matches(_run(tmp_path, layout, nproc, split, extra), single_process)
+def test_layout_matches_single_process_losses_and_grad_norms(layout, single_process, layout_runs):
+    _assert_matches(layout_runs(layout), single_process)
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """layout -> its training records, each layout trained once per module."""
+    cache = {}
+
+    def get(layout: str) -> list[dict]:
+        if layout not in cache:
+            nproc, split, extra = LAYOUTS[layout]
+            cache[layout] = _run(tmp_path_factory.mktemp(layout), layout, nproc, split, extra)
+        return cache[layout]
+
+    return get
+
+
+def test_max_loss_is_the_largest_rank_loss(single_process, layout_runs):
+    """`max_loss` (TensorBoard's loss_metrics/global_max_loss) is the mean loss where every rank
+    sees the same batch (one process, TP) and above it where data-parallel ranks do not."""
+    assert all(r["max_loss"] == r["loss"] for r in single_process + layout_runs("tp2"))
+    assert all(r["max_loss"] > r["loss"] for r in layout_runs("hsdp2x2"))
 
 
 _AC = "--activation_checkpoint."

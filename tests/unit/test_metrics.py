@@ -178,3 +178,26 @@ def test_a_gpu_without_a_known_peak_says_why_mfu_is_not_reported(tmp_path, fake_
     metrics = _gpu_processor(tmp_path)
     assert metrics.peak_flops is None
     assert "MFU is not reported (mfu: n/a): the peak bf16 FLOP/s of NVIDIA L40S" in caplog.text
+
+
+def test_tensorboard_and_wandb_get_upstream_torchtitans_tags(tmp_path, clock, fake_gpu):
+    fake_gpu["active_bytes.all.peak"] = 35 * 1024**3
+    metrics = _gpu_processor(tmp_path)
+    clock.now = 4.0
+    metrics.count(tokens=1000, data_seconds=0.4)
+    record = metrics.log(step=1, loss=2.5, grad_norm=1.0, lr=1e-3, max_loss=2.75)
+    scalars = metrics_module.sink_scalars(record)
+    assert scalars["loss_metrics/global_avg_loss"] == 2.5 and scalars["loss_metrics/global_max_loss"] == 2.75
+    assert scalars["throughput(tps)"] == pytest.approx(250.0)
+    assert scalars["time_metrics/end_to_end(s)"] == pytest.approx(4.0)
+    assert scalars["time_metrics/data_loading(s)"] == pytest.approx(0.4)
+    assert scalars["time_metrics/data_loading(%)"] == pytest.approx(10.0)
+    assert scalars["memory/max_reserved(GiB)"] == 70.0 and scalars["memory/max_reserved(%)"] == 50.0
+    assert scalars["memory/max_active(GiB)"] == 35.0 and scalars["memory/max_active(%)"] == 25.0
+    assert scalars["mfu(%)"] > 0 and scalars["grad_norm"] == 1.0 and scalars["lr"] == 1e-3
+    assert "loss" not in scalars and "step" not in scalars
+
+
+def test_an_unknown_mfu_is_left_out_of_the_scalars(tmp_path, clock):
+    record = _processor(tmp_path).log(step=1, loss=1.0, grad_norm=1.0, lr=1e-3)
+    assert record["mfu_pct"] is None and "mfu(%)" not in metrics_module.sink_scalars(record)

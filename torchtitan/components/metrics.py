@@ -14,6 +14,35 @@ from torchtitan.tools.device_info import device_name, peak_bf16_flops, peak_memo
 
 logger = logging.getLogger(__name__)
 
+# TensorBoard and W&B tags as upstream torchtitan names them, so dashboards and scripts written
+# for its runs read ours; metrics.jsonl keeps the short keys of the log line. Keys not listed
+# (moe_imbalance, memory/num_ooms, ...) keep their own names.
+SINK_TAGS = {
+    "loss": "loss_metrics/global_avg_loss",
+    "max_loss": "loss_metrics/global_max_loss",
+    "tps": "throughput(tps)",
+    "mfu_pct": "mfu(%)",
+    "step_seconds": "time_metrics/end_to_end(s)",
+    "data_loading_seconds": "time_metrics/data_loading(s)",
+    "data_loading_pct": "time_metrics/data_loading(%)",
+    "memory/max_active_gib": "memory/max_active(GiB)",
+    "memory/max_active_pct": "memory/max_active(%)",
+    "memory/max_reserved_gib": "memory/max_reserved(GiB)",
+    "memory/max_reserved_pct": "memory/max_reserved(%)",
+    "memory/max_allocated_gib": "memory/max_allocated(GiB)",
+    "memory/max_rss_gib": "memory/max_rss(GiB)",
+    "validation/loss": "validation_metrics/loss",
+}
+
+
+def sink_scalars(record: dict) -> dict[str, float]:
+    """A record's numbers under their TensorBoard/W&B tags (the step and missing values left out)."""
+    return {
+        SINK_TAGS.get(key, key): value
+        for key, value in record.items()
+        if key != "step" and isinstance(value, (int, float))
+    }
+
 
 class _TensorBoard:
     def __init__(self, folder: Path):
@@ -22,9 +51,8 @@ class _TensorBoard:
         self.writer = SummaryWriter(log_dir=str(folder))
 
     def log(self, record: dict, step: int) -> None:
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and key != "step":
-                self.writer.add_scalar(key, value, step)
+        for tag, value in sink_scalars(record).items():
+            self.writer.add_scalar(tag, value, step)
 
     def close(self) -> None:
         self.writer.close()
@@ -54,7 +82,7 @@ class _WandB:
             ) from None
 
     def log(self, record: dict, step: int) -> None:
-        self.run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        self.run.log(sink_scalars(record), step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -139,20 +167,26 @@ class MetricsProcessor:
         lr: float,
         eta_seconds: float | None = None,
         extra: dict | None = None,
+        max_loss: float | None = None,
     ) -> dict:
-        """Write one record for `step` (from every rank's own counts) and start a new window."""
+        """Write one record for `step` (from every rank's own counts) and start a new window.
+
+        `loss` is the mean over the ranks' losses, `max_loss` (when given) the largest of them:
+        a gap between the two shows data-parallel ranks that see very different batches."""
         elapsed = time.perf_counter() - self.window_start - self.paused_seconds
         tps = self.tokens / elapsed if elapsed > 0 else 0.0
         tflops = self.flops_per_token * tps / 1e12
         record = {
             "step": step,
             "loss": loss,
+            **({"max_loss": max_loss} if max_loss is not None else {}),
             "grad_norm": grad_norm,
             "lr": lr,
             "tps": tps,
             "tflops": tflops,
             "mfu_pct": 100 * tflops * 1e12 / self.peak_flops if self.peak_flops else None,
             "data_loading_pct": 100 * self.data_seconds / elapsed if elapsed > 0 else 0.0,
+            "data_loading_seconds": self.data_seconds / max(self.steps, 1),
             "step_seconds": elapsed / max(self.steps, 1),
             **peak_memory_gib(self.device),
             **(extra or {}),

@@ -232,6 +232,16 @@ def all_reduce_mean(value: float, device: torch.device) -> float:
     return t.item() / dist.get_world_size()
 
 
+def mean_and_max_over_ranks(value: float, device: torch.device) -> tuple[float, float]:
+    """Mean and largest of a Python float over all ranks, from one all-gather."""
+    if not dist.is_initialized():
+        return value, value
+    mine = torch.tensor([value], dtype=torch.float64, device=device)
+    every = torch.empty(dist.get_world_size(), dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(every, mine)
+    return every.mean().item(), every.max().item()
+
+
 def finite_or_raise(step: int, loss: float, grad_norm: float) -> None:
     """Stop at the first non-finite loss or gradient norm, naming the step, rather than train on
     (or checkpoint) the NaN weights the optimizer step made of them."""

@@ -30,18 +30,20 @@ def device_name(device: torch.device) -> str:
 
 
 def peak_memory_gib(device: torch.device) -> dict[str, float]:
-    """Memory statistics for the log: on an accelerator, the peak reserved (also as a percentage
-    of the device's capacity) and allocated bytes since the last `reset_peak_memory`, and the
-    caching allocator's running counts of allocation retries and out-of-memory errors; on the
-    CPU, the process's peak RSS over its whole life (the kernel offers no reset, so a spike,
-    e.g. while a checkpoint loads, shows in every later record)."""
+    """Memory statistics for the log: on an accelerator, the peak reserved and active bytes (also
+    as percentages of the device's capacity) and allocated bytes since the last
+    `reset_peak_memory`, and the caching allocator's running counts of allocation retries and
+    out-of-memory errors; on the CPU, the process's peak RSS over its whole life (the kernel
+    offers no reset, so a spike, e.g. while a checkpoint loads, shows in every later record)."""
     gib = 1024**3
     if device.type == "cpu":
         return {"memory/max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
     stats = torch.accelerator.memory_stats(device)
     reserved = stats.get("reserved_bytes.all.peak", 0)
+    active = stats.get("active_bytes.all.peak", 0)
     record = {
         "memory/max_reserved_gib": reserved / gib,
+        "memory/max_active_gib": active / gib,
         "memory/max_allocated_gib": stats.get("allocated_bytes.all.peak", 0) / gib,
         "memory/num_alloc_retries": stats.get("num_alloc_retries", 0),
         "memory/num_ooms": stats.get("num_ooms", 0),
@@ -49,6 +51,7 @@ def peak_memory_gib(device: torch.device) -> dict[str, float]:
     capacity = _capacity_bytes(device)
     if capacity:
         record["memory/max_reserved_pct"] = 100 * reserved / capacity
+        record["memory/max_active_pct"] = 100 * active / capacity
     return record
 
 
