@@ -28,6 +28,10 @@ all its rows to it), while it still sends a balanced share. A training run logs 
 data-parallel ranks: exact when the EP group spans every data-parallel rank, an approximation
 when it spans fewer).
 
+Where the CPU's kernels hold more for backward than a GPU's, the GPU's are modelled: fused
+attention for every SDPA and flex call (`gpu_attention_kernels`) and fused RMSNorm
+(`gpu_norm_kernel`).
+
 Not modelled: torch.compile (the step runs eagerly), the caching allocator's rounding,
 fragmentation and reserved memory, and CUDA/NCCL context memory; keep some headroom. DDP
 (replicas without sharding) is refused: its C++ reducer cannot run on fake tensors.
@@ -328,6 +332,55 @@ def gpu_attention_kernels():
         F.scaled_dot_product_attention, attention.create_mask = sdpa, create_mask
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm holding for backward what a GPU's fused kernel (`aten._fused_rms_norm`, which
+    `F.rms_norm` calls on CUDA) holds: its input, the per-row rstd in fp32 and the weight. On the
+    CPU the same call decomposes, and autograd also holds the input upcast to fp32 and the fp32
+    normalized product: 8 more bytes per element per norm."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dims, eps):
+        rstd = torch.rsqrt(x.float().pow(2).mean(dims, keepdim=True) + eps)
+        normed = x.float() * rstd
+        out = (normed * weight.float() if weight is not None else normed).to(x.dtype)
+        ctx.dims = dims
+        ctx.save_for_backward(x, rstd, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        normed = x.float() * rstd
+        g = grad.float() * weight.float() if weight is not None else grad.float()
+        grad_x = rstd * (g - normed * (g * normed).mean(ctx.dims, keepdim=True))
+        grad_w = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            leading = tuple(range(grad.dim() - len(ctx.dims)))
+            grad_w = (grad.float() * normed).sum(leading).to(weight.dtype)
+        return grad_x.to(x.dtype), grad_w, None, None
+
+
+@contextlib.contextmanager
+def gpu_norm_kernel():
+    """`F.rms_norm` (every RMSNorm of the models) holds for backward what the GPU's fused kernel
+    holds (see `_FusedRMSNorm`). Where the weight's dtype differs from the input's (a bf16
+    activation under autocast meeting an fp32 weight), the GPU falls back to the decomposed
+    form, and so does this."""
+    rms_norm = F.rms_norm
+
+    def fused(input, normalized_shape, weight=None, eps=None):
+        if weight is not None and weight.dtype != input.dtype:
+            return rms_norm(input, normalized_shape, weight, eps)
+        eps = torch.finfo(input.dtype).eps if eps is None else eps
+        return _FusedRMSNorm.apply(input, weight, tuple(range(-len(normalized_shape), 0)), eps)
+
+    F.rms_norm = fused
+    try:
+        yield
+    finally:
+        F.rms_norm = rms_norm
+
+
 def _refuse_fp32_moe(cfg: JobConfig, model: torch.nn.Module) -> None:
     """MoE experts need bf16 compute under FakeTensorMode: the grouped matmul's shape function
     accepts bf16 only, and the per-expert loop that serves other dtypes reads the token counts."""
@@ -526,7 +579,8 @@ def breakdown(snapshot: dict) -> dict[str, int]:
 def measure(cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 1.0) -> dict[str, int]:
     """Peak bytes on rank 0 of `ngpu` during one steady-state training step, by report row.
 
-    `fake=False` runs the same path on real CPU tensors, allocating one rank's memory. Needs
+    `fake=False` runs the same path on real CPU tensors (with the GPU's RMSNorm kernel, which
+    computes what the CPU's does), allocating one rank's memory. Needs
     a process without a process group. `ep_imbalance`: under expert parallelism, rank 0
     receives this many times its balanced share of routed rows (see `simulated_expert_routing`).
     Raises ConfigError for a layout the config cannot have.
@@ -556,6 +610,7 @@ def measure(cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 
             with (
                 FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
                 gpu_attention_kernels() if fake else contextlib.nullcontext(),
+                gpu_norm_kernel(),
                 no_warning_for_fake_collective_views() if fake else contextlib.nullcontext(),
             ):
                 return breakdown(tracked_step(cfg, model, parallel_dims, device))

@@ -301,3 +301,42 @@ def test_ac_wraps_blocks_as_the_compiled_run_does_though_the_step_runs_eagerly()
     assert flex_compiled == sdpa_peak + document_ids + stand_in_mask
     # Uncompiled, the attention branch is under full AC: it keeps less than block op-SAC.
     assert flex_eager < flex_compiled
+
+
+def test_rms_norm_is_estimated_as_the_gpus_fused_kernel_with_equal_output_and_gradients():
+    """On the CPU `F.rms_norm` decomposes, and backward holds the input upcast to fp32 and the
+    fp32 normalized product; a GPU's fused kernel holds only the input, the per-row rstd and
+    the weight. Under the estimator the norm holds those three, and computes the same."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, 64, generator=generator).bfloat16().requires_grad_()
+    weight = (1 + torch.randn(64, generator=generator) / 4).bfloat16().requires_grad_()
+    grad = torch.randn(2, 8, 64, generator=generator).bfloat16()
+
+    def held_and_grads():
+        held = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
+            out = F.rms_norm(x, [64], weight, 1e-6)
+        return out, held, torch.autograd.grad(out, (x, weight), grad)
+
+    cpu_out, cpu_held, cpu_grads = held_and_grads()
+    with em.gpu_norm_kernel():
+        gpu_out, gpu_held, gpu_grads = held_and_grads()
+    assert sum(t.nbytes for t in cpu_held) > 5 * x.nbytes  # two fp32 copies of x, and more
+    assert [(tuple(t.shape), t.dtype) for t in gpu_held] == [
+        ((2, 8, 64), torch.bfloat16),
+        ((2, 8, 1), torch.float32),
+        ((64,), torch.bfloat16),
+    ]
+    assert torch.equal(gpu_out, cpu_out)
+    for gpu, cpu in zip(gpu_grads, cpu_grads):
+        torch.testing.assert_close(gpu, cpu, rtol=1e-2, atol=1e-2)  # bf16 rounding
+    assert F.rms_norm.__name__ == "rms_norm"  # restored
+
+
+def test_rms_norm_with_a_weight_of_another_dtype_stays_decomposed_as_on_a_gpu():
+    x, weight = torch.randn(4, 16).bfloat16().requires_grad_(), torch.ones(16, requires_grad=True)
+    with em.gpu_norm_kernel():
+        held = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
+            F.rms_norm(x, [16], weight, 1e-6)
+    assert any(t.dtype == torch.float32 and t.shape == x.shape for t in held)
