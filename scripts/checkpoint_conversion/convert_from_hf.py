@@ -12,9 +12,9 @@ time and, under expert parallelism, only each rank's experts.
 Bad input (a missing or unreadable folder, an unknown model or flavor, a checkpoint whose keys
 or shapes are not the flavor's, quantized weights other than block-scaled fp8, an output folder
 that is a file or not empty) ends with exit code 2 and a one-paragraph message on stderr. A
-config.json whose RoPE or norm constants are not the flavor's is warned about (the weights
-then compute something else), as the trainer's `initial_load_in_hf` does. The output appears
-whole or not at all.
+config.json whose RoPE, norm, activation or routing constants are not the flavor's is warned
+about (the weights then compute something else), as the trainer's `initial_load_in_hf` does.
+The output appears whole or not at all.
 
 Usage:
     python scripts/checkpoint_conversion/convert_from_hf.py --model llama3 --flavor 8B \\

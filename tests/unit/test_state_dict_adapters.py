@@ -698,3 +698,32 @@ def test_hf_config_takes_token_ids_from_the_tokenizer_when_the_assets_have_no_co
     assert (adapter.hf_config()["bos_token_id"], adapter.hf_config()["eos_token_id"]) == (0, 1)
     (tmp_path / CONFIG_FILE).write_text(json.dumps({"bos_token_id": 5, "eos_token_id": 6}))
     assert (adapter.hf_config()["bos_token_id"], adapter.hf_config()["eos_token_id"]) == (5, 6)
+
+
+@pytest.mark.parametrize(
+    "model, flavor, changed",
+    [("qwen3", "30B-A3B", {"num_experts_per_tok": 4}), ("qwen3", "30B-A3B", {"norm_topk_prob": False}),
+     ("deepseek_v3", "671B", {"routed_scaling_factor": 1.0}), ("deepseek_v3", "671B", {"topk_group": 8}),
+     ("deepseek_v3", "671B", {"rope_interleave": False}), ("llama3", "8B", {"hidden_act": "gelu"})],
+)  # fmt: skip
+def test_config_differences_name_routing_rotary_layout_and_activation_constants(model, flavor, changed):
+    """Each of these changes the logits (by 0.2-1.0 of their norm) with no tensor shape changed."""
+    ours = build_state_dict_adapter(model, flavor).hf_config()
+    [(key, value)] = changed.items()
+    expected = f"{key}: checkpoint {value}, this run {ours[key]}"
+    assert hf_config_differences(ours, {**ours, **changed}) == [expected]
+    assert hf_config_differences(ours, ours) == []
+
+
+def test_a_config_without_rope_interleave_is_compared_as_transformers_default_true():
+    ours = build_state_dict_adapter("deepseek_v3", "671B").hf_config()
+    theirs = {k: v for k, v in ours.items() if k != "rope_interleave"}
+    assert hf_config_differences(ours, theirs) == []
+    assert hf_config_differences({**ours, "rope_interleave": False}, theirs) == [
+        "rope_interleave: checkpoint True, this run False"
+    ]
+
+
+def test_keys_this_model_does_not_write_are_not_compared():
+    ours = build_state_dict_adapter("llama3", "8B").hf_config()
+    assert hf_config_differences(ours, {**ours, "num_experts_per_tok": 8, "rope_interleave": False}) == []

@@ -850,10 +850,10 @@ class CheckpointManager:
         return layout, block
 
     def _warn_on_config_differences(self, path: Path) -> None:
-        """Warn when the checkpoint's config.json sets RoPE or norm constants other than this
-        run's: no shape shows it, and the weights then compute something else (e.g. the
-        published DeepSeek-V3's YaRN scaling, which a run of training.seq_len <= 4096 does
-        not apply)."""
+        """Warn when the checkpoint's config.json sets RoPE, norm, activation or routing
+        constants other than this run's: no shape shows it, and the weights then compute
+        something else (e.g. the published DeepSeek-V3's YaRN scaling, which a run of
+        training.seq_len <= 4096 does not apply)."""
         from torchtitan.protocols.state_dict_adapter import config_differences_from_folder
 
         if differences := config_differences_from_folder(self.hf_adapter, path):

@@ -301,14 +301,21 @@ def describe_mismatch(expected: Mapping[str, torch.Size], actual: Mapping[str, t
     return "; ".join(problems) or None
 
 
-# config.json fields that change the numbers without changing any tensor's shape.
-NUMERIC_HF_CONFIG_KEYS = ("rope_theta", "rope_scaling", "rms_norm_eps")
+# config.json fields that change the numbers without changing any tensor's shape: the RoPE,
+# norm, activation and routing constants.
+NUMERIC_HF_CONFIG_KEYS = ("rope_theta", "rope_scaling", "rope_interleave", "rms_norm_eps", "hidden_act",
+                          "num_experts_per_tok", "norm_topk_prob", "routed_scaling_factor", "n_group",
+                          "topk_group", "scoring_func", "topk_method")  # fmt: skip
+# What transformers assumes for a key that a checkpoint's config.json leaves out, where that
+# matters: DeepSeek-V3's rotary pairs are interleaved unless the config says otherwise.
+_HF_CONFIG_DEFAULTS = {"rope_interleave": True}
 
 
 def hf_config_differences(ours: Mapping, theirs: Mapping) -> list[str]:
     """The `NUMERIC_HF_CONFIG_KEYS` on which a checkpoint's config.json (`theirs`) disagrees
-    with this model's (`ours`), each as "key: checkpoint X, this run Y". A key the checkpoint
-    leaves out is not compared (transformers then uses its default)."""
+    with this model's (`ours`), each as "key: checkpoint X, this run Y". Only keys this model
+    writes are compared; a key the checkpoint leaves out is compared as transformers' default
+    where that is known (`_HF_CONFIG_DEFAULTS`), and otherwise not at all."""
 
     def same(a, b) -> bool:
         if isinstance(a, Mapping) and isinstance(b, Mapping):
@@ -317,11 +324,12 @@ def hf_config_differences(ours: Mapping, theirs: Mapping) -> list[str]:
             return math.isclose(a, b, rel_tol=1e-6)
         return a == b
 
-    theirs = _with_top_level_rope_keys(theirs)
+    theirs = {**_HF_CONFIG_DEFAULTS, **_with_top_level_rope_keys(theirs)}
+    ours = {"rope_scaling": None, **ours}  # a model that writes no scaling has none
     return [
-        f"{key}: checkpoint {theirs[key]}, this run {ours.get(key)}"
+        f"{key}: checkpoint {theirs[key]}, this run {ours[key]}"
         for key in NUMERIC_HF_CONFIG_KEYS
-        if key in theirs and not same(ours.get(key), theirs[key])
+        if key in theirs and key in ours and not same(ours[key], theirs[key])
     ]
 
 
