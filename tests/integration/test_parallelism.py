@@ -52,6 +52,10 @@ LAYOUTS = {
     "tp2_compiled": (2, 1, ["--parallelism.tensor_parallel_degree", "2", "--compile.enable"]),
     "tp2_compiled_without_loss_parallel": (2, 1, ["--parallelism.tensor_parallel_degree", "2",
                                                   "--compile.enable", "--parallelism.disable_loss_parallel"]),
+    # The budgeted partitioner sizes the TP DeviceMesh, a graph input of every block.
+    "tp2_compiled_memory_budget": (2, 1, ["--parallelism.tensor_parallel_degree", "2", "--compile.enable",
+                                          "--activation_checkpoint.mode", "memory_budget",
+                                          "--activation_checkpoint.memory_budget", "0.5"]),
     # Local batch 1 on 2 replicas: 2 micro-batches per step, gradients reduced on the last.
     "ddp2_accumulating": (2, 4, ["--parallelism.data_parallel_replicate_degree", "2",
                                  "--parallelism.data_parallel_shard_degree", "1",

@@ -479,3 +479,27 @@ def test_shipped_config_names_a_flavor_and_degrees_that_fit_the_gpus_its_header_
 @pytest.mark.parametrize("seed", ["18446744073709551616", "-9223372036854775809"])
 def test_a_seed_torch_cannot_take_is_refused_when_the_config_is_parsed(seed):
     assert _error(["--training.seed", seed]).startswith(f"'training.seed' = {seed} is out of range")
+
+
+_COMPILED_TP2 = ["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--activation_checkpoint.mode"]
+
+
+@pytest.mark.parametrize("mode", [["full"], ["selective", "--activation_checkpoint.selective_ac_option", "2"]])
+def test_block_ac_of_compiled_tp_is_refused_where_compile_takes_device_meshes(mode, monkeypatch):
+    """torch 2.13 saves the TP mesh among the tensors for backward and fails in the first step."""
+    from torchtitan.config import manager
+
+    monkeypatch.setattr(manager, "_compile_sees_device_meshes", lambda: True)
+    with pytest.raises(ConfigError, match=r"selective_ac_option = \"op\" \(the default\)"):
+        parse_args(_COMPILED_TP2 + mode, env={})
+    monkeypatch.setattr(manager, "_compile_sees_device_meshes", lambda: False)  # torch 2.11
+    assert parse_args(_COMPILED_TP2 + mode, env={}).activation_checkpoint.mode == mode[0]
+
+
+@pytest.mark.parametrize("mode", [["selective"], ["memory_budget"], ["none"]])
+def test_op_sac_memory_budget_and_no_ac_of_compiled_tp_are_accepted(mode, monkeypatch):
+    from torchtitan.config import manager
+
+    monkeypatch.setattr(manager, "_compile_sees_device_meshes", lambda: True)
+    assert parse_args(_COMPILED_TP2 + mode, env={}).activation_checkpoint.mode == mode[0]
+

@@ -634,6 +634,35 @@ def check_activation_checkpoint(
             )
 
 
+def _check_block_ac_of_compiled_tensor_parallel(config: JobConfig) -> None:
+    """Full AC (or selective N) of compiled blocks under tensor parallelism fails in the first
+    step where torch passes the TP DeviceMesh into compiled graphs as an opaque object (torch
+    2.13 here; 2.11 runs it): the recomputed attention kernel, which torch tags as random for
+    its dropout, gets its RNG state saved after the mesh, where AOTAutograd expects only tensors
+    ("AssertionError: expected all tensors_saved_with_vc_check to be Tensors")."""
+    ac, tp = config.activation_checkpoint, config.parallelism.tensor_parallel_degree
+    wraps_whole_blocks = ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op")
+    if wraps_whole_blocks and tp > 1 and model_compile_enabled(config) and _compile_sees_device_meshes():
+        mode = f"'{ac.mode}'"
+        if ac.mode == "selective":
+            mode += f" with 'activation_checkpoint.selective_ac_option' = '{ac.selective_ac_option}'"
+        raise ConfigError(
+            f"'activation_checkpoint.mode' = {mode} with compile.enable and "
+            f"'parallelism.tensor_parallel_degree' = {tp} fails in this torch's compiler (it saves "
+            "the tensor-parallel DeviceMesh among the tensors for backward when it recomputes "
+            'attention). Use mode = "selective" with selective_ac_option = "op" (the default) or '
+            'mode = "memory_budget", or set compile.enable = false; torch 2.11 runs this combination.'
+        )
+
+
+def _compile_sees_device_meshes() -> bool:
+    """Whether this torch registers DeviceMesh as an opaque type, so that a mesh a module's
+    hook holds becomes an input of the compiled graph."""
+    import torch.distributed.device_mesh
+
+    return hasattr(torch.distributed.device_mesh, "_register_distributed_opaque_types")
+
+
 def ac_debug_conflict(conflict: str) -> ConfigError:
     """The error for `activation_checkpoint.debug` with `conflict`, something torch's checkpoint
     debug mode cannot trace: it replaces a checkpoint's `context_fn` with its own tracer and
@@ -731,6 +760,7 @@ def _check_consistency(config: JobConfig) -> None:
     check_activation_checkpoint(
         config.activation_checkpoint, model_compile_enabled(config), config.compile.backend
     )
+    _check_block_ac_of_compiled_tensor_parallel(config)
     _check_checkpoint(config)
     _check_profiling(config.profiling)
     if config.compile.enable:

@@ -415,6 +415,11 @@ def apply_ac(
 
 def _apply_memory_budget(ac_config: ActivationCheckpoint, base_folder: str) -> None:
     torch._functorch.config.activation_memory_budget = ac_config.memory_budget
+    # Under tensor parallelism the compiled graphs take the DeviceMesh as an input (an opaque
+    # object on recent torch), and the budgeted partitioner refuses to size it ("Cannot compute
+    # the size of FakeScriptObject"). A mesh holds no tensor memory, so zero is its size.
+    if hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size"):
+        torch._functorch.config.unsafe_treat_script_objects_as_zero_size = True
     if ac_config.visualize_memory_budget_pareto:
         torch._functorch.config.visualize_memory_budget_pareto = True
         torch._functorch.config.memory_budget_pareto_dir = base_folder or "."
