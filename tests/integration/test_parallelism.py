@@ -157,3 +157,11 @@ def test_accumulated_micro_batches_reduce_across_replicas_once_per_step():
     assert report["hsdp2x2"]["all_reduces"] == 6 + 2
     for layout in ("ddp4", "hsdp2x2"):
         assert report[layout]["max_rel_error"] < 1e-5, (layout, report[layout])
+
+
+@pytest.mark.parametrize("group", ["tp", "dp_shard"])
+def test_the_training_timeout_reaches_every_mesh_group(group):
+    """comm.train_timeout_seconds replaces init_timeout_seconds on the FSDP and TP groups too,
+    not only the default group (a hung FSDP collective waited the startup timeout)."""
+    report = run_worker("timeout_worker", nproc=4, argv=[group])
+    assert report["raised"] and report["seconds"] < 3, report

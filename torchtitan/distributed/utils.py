@@ -89,11 +89,19 @@ def _configure_flight_recorder(trace_buf_size: int, trace_dump_prefix: str) -> N
 
 
 def set_collective_timeout(timeout_seconds: int) -> None:
-    """Shorten the default group's timeout once the slow first step is over."""
-    if dist.is_initialized():
-        from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
+    """Shorten every process group's timeout once the slow first step is over: the default
+    group's, the device mesh's (FSDP, TP, EP, their flattened groups) and the trainer's own.
 
-        _set_pg_timeout(datetime.timedelta(seconds=timeout_seconds), _get_default_group())
+    A barrier first, so that no rank applies the shorter timeout to a collective that a rank
+    still in its first step has yet to join."""
+    if not dist.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+
+    dist.barrier()
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    for group in list(_world.pg_map):
+        _set_pg_timeout(timeout, group)
 
 
 @torch.no_grad()
@@ -237,9 +245,10 @@ def mean_and_max_over_ranks(value: float, device: torch.device) -> tuple[float, 
     if not dist.is_initialized():
         return value, value
     mine = torch.tensor([value], dtype=torch.float64, device=device)
-    every = torch.empty(dist.get_world_size(), dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(every, mine)
-    return every.mean().item(), every.max().item()
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)  # the list form: torch 2.13 deprecates all_gather_into_tensor
+    values = torch.cat(every)
+    return values.mean().item(), values.max().item()
 
 
 def finite_or_raise(step: int, loss: float, grad_norm: float) -> None:

@@ -1,0 +1,47 @@
+"""Run under torchrun (4 processes, mesh dp_shard 2 x tp 2): after `set_collective_timeout`, as
+the trainer calls it when step 1 ends, a collective on each group whose member arrives late
+times out after the training timeout, not the (longer) startup one.
+
+Rank 0 prints, per group, as JSON: whether its all-reduce raised, and after how many seconds.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.parallel_dims import ParallelDims
+
+STARTUP_TIMEOUT, TRAIN_TIMEOUT, LATE_BY = 60, 1, 4
+
+
+def main(group_name: str) -> None:
+    cfg = JobConfig()
+    cfg.parallelism.tensor_parallel_degree = 2
+    world = dist_utils.init_distributed(torch.device("cpu"), STARTUP_TIMEOUT, 0)
+    dims = ParallelDims.from_config(cfg.parallelism, world)
+    dims.build_mesh("cpu")
+    group = dims.submesh(group_name).get_group()
+    dist_utils.set_collective_timeout(TRAIN_TIMEOUT)
+    ranks = dist.get_process_group_ranks(group)
+    if dist.get_rank() == ranks[-1]:
+        time.sleep(LATE_BY)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+        raised = False
+    except RuntimeError:
+        raised = True
+    if dist.get_rank() == 0:
+        print(json.dumps({"raised": raised, "seconds": time.monotonic() - start}), flush=True)
+    time.sleep(LATE_BY)  # let the late rank finish before any process exits
+    os._exit(0)  # a timed-out gloo group cannot be torn down cleanly
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
