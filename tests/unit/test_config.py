@@ -481,10 +481,14 @@ def test_a_seed_torch_cannot_take_is_refused_when_the_config_is_parsed(seed):
     assert _error(["--training.seed", seed]).startswith(f"'training.seed' = {seed} is out of range")
 
 
-_COMPILED_TP2 = ["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--activation_checkpoint.mode"]
+_COMPILED_TP2 = ["--parallelism.tensor_parallel_degree", "2", "--compile.enable",
+                 "--activation_checkpoint.mode"]  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", [["full"], ["selective", "--activation_checkpoint.selective_ac_option", "2"]])
+_EVERY_2ND = ["selective", "--activation_checkpoint.selective_ac_option", "2"]
+
+
+@pytest.mark.parametrize("mode", [["full"], _EVERY_2ND])
 def test_block_ac_of_compiled_tp_is_refused_where_compile_takes_device_meshes(mode, monkeypatch):
     """torch 2.13 saves the TP mesh among the tensors for backward and fails in the first step."""
     from torchtitan.config import manager
@@ -502,4 +506,3 @@ def test_op_sac_memory_budget_and_no_ac_of_compiled_tp_are_accepted(mode, monkey
 
     monkeypatch.setattr(manager, "_compile_sees_device_meshes", lambda: True)
     assert parse_args(_COMPILED_TP2 + mode, env={}).activation_checkpoint.mode == mode[0]
-
