@@ -250,6 +250,11 @@ class Trainer:
         extra = {name: value.item() for name, value in self.step_metrics.items()}
         self.metrics.log(self.step, global_loss, norm, self.lr, eta, extra=extra, max_loss=max_loss)
 
+    def _validates_at(self, step: int) -> bool:
+        """Step 1 (a baseline, as upstream), every `validation.freq` steps, and the last step."""
+        freq, last = self.job_config.validation.freq, self.job_config.training.steps
+        return step == 1 or step % freq == 0 or step == last
+
     def _validate(self) -> None:
         autocast = autocast_context(self.job_config, self.parallel_dims, self.device)
         with loss_context(self.parallel_dims, self.job_config), autocast:
@@ -310,7 +315,7 @@ class Trainer:
                 unchecked = None
             if first:
                 dist_utils.set_collective_timeout(cfg.comm.train_timeout_seconds)
-            if self.validator and (self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps):
+            if self.validator and self._validates_at(self.step):
                 with self.metrics.paused():
                     self._validate()
             self.train_state.step = self.step

@@ -101,7 +101,7 @@ def test_validation_loss_and_tensorboard_scalars_are_recorded(tmp_path):
     events.Reload()
     logged = [e.value for e in events.Scalars("loss_metrics/global_avg_loss")]  # upstream's tag
     assert len(logged) == 5 and logged == pytest.approx(_losses(dump))
-    assert [e.step for e in events.Scalars("validation_metrics/loss")] == [5]
+    assert [e.step for e in events.Scalars("validation_metrics/loss")] == [1, 5]  # step 1 as upstream
     assert (dump / "config.toml").is_file()
     # Each record's lr is the one its step used: debug config lr 3e-3, 2 warmup steps, then the
     # 3 steps after warmup decay (decay_ratio 0.8 of 5, cut to 3) towards min_lr_factor 0.1 at

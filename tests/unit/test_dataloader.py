@@ -41,12 +41,21 @@ def test_bundled_training_corpus_validates_on_its_split_without_a_warning(tokeni
 @pytest.mark.parametrize("dp_degree", [1, 4])
 def test_validation_logs_how_many_windows_its_whole_global_batches_leave_out(dp_degree, tokenizer, caplog):
     caplog.set_level("INFO")
-    loader = build_validation_dataloader(parse_args(VALIDATION, env={}), tokenizer, 0, dp_degree)
+    cfg = parse_args([*VALIDATION, "--validation.steps", "-1"], env={})
+    loader = build_validation_dataloader(cfg, tokenizer, 0, dp_degree)
     windows = loader.dataset.num_windows
     used = windows // (2 * dp_degree) * (2 * dp_degree)
     assert used < windows, "the split must not divide evenly for this test"
     assert sum(len(inputs) for inputs, _ in loader) * dp_degree == used
-    assert f"Validation reads {used} of the split's {windows} windows" in caplog.text
+    assert f"Each validation pass reads {used} of the split's {windows} windows" in caplog.text
+
+
+def test_validation_with_a_step_count_logs_the_windows_those_steps_read(tokenizer, caplog):
+    caplog.set_level("INFO")
+    cfg = parse_args([*VALIDATION, "--validation.steps", "3"], env={})
+    windows = build_validation_dataloader(cfg, tokenizer, 0, 4).dataset.num_windows
+    assert f"Each validation pass reads 24 of the split's {windows} windows" in caplog.text
+    assert "'validation.steps' = 3 batches of 2 x 4 ranks" in caplog.text
 
 
 def test_validating_on_the_training_files_is_warned_about(tokenizer, caplog, tmp_path):

@@ -51,11 +51,13 @@ def build_validation_dataloader(
         key="validation.dataset",
     )
     global_batch = v.local_batch_size * dp_degree
-    used = dataset.num_windows // global_batch * global_batch
-    if used < dataset.num_windows:
+    whole_batches = dataset.num_windows // global_batch
+    batches = whole_batches if v.steps == -1 else min(v.steps, whole_batches)
+    if batches * global_batch < dataset.num_windows:
+        why = f"'validation.steps' = {v.steps} batches" if batches < whole_batches else "whole batches"
         logger.info(
-            f"Validation reads {used} of the split's {dataset.num_windows} windows of {v.seq_len + 1} "
-            f"tokens: whole global batches of {v.local_batch_size} x {dp_degree} ranks"
+            f"Each validation pass reads {batches * global_batch} of the split's {dataset.num_windows} "
+            f"windows of {v.seq_len + 1} tokens: {why} of {v.local_batch_size} x {dp_degree} ranks"
         )
     return StatefulDataLoader(dataset, batch_size=v.local_batch_size, num_workers=0)
 

@@ -308,7 +308,7 @@ class Validation:
     dataset_path: str | None = opt(None, "local validation file or folder, as training.dataset_path")
     local_batch_size: int = opt(8, "validation sequences per rank", min=1)
     seq_len: int = opt(2048, "validation tokens per sequence; at most training.seq_len", min=1)
-    freq: int = opt(500, "validate every this many steps", min=1)
+    freq: int = opt(500, "validate after step 1, every this many steps, and after the last", min=1)
     steps: int = opt(-1, "validation batches per run (>= 1); -1 = every whole global batch of the split")
 
 
