@@ -130,3 +130,34 @@ def test_capture_scalar_outputs_with_ac_on_moe_blocks_is_refused_before_torch_2_
     check_compile_supported(model, cfg, torch_version="2.12.0")
     cfg.activation_checkpoint.mode = "none"
     check_compile_supported(model, cfg, torch_version="2.11.0")
+
+
+_COMPILED_TP2 = ["--parallelism.tensor_parallel_degree", "2", "--compile.enable",
+                 "--activation_checkpoint.mode"]  # fmt: skip
+_EVERY_2ND = ["selective", "--activation_checkpoint.selective_ac_option", "2"]
+
+
+@pytest.mark.parametrize("mode", [["full"], _EVERY_2ND])
+def test_block_ac_of_compiled_tp_is_refused_where_compile_takes_device_meshes(mode, monkeypatch):
+    """torch 2.13 saves the TP mesh among the tensors for backward and fails in the first step."""
+    from torchtitan.components import compile as compile_module
+
+    cfg = parse_args(_COMPILED_TP2 + mode, env={})  # the estimator (eager) takes the config
+    with torch.device("meta"):
+        model = Qwen3Model(_model_args().update_from_config(cfg))
+    monkeypatch.setattr(compile_module, "compile_sees_device_meshes", lambda: True)
+    with pytest.raises(ConfigError, match=r"selective_ac_option = \"op\" \(the default\)"):
+        check_compile_supported(model, cfg)
+    monkeypatch.setattr(compile_module, "compile_sees_device_meshes", lambda: False)  # torch 2.11
+    check_compile_supported(model, cfg)
+
+
+@pytest.mark.parametrize("mode", [["selective"], ["memory_budget"], ["none"]])
+def test_op_sac_memory_budget_and_no_ac_of_compiled_tp_are_accepted(mode, monkeypatch):
+    from torchtitan.components import compile as compile_module
+
+    cfg = parse_args(_COMPILED_TP2 + mode, env={})
+    with torch.device("meta"):
+        model = Qwen3Model(_model_args().update_from_config(cfg))
+    monkeypatch.setattr(compile_module, "compile_sees_device_meshes", lambda: True)
+    check_compile_supported(model, cfg)

@@ -481,28 +481,12 @@ def test_a_seed_torch_cannot_take_is_refused_when_the_config_is_parsed(seed):
     assert _error(["--training.seed", seed]).startswith(f"'training.seed' = {seed} is out of range")
 
 
-_COMPILED_TP2 = ["--parallelism.tensor_parallel_degree", "2", "--compile.enable",
-                 "--activation_checkpoint.mode"]  # fmt: skip
+def test_a_list_option_takes_space_separated_items_as_upstream():
+    argv = ["--compile.enable", "--compile.components", "model", "loss", "--training.steps", "3"]
+    cfg = parse_args(argv, env={})
+    assert cfg.compile.components == ["model", "loss"] and cfg.training.steps == 3
 
 
-_EVERY_2ND = ["selective", "--activation_checkpoint.selective_ac_option", "2"]
-
-
-@pytest.mark.parametrize("mode", [["full"], _EVERY_2ND])
-def test_block_ac_of_compiled_tp_is_refused_where_compile_takes_device_meshes(mode, monkeypatch):
-    """torch 2.13 saves the TP mesh among the tensors for backward and fails in the first step."""
-    from torchtitan.config import manager
-
-    monkeypatch.setattr(manager, "_compile_sees_device_meshes", lambda: True)
-    with pytest.raises(ConfigError, match=r"selective_ac_option = \"op\" \(the default\)"):
-        parse_args(_COMPILED_TP2 + mode, env={})
-    monkeypatch.setattr(manager, "_compile_sees_device_meshes", lambda: False)  # torch 2.11
-    assert parse_args(_COMPILED_TP2 + mode, env={}).activation_checkpoint.mode == mode[0]
-
-
-@pytest.mark.parametrize("mode", [["selective"], ["memory_budget"], ["none"]])
-def test_op_sac_memory_budget_and_no_ac_of_compiled_tp_are_accepted(mode, monkeypatch):
-    from torchtitan.config import manager
-
-    monkeypatch.setattr(manager, "_compile_sees_device_meshes", lambda: True)
-    assert parse_args(_COMPILED_TP2 + mode, env={}).activation_checkpoint.mode == mode[0]
+def test_a_second_word_after_a_single_value_option_names_that_option():
+    with pytest.raises(ConfigError, match=r"'4' after --training.steps 3, which takes one value"):
+        parse_args(["--training.steps", "3", "4"], env={})

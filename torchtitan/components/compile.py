@@ -45,6 +45,7 @@ def checked_backend(job_config: JobConfig) -> str:
 
 def check_compile_supported(model: nn.Module, job_config: JobConfig, torch_version: str = torch.__version__):
     """Refuse compile settings that this torch is known to get wrong (ConfigError, exit code 2)."""
+    _refuse_block_ac_of_tensor_parallel(job_config)
     c, ac = job_config.compile, job_config.activation_checkpoint
     if not (c.capture_scalar_outputs and ac.mode != "none" and _has_moe(model)):
         return
@@ -56,6 +57,39 @@ def check_compile_supported(model: nn.Module, job_config: JobConfig, torch_versi
             f"compile.capture_scalar_outputs = false (the MoE blocks then fall back where they read "
             f"counts on the host), or use torch >= {need}."
         )
+
+
+def _refuse_block_ac_of_tensor_parallel(job_config: JobConfig) -> None:
+    """Full AC (or selective N) of compiled blocks under tensor parallelism fails in the first
+    step where torch passes the TP DeviceMesh into compiled graphs as an opaque object (torch
+    2.13 here; 2.11 runs it): the recomputed attention kernel, which torch tags as random for
+    its dropout, gets its RNG state saved after the mesh, where AOTAutograd expects only tensors
+    ("AssertionError: expected all tensors_saved_with_vc_check to be Tensors"). Checked when
+    blocks compile, not when the config is parsed, so the memory estimator (which runs the
+    step eagerly) still takes such configs (the Llama 3 405B preset is one)."""
+    ac, tp = job_config.activation_checkpoint, job_config.parallelism.tensor_parallel_degree
+    wraps_whole_blocks = ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op")
+    if not (wraps_whole_blocks and tp > 1 and compile_sees_device_meshes()):
+        return
+    mode = f"'{ac.mode}'"
+    if ac.mode == "selective":
+        mode += f" with 'activation_checkpoint.selective_ac_option' = '{ac.selective_ac_option}'"
+    raise ConfigError(
+        f"'activation_checkpoint.mode' = {mode} with compile.enable and "
+        f"'parallelism.tensor_parallel_degree' = {tp} fails in torch {torch.__version__}'s compiler "
+        "(it saves the tensor-parallel DeviceMesh among the tensors for backward when it "
+        'recomputes attention). Use mode = "selective" with selective_ac_option = "op" (the '
+        'default) or mode = "memory_budget", or set compile.enable = false; torch 2.11 runs this '
+        "combination."
+    )
+
+
+def compile_sees_device_meshes() -> bool:
+    """Whether this torch registers DeviceMesh as an opaque type, so that a mesh a module's
+    hook holds becomes an input of the compiled graph."""
+    import torch.distributed.device_mesh
+
+    return hasattr(torch.distributed.device_mesh, "_register_distributed_opaque_types")
 
 
 def tag_compile_caches_with_process_groups() -> None:

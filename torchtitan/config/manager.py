@@ -484,6 +484,15 @@ def _refuse_two_spellings(written_as: dict, target: tuple[str, str], name: str, 
         )
 
 
+def _continues_a_list(override: tuple[str, str, str | None]) -> bool:
+    """Whether a bare word after `override` is its list's next item (--compile.components
+    model loss), as upstream's command line reads it."""
+    section, key, text = override
+    if text is None or not _is_own_key(section, key):
+        return False
+    return typing.get_origin(typing.get_type_hints(_sections()[section])[key]) is list
+
+
 def _split_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | None]]]:
     """Split argv into the config file and (section, key, text-or-None-for-flag) overrides."""
     config_file = None
@@ -491,9 +500,18 @@ def _split_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | 
     i = 0
     while i < len(argv):
         arg = argv[i]
+        if not arg.startswith("--") and overrides and _continues_a_list(overrides[-1]):
+            section, key, text = overrides[-1]  # upstream's tyro takes lists space-separated
+            overrides[-1] = (section, key, f"{text},{arg}")
+            i += 1
+            continue
         if not arg.startswith("--"):
+            after = ""
+            if overrides and overrides[-1][2] is not None:
+                section, key, text = overrides[-1]
+                after = f" after --{section}.{key} {text}, which takes one value"
             raise ConfigError(
-                f"unexpected argument '{arg}'. Options look like --section.key value (see --help)."
+                f"unexpected argument '{arg}'{after}. Options look like --section.key value (see --help)."
             )
         name, eq, inline = arg[2:].partition("=")
         nxt = argv[i + 1] if i + 1 < len(argv) else None
@@ -634,35 +652,6 @@ def check_activation_checkpoint(
             )
 
 
-def _check_block_ac_of_compiled_tensor_parallel(config: JobConfig) -> None:
-    """Full AC (or selective N) of compiled blocks under tensor parallelism fails in the first
-    step where torch passes the TP DeviceMesh into compiled graphs as an opaque object (torch
-    2.13 here; 2.11 runs it): the recomputed attention kernel, which torch tags as random for
-    its dropout, gets its RNG state saved after the mesh, where AOTAutograd expects only tensors
-    ("AssertionError: expected all tensors_saved_with_vc_check to be Tensors")."""
-    ac, tp = config.activation_checkpoint, config.parallelism.tensor_parallel_degree
-    wraps_whole_blocks = ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op")
-    if wraps_whole_blocks and tp > 1 and model_compile_enabled(config) and _compile_sees_device_meshes():
-        mode = f"'{ac.mode}'"
-        if ac.mode == "selective":
-            mode += f" with 'activation_checkpoint.selective_ac_option' = '{ac.selective_ac_option}'"
-        raise ConfigError(
-            f"'activation_checkpoint.mode' = {mode} with compile.enable and "
-            f"'parallelism.tensor_parallel_degree' = {tp} fails in this torch's compiler (it saves "
-            "the tensor-parallel DeviceMesh among the tensors for backward when it recomputes "
-            'attention). Use mode = "selective" with selective_ac_option = "op" (the default) or '
-            'mode = "memory_budget", or set compile.enable = false; torch 2.11 runs this combination.'
-        )
-
-
-def _compile_sees_device_meshes() -> bool:
-    """Whether this torch registers DeviceMesh as an opaque type, so that a mesh a module's
-    hook holds becomes an input of the compiled graph."""
-    import torch.distributed.device_mesh
-
-    return hasattr(torch.distributed.device_mesh, "_register_distributed_opaque_types")
-
-
 def ac_debug_conflict(conflict: str) -> ConfigError:
     """The error for `activation_checkpoint.debug` with `conflict`, something torch's checkpoint
     debug mode cannot trace: it replaces a checkpoint's `context_fn` with its own tracer and
@@ -760,7 +749,6 @@ def _check_consistency(config: JobConfig) -> None:
     check_activation_checkpoint(
         config.activation_checkpoint, model_compile_enabled(config), config.compile.backend
     )
-    _check_block_ac_of_compiled_tensor_parallel(config)
     _check_checkpoint(config)
     _check_profiling(config.profiling)
     if config.compile.enable:
