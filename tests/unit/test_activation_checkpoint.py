@@ -112,7 +112,7 @@ def test_log_names_the_mode_and_the_blocks_once(caplog):
         _debug_model(MODES["selective 2"])
     lines = [r.message for r in caplog.records if "Activation checkpointing" in r.message]
     assert lines == [
-        "Activation checkpointing: mode selective (2), full AC on every 2th block on 3/6 blocks: 0, 2, 4"
+        "Activation checkpointing: mode selective (2), full AC on one block in 2 on 3/6 blocks: 0, 2, 4"
     ]
 
 

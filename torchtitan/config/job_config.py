@@ -170,7 +170,9 @@ class Metrics:
     disable_color_printing: bool = opt(
         False, "accepted for upstream torchtitan files; has no effect, as log lines have no colors"
     )
-    save_for_all_ranks: bool = opt(False, "write metrics from every rank, not only rank 0")
+    save_for_all_ranks: bool = opt(
+        False, "write metrics from every rank (metrics_rank<N>.jsonl), not only rank 0"
+    )
 
 
 @dataclass

@@ -383,7 +383,7 @@ def apply_ac(
         block_end_shapes = _block_end_mm_shapes(model) if ac_config.early_stop else frozenset()
         save_ops = DEFAULT_SAVE_LIST if op_sac_save_list is None else frozenset(op_sac_save_list)
         context_fn = op_sac_context_fn(save_ops, shapes, block_end_shapes)
-    full_kind = "full AC" if every == 1 else f"full AC on every {every}th block"
+    full_kind = "full AC" if every == 1 else f"full AC on one block in {every}"
     blocks_by_kind: dict[str, list[str]] = defaultdict(list)
     for index, (name, block) in enumerate(list(model.layers.named_children())):
         if index % every:
