@@ -699,3 +699,52 @@ def test_checkpoint_api_detector_catches_each_import_style():
     assert _uses_checkpoint_api("import torch.utils.checkpoint as cp")
     assert _uses_checkpoint_api("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import x")
     assert not _uses_checkpoint_api("from torchtitan.distributed.activation_checkpoint import apply_ac")
+
+
+def _qwen3_moe_held_under_op_sac(grouped_experts: bool) -> int:
+    cfg = parse_args(["--config", "qwen3_debug_model_moe.toml", "--training.seq_len", "64",
+                      "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode",
+                      "selective", "--activation_checkpoint.selective_ac_option", "op"], env={})  # fmt: skip
+    spec = get_train_spec("qwen3")
+    args = spec.get_flavor("debugmodel_moe").update_from_config(cfg)
+    args = replace(args, moe_args=replace(args.moe_args, use_grouped_mm=grouped_experts))
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    spec.parallelize_fn(model, ParallelDims(1, 1, 1, 1), cfg, torch.device("cpu"))
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    return bytes_held_for_backward(model, tokens)
+
+
+def test_op_sac_recomputes_looped_experts_matmuls_as_it_does_grouped_ones():
+    """Where grouped mm cannot run (fp32 on the CPU, unaligned dims) the experts loop over
+    plain matmuls; op-SAC counted them in its every-second-matmul rule and held half of their
+    outputs (7.2 MiB here vs 4.9 with grouped experts)."""
+    assert _qwen3_moe_held_under_op_sac(grouped_experts=False) == _qwen3_moe_held_under_op_sac(True)
+
+
+def test_held_bytes_leave_out_the_local_shard_of_a_dtensor_parameter():
+    """Experts under TP compute on their weights' local shards; those are parameters, not
+    activations (Qwen3 MoE at TP 2 under full AC counted 6.6 MiB held for 0.6 MiB)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    class UsesItsShard(nn.Module):
+        def __init__(self, mesh):
+            super().__init__()
+            self.weight = nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+
+        def forward(self, x):
+            return x @ self.weight.to_local().t()
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        module = UsesItsShard(init_device_mesh("cpu", (2,)))
+        x = torch.randn(3, 4, requires_grad=True)
+        assert bytes_held_for_backward(module, x) == x.nbytes  # the input copy mm keeps
+    finally:
+        dist.destroy_process_group()

@@ -228,6 +228,15 @@ def _mm_weight_shape(func, args) -> tuple[int, int] | None:
     return None
 
 
+def _is_looped_expert_mm(func, args) -> bool:
+    """A routed expert's matmul run in a loop (where grouped mm cannot run): its weight is a
+    view of the experts' stacked 3-D weights."""
+    if func != _aten.mm.default:
+        return False
+    base = args[1]._base
+    return base is not None and base.dim() == 3
+
+
 def _op_sac_policy(
     save_ops: frozenset, forced_mm_shapes: set, counts: dict, block_end_mm_shapes: set = frozenset()
 ):
@@ -235,6 +244,10 @@ def _op_sac_policy(
         if _is_device_to_host_copy(func, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
         phase = "recompute" if ctx.is_recompute else "forward"
+        if _is_looped_expert_mm(func, args):
+            # Recomputed like grouped experts' matmuls, and kept out of the every-second-matmul
+            # rule and of the block-end reduce-scatter's detection.
+            return CheckpointPolicy.PREFER_RECOMPUTE
         weight_shape = _mm_weight_shape(func, args)
         if weight_shape is not None:
             counts[phase, "after block-end mm"] = weight_shape in block_end_mm_shapes
