@@ -12,6 +12,7 @@ without dispatching.
 """
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -37,7 +38,15 @@ class _StorageRecorder(TorchDispatchMode):
 
 
 def _storage_keys(tensors) -> set[int]:
-    return {StorageWeakRef(t.untyped_storage()).cdata for t in tensors if isinstance(t, torch.Tensor)}
+    """Storage identities of `tensors`; for a DTensor, also its local shard's (a module that
+    computes on the shard, as experts under TP do, holds a view of that storage)."""
+    keys = set()
+    for t in tensors:
+        if isinstance(t, DTensor):
+            keys.add(StorageWeakRef(t._local_tensor.untyped_storage()).cdata)
+        if isinstance(t, torch.Tensor):
+            keys.add(StorageWeakRef(t.untyped_storage()).cdata)
+    return keys
 
 
 def bytes_held_for_backward(module: torch.nn.Module, *inputs: torch.Tensor) -> int:
