@@ -102,7 +102,7 @@ class _ExpertParallelHooks:
         # on the input side restores the token gradients.
         out = scale_grad(out, 1.0 / self.data_ranks)
         y_recv = torch.empty_like(out)
-        y_recv = y_recv.index_put((order,), out)
+        y_recv[order] = out  # in place: out-of-place index_put first copied the empty buffer
         return funcol.all_to_all_single_autograd(y_recv, send, recv, self.group)
 
 
