@@ -181,9 +181,14 @@ class GradSquareSums:
         grads = [p.grad for p in params]
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         self._device = self._device or local[0].device
+        norms_by_layout: dict[tuple, list[torch.Tensor]] = {}
         for param, grad, norm in zip(params, grads, torch._foreach_norm(local, 2.0, dtype=torch.float64)):
             key = _sharded_groups(grad) + ((param._ep_group,) if getattr(param, "_ep_local", False) else ())
-            square = norm.square()
+            norms_by_layout.setdefault(key, []).append(norm)
+        # One stack, square and sum per layout: per parameter, a square and an add were two
+        # kernels each (586 for Llama 3 8B's 291 parameters).
+        for key, norms in norms_by_layout.items():
+            square = torch.stack(norms).square().sum()
             self._by_layout[key] = self._by_layout[key] + square if key in self._by_layout else square
 
     def global_norm(self) -> torch.Tensor:
