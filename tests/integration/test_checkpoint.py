@@ -197,6 +197,21 @@ def test_a_resume_with_more_steps_runs_its_first_step_at_the_new_schedules_lr(un
     assert logged[6] != pytest.approx(_lrs(uninterrupted)[6], rel=1e-3)
 
 
+def test_a_resume_with_another_peak_lr_and_weight_decay_uses_them(uninterrupted, tmp_path):
+    """As after a loss spike: the checkpoint's optimizer and scheduler brought back the old
+    peak lr (and weight decay), and the run kept training at them without a word."""
+    extra = ["--optimizer.lr", "1e-3", "--optimizer.weight_decay", "0.05"]
+    proc = _resume_from_step_5(uninterrupted, tmp_path, extra=extra)
+    cfg = parse_args(BASE + extra, env={})
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.optimizer.lr)
+    scheduler = build_lr_scheduler(optimizer, cfg)
+    for _ in range(5):
+        optimizer.step()
+        scheduler.step()
+    assert _lrs(tmp_path)[6] == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-6)
+    assert "[optimizer] of this run replaces the checkpoint's: lr 0.003 -> 0.001, weight_decay" in proc.stderr
+
+
 def _lrs(folder) -> dict[int, float]:
     return {r["step"]: r["lr"] for r in read_metrics(folder)}
 

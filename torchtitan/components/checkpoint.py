@@ -600,6 +600,7 @@ class CheckpointManager:
         """
         if self.optimizer is None or self.lr_scheduler is None:
             return
+        self._use_this_runs_hyperparameters()
         # Recomputed from this run's schedule rather than the saved `get_last_lr()`: a resume
         # with another training.steps (or warmup, decay) would run its first step at the old
         # schedule's lr. The multipliers are this run's: LambdaLR saves no plain function.
@@ -607,6 +608,27 @@ class CheckpointManager:
         factors = [factor(scheduler.last_epoch) for factor in scheduler.lr_lambdas]
         for group, base, factor in zip(self.optimizer.param_groups, scheduler.base_lrs, factors, strict=True):
             group["lr"] = base * factor
+
+    def _use_this_runs_hyperparameters(self) -> None:
+        """Put this run's `[optimizer]` peak lr, betas, eps and weight decay back over the
+        checkpoint's: a loaded optimizer and scheduler bring the saved ones, so a resume that
+        lowered `optimizer.lr` after a loss spike kept training at the old peak, silently.
+        Logs what changed."""
+        cfg = self.job_config.optimizer
+        configured = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
+                      "weight_decay": cfg.weight_decay}  # fmt: skip
+        saved = {
+            "lr": self.lr_scheduler.base_lrs[0],
+            **{k: self.optimizer.param_groups[0][k] for k in configured if k != "lr"},
+        }
+        changed = [f"{key} {_plain(saved[key])} -> {_plain(value)}" for key, value in configured.items()
+                   if _plain(saved[key]) != _plain(value)]  # fmt: skip
+        if not changed:
+            return
+        self.lr_scheduler.base_lrs = [cfg.lr] * len(self.optimizer.param_groups)
+        for group in self.optimizer.param_groups:
+            group.update({k: v for k, v in configured.items() if k != "lr"}, initial_lr=cfg.lr)
+        logger.info(f"[optimizer] of this run replaces the checkpoint's: {', '.join(changed)}")
 
     def _set_aside_newer_than(self, step: int) -> None:
         """After a rollback (`load_step` older than the newest, or a load that restarts at an
@@ -898,3 +920,8 @@ class CheckpointManager:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+
+
+def _plain(value):
+    """A hyperparameter as a comparable, printable value (betas load back as a list)."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value
