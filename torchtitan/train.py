@@ -314,7 +314,8 @@ class Trainer:
                 self._log(loss, grad_norm, started)
                 unchecked = None
             if first:
-                dist_utils.set_collective_timeout(cfg.comm.train_timeout_seconds)
+                keep = (self.checkpointer.async_group,) if self.checkpointer.async_group else ()
+                dist_utils.set_collective_timeout(cfg.comm.train_timeout_seconds, keep=keep)
             if self.validator and self._validates_at(self.step):
                 with self.metrics.paused():
                     self._validate()

@@ -165,3 +165,10 @@ def test_the_training_timeout_reaches_every_mesh_group(group):
     not only the default group (a hung FSDP collective waited the startup timeout)."""
     report = run_worker("timeout_worker", nproc=4, argv=[group])
     assert report["raised"] and report["seconds"] < 3, report
+
+
+def test_a_group_the_timeout_change_keeps_waits_for_a_late_rank():
+    """The checkpointer's async-save group: its background collectives wait for the slowest
+    rank's write, which may take longer than the training timeout."""
+    report = run_worker("timeout_worker", nproc=4, argv=["kept"])
+    assert not report["raised"] and report["seconds"] > 3, report

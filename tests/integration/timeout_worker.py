@@ -1,6 +1,7 @@
 """Run under torchrun (4 processes, mesh dp_shard 2 x tp 2): after `set_collective_timeout`, as
 the trainer calls it when step 1 ends, a collective on each group whose member arrives late
-times out after the training timeout, not the (longer) startup one.
+times out after the training timeout, not the (longer) startup one; a group it is told to
+keep ("kept") waits.
 
 Rank 0 prints, per group, as JSON: whether its all-reduce raised, and after how many seconds.
 """
@@ -26,8 +27,12 @@ def main(group_name: str) -> None:
     world = dist_utils.init_distributed(torch.device("cpu"), STARTUP_TIMEOUT, 0)
     dims = ParallelDims.from_config(cfg.parallelism, world)
     dims.build_mesh("cpu")
-    group = dims.submesh(group_name).get_group()
-    dist_utils.set_collective_timeout(TRAIN_TIMEOUT)
+    if group_name == "kept":  # as the checkpointer's async-save group, which the trainer keeps
+        group = dist.new_group(backend="gloo")
+        dist_utils.set_collective_timeout(TRAIN_TIMEOUT, keep=(group,))
+    else:
+        group = dims.submesh(group_name).get_group()
+        dist_utils.set_collective_timeout(TRAIN_TIMEOUT)
     ranks = dist.get_process_group_ranks(group)
     if dist.get_rank() == ranks[-1]:
         time.sleep(LATE_BY)

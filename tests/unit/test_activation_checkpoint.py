@@ -719,9 +719,9 @@ def _qwen3_moe_held_under_op_sac(grouped_experts: bool) -> int:
 
 
 def test_op_sac_recomputes_looped_experts_matmuls_as_it_does_grouped_ones():
-    """Where grouped mm cannot run (fp32 on the CPU, unaligned dims) the experts loop over
-    plain matmuls; op-SAC counted them in its every-second-matmul rule and held half of their
-    outputs (7.2 MiB here vs 4.9 with grouped experts)."""
+    """Where grouped mm cannot run (fp32 compiled, unaligned rows, or `use_grouped_mm = false`,
+    as here) the experts loop over plain matmuls; op-SAC counted them in its
+    every-second-matmul rule and held half of their outputs (7.2 MiB here vs 4.9 grouped)."""
     assert _qwen3_moe_held_under_op_sac(grouped_experts=False) == _qwen3_moe_held_under_op_sac(True)
 
 

@@ -490,3 +490,12 @@ def test_a_list_option_takes_space_separated_items_as_upstream():
 def test_a_second_word_after_a_single_value_option_names_that_option():
     with pytest.raises(ConfigError, match=r"'4' after --training.steps 3, which takes one value"):
         parse_args(["--training.steps", "3", "4"], env={})
+
+
+@pytest.mark.parametrize(
+    "argv, section, key",
+    [(["--quantize.linear.float8.filter_fqns", "output", "router.gate"], "float8", "filter_fqns"),
+     (["--float8.moe_fqns_prototype", "experts", "shared"], "float8", "moe_fqns")],
+)  # fmt: skip
+def test_upstream_spellings_of_list_options_take_space_separated_items_too(argv, section, key):
+    assert getattr(getattr(parse_args(argv, env={}), section), key) == argv[1:]

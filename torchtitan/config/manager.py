@@ -488,9 +488,23 @@ def _continues_a_list(override: tuple[str, str, str | None]) -> bool:
     """Whether a bare word after `override` is its list's next item (--compile.components
     model loss), as upstream's command line reads it."""
     section, key, text = override
-    if text is None or not _is_own_key(section, key):
-        return False
-    return typing.get_origin(typing.get_type_hints(_sections()[section])[key]) is list
+    return text is not None and _takes_a_list(section, key) is not False
+
+
+def _takes_a_list(section: str, key: str) -> bool | None:
+    """Whether `--section.key` takes a list, under this trainer's name, upstream's quantize
+    spelling or an earlier upstream name; for an upstream key not read here, True where its
+    value may be one (its own error or warning then sees all the items); None if unknown."""
+    prefix = ".".join(QUANTIZE_FLOAT8) + "."
+    if section == "quantize" and key.startswith(prefix):
+        section, key = "float8", key[len(prefix) :]
+    section, _, key = RENAMED_KEYS.get(f"{section}.{key}", f"{section}.{key}").partition(".")
+    if _is_own_key(section, key):
+        return typing.get_origin(typing.get_type_hints(_sections()[section])[key]) is list
+    spec = UNBUILT_KEYS.get(f"{section}.{key}")
+    if spec is None:
+        return None
+    return spec.default is ANY or isinstance(spec.default, list)
 
 
 def _split_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | None]]]:
@@ -507,7 +521,7 @@ def _split_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | 
             continue
         if not arg.startswith("--"):
             after = ""
-            if overrides and overrides[-1][2] is not None:
+            if overrides and overrides[-1][2] is not None and _takes_a_list(*overrides[-1][:2]) is False:
                 section, key, text = overrides[-1]
                 after = f" after --{section}.{key} {text}, which takes one value"
             raise ConfigError(

@@ -88,12 +88,17 @@ def _configure_flight_recorder(trace_buf_size: int, trace_dump_prefix: str) -> N
     )
 
 
-def set_collective_timeout(timeout_seconds: int) -> None:
+def set_collective_timeout(timeout_seconds: int, keep: tuple = ()) -> None:
     """Shorten every process group's timeout once the slow first step is over: the default
     group's, the device mesh's (FSDP, TP, EP, their flattened groups) and the trainer's own.
 
     A barrier first, so that no rank applies the shorter timeout to a collective that a rank
-    still in its first step has yet to join."""
+    still in its first step has yet to join.
+
+    Args:
+        keep: groups whose timeout stays, e.g. the async checkpoint's, whose background
+            collectives wait for the slowest rank's write, which may take longer.
+    """
     if not dist.is_initialized():
         return
     from torch.distributed.distributed_c10d import _set_pg_timeout, _world
@@ -101,7 +106,8 @@ def set_collective_timeout(timeout_seconds: int) -> None:
     dist.barrier()
     timeout = datetime.timedelta(seconds=timeout_seconds)
     for group in list(_world.pg_map):
-        _set_pg_timeout(timeout, group)
+        if group not in keep:
+            _set_pg_timeout(timeout, group)
 
 
 @torch.no_grad()
@@ -188,7 +194,8 @@ class GradSquareSums:
         # One stack, square and sum per layout: per parameter, a square and an add were two
         # kernels each (586 for Llama 3 8B's 291 parameters).
         for key, norms in norms_by_layout.items():
-            square = torch.stack(norms).square().sum()
+            # One at a time (optimizer-in-backward adds each parameter alone), a plain square.
+            square = norms[0].square() if len(norms) == 1 else torch.stack(norms).square().sum()
             self._by_layout[key] = self._by_layout[key] + square if key in self._by_layout else square
 
     def global_norm(self) -> torch.Tensor:
