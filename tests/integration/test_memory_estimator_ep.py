@@ -67,10 +67,11 @@ def test_ep_imbalance_2_estimate_equals_a_real_step_that_routes_everything_to_ra
 
 @pytest.mark.parametrize("ac", MODES)
 def test_balanced_estimate_falls_short_of_a_real_step_that_routes_everything_to_rank_0(estimator, ac):
-    """Why the option exists: here the balanced estimate misses rank 0's peak by 8-9%."""
+    """Why the option exists: here the balanced estimate misses rank 0's peak by 4% (op-SAC)
+    to 10% (no AC)."""
     real = _real_rank_0_peak(ac)[estimator.TOTAL]
     balanced = estimator.measure(_config(ac), 2)[estimator.TOTAL]
-    assert balanced < 0.95 * real, (balanced, real)
+    assert balanced < 0.97 * real, (balanced, real)
 
 
 def _route_everything_to_rank_0(model: torch.nn.Module) -> None:
