@@ -159,6 +159,16 @@ def test_accumulated_micro_batches_reduce_across_replicas_once_per_step():
         assert report[layout]["max_rel_error"] < 1e-5, (layout, report[layout])
 
 
+def test_the_gradient_norm_sums_tensor_parallel_partial_gradients_in_one_all_reduce():
+    """The norm weights' gradients under sequence parallel are partial sums (13 in the debug
+    model): one all-reduce sums them all, and one more reduces the TP-sharded squares; one
+    redistribute each took 14. The norm equals one from the full gradients."""
+    report = run_worker("grad_norm_worker")
+    assert report["partial_grads"] == 13 and report["left_partial"] == 0 and report["all_dtensors"]
+    assert report["all_reduces"] == 2, report
+    assert report["norm"] == pytest.approx(report["reference"], rel=1e-12)
+
+
 @pytest.mark.parametrize("group", ["tp", "dp_shard"])
 def test_the_training_timeout_reaches_every_mesh_group(group):
     """comm.train_timeout_seconds replaces init_timeout_seconds on the FSDP and TP groups too,

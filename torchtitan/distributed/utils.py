@@ -181,9 +181,8 @@ class GradSquareSums:
         """Add the squared norms of `params`' gradients (each must have one)."""
         if not params:
             return
-        for param in params:
-            # Stored back: left Partial, each optimizer op on it would all-reduce it again.
-            param.grad = _without_partial(param.grad)
+        # Stored back: left Partial, each optimizer op on it would all-reduce it again.
+        _reduce_partial_grads(params)
         grads = [p.grad for p in params]
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         self._device = self._device or local[0].device
@@ -209,12 +208,42 @@ class GradSquareSums:
         return total.sqrt()
 
 
-def _without_partial(grad: torch.Tensor) -> torch.Tensor:
-    """A DTensor with pending sums (Partial) reduced first: its shard norms would not add up."""
-    if not isinstance(grad, DTensor) or not any(p.is_partial() for p in grad.placements):
-        return grad
-    placements = [Replicate() if p.is_partial() else p for p in grad.placements]
-    return grad.redistribute(grad.device_mesh, placements)
+def _reduce_partial_grads(params: list[torch.Tensor]) -> None:
+    """Replace the pending sums (Partial) in `params`' DTensor gradients by their sums.
+
+    Gradients sharing a mesh, placements and dtype are summed by one all-reduce of their
+    concatenation per partial mesh dim: redistributed one at a time, tensor parallel's norm
+    weights cost two collectives per block. A shard's norm is meaningless before the sum.
+    """
+    pending: dict[tuple, list[torch.Tensor]] = {}
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            pending.setdefault((grad.device_mesh, grad.placements, grad.dtype), []).append(param)
+    for (mesh, placements, _), same in pending.items():
+        if any(p.is_partial() and p.reduce_op != "sum" for p in placements):
+            for param in same:
+                param.grad = param.grad.redistribute(mesh, _summed(placements))
+            continue
+        local = [param.grad.to_local() for param in same]
+        flat = torch.cat([t.reshape(-1) for t in local])
+        for dim, placement in enumerate(placements):
+            if placement.is_partial():
+                dist.all_reduce(flat, group=mesh.get_group(dim))
+        for param, summed in zip(same, flat.split([t.numel() for t in local])):
+            grad = param.grad
+            param.grad = DTensor.from_local(
+                summed.view(grad.to_local().shape),
+                mesh,
+                _summed(placements),
+                run_check=False,
+                shape=grad.shape,
+                stride=grad.stride(),
+            )
+
+
+def _summed(placements: tuple) -> list:
+    return [Replicate() if p.is_partial() else p for p in placements]
 
 
 def _sharded_groups(grad: torch.Tensor) -> tuple:
