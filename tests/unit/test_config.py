@@ -218,9 +218,10 @@ def test_unknown_section_lists_valid_sections(tmp_path):
 
 def test_an_upstream_torchtitan_section_is_named_as_not_built(tmp_path):
     copied = tmp_path / "upstream.toml"
-    copied.write_text("[fault_tolerance]\nenable = true\n")
+    copied.write_text('[experimental]\ncustom_model_path = "my.models"\n')
     message = _error(["--config", str(copied)])
-    assert "[fault_tolerance]" in message and "TorchFT" in message and "remove the section" in message
+    assert "[experimental]" in message and "experimental model modules" in message
+    assert "remove the section" in message
     assert "Did you mean" not in message
 
 

@@ -1,5 +1,7 @@
 """A config written for upstream torchtitan, current or earlier, loads here or says what to change."""
 
+from pathlib import Path
+
 import pytest
 
 from torchtitan.config import ConfigError, JobConfig, parse_args
@@ -156,8 +158,47 @@ def test_a_tokenizer_path_naming_a_folder_is_read_as_hf_assets_path(tmp_path, ca
 
 def test_the_tables_name_only_keys_that_are_not_this_trainers_own():
     for old, new in (RENAMED_KEYS | RENAMED_FOLDER_KEYS).items():
-        assert not _is_own_key(*old.split(".")) and _is_own_key(*new.split(".")), (old, new)
-    assert not [name for name in UNBUILT_KEYS if _is_own_key(*name.split("."))]
+        assert not _is_own_key(*old.partition(".")[::2]) and _is_own_key(*new.split(".")), (old, new)
+    assert not [name for name in UNBUILT_KEYS if _is_own_key(*name.partition(".")[::2])]
+
+
+def test_upstreams_last_toml_era_config_with_every_key_at_its_default_loads(caplog):
+    """Upstream's bundled C4 sample is the one thing to change (it is not shipped here)."""
+    path = Path(__file__).parent / "upstream_configs" / "last_toml_era_defaults.toml"
+    cfg = parse_args(["--config", str(path), "--training.dataset", "smoke"], env={})
+    assert cfg.training.seed == 42 and cfg.training.deterministic is False
+    assert cfg.job.print_args is False and cfg.parallelism == JobConfig().parallelism
+    assert any("Ignoring 'fault_tolerance.enable'" in w for w in _warnings(caplog))
+
+
+def test_upstreams_debug_section_sets_the_seed_and_determinism_here(tmp_path):
+    cfg = _load(tmp_path, "[debug]\nseed = 7\ndeterministic = true\n")
+    assert (cfg.training.seed, cfg.training.deterministic) == (7, True)
+
+
+def test_an_unknown_key_of_upstreams_debug_section_lists_the_ones_read_here(tmp_path):
+    message = _error(tmp_path, "[debug]\nsed = 7\n")
+    assert "unknown key 'debug.sed'" in message and "read here only for seed, deterministic" in message
+    assert "Did you mean 'seed'?" in message
+
+
+@pytest.mark.parametrize(
+    "text, refused",
+    [("[training.dataloader]\nnum_workers = 4\n", "'training.dataloader.num_workers' = 4"),
+     ("[validation.dataloader]\npin_memory = true\n", "'validation.dataloader.pin_memory' = True"),
+     ("[fault_tolerance]\nenable = true\nreplica_id = 1\n", "'fault_tolerance.enable' = True"),
+     ("[debug]\nmoe_force_load_balance = true\n", "'debug.moe_force_load_balance' = True"),
+     ("[comm]\nmode = \"fake_backend\"\n", "'comm.mode' = 'fake_backend'")],
+    ids=["dataloader workers", "pinned memory", "fault tolerance", "forced balance", "fake backend"],
+)  # fmt: skip
+def test_an_upstream_table_of_an_unbuilt_feature_switched_on_is_refused_naming_it(tmp_path, text, refused):
+    message = _error(tmp_path, text)
+    assert refused in message and "which this trainer does not build" in message
+
+
+def test_an_upstream_table_of_an_unbuilt_feature_switched_off_is_ignored(tmp_path):
+    text = "[fault_tolerance]\nenable = false\nreplica_id = 3\n[training.dataloader]\nnum_workers = 0\n"
+    assert _load(tmp_path, text).training == _load(tmp_path, "").training
 
 
 @pytest.mark.parametrize(

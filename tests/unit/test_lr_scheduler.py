@@ -69,6 +69,30 @@ def test_decay_ratio_is_a_fraction_of_all_steps_as_upstream():
     assert lrs[6:] == pytest.approx([PEAK * (6 - k) / 6 for k in range(6)])
 
 
+def test_total_steps_stops_a_run_early_on_the_full_runs_schedule():
+    full = _lrs_used(["--training.steps", "10", "--lr_scheduler.warmup_steps", "2"])
+    early = _lrs_used(
+        ["--training.steps", "6", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.total_steps", "10"]
+    )
+    assert early == full[:6]
+
+
+def test_a_run_past_total_steps_keeps_the_minimum_lr():
+    args = ["--training.steps", "8", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.total_steps", "5",
+            "--lr_scheduler.min_lr_factor", "0.1"]  # fmt: skip
+    lrs = _lrs_used(args)
+    # The decay leaves the peak after step 3 and reaches 0.1 at step 6 (the schedule's virtual
+    # step past its last), where it stays.
+    assert lrs[2:5] == pytest.approx([PEAK, 0.7 * PEAK, 0.4 * PEAK])
+    assert lrs[5:] == pytest.approx([0.1 * PEAK] * 3)
+
+
+def test_decay_ratio_is_a_fraction_of_total_steps_when_set():
+    lrs = _lrs_used(["--training.steps", "12", "--lr_scheduler.warmup_steps", "2",
+                     "--lr_scheduler.decay_ratio", "0.5", "--lr_scheduler.total_steps", "24"])  # fmt: skip
+    assert lrs[1:] == pytest.approx([PEAK] * 11)  # the decay starts after step 12
+
+
 def test_a_decay_ratio_longer_than_the_steps_after_warmup_is_cut_and_warned_about(caplog):
     args = ["--training.steps", "10", "--lr_scheduler.warmup_steps", "4", "--lr_scheduler.decay_ratio", "0.8"]
     lrs = _lrs_used(args)

@@ -35,10 +35,15 @@ def lr_factor(step: int, warmup: int, decay: int, total: int, decay_type: str, m
     return min_factor + (1.0 - min_factor) * remaining
 
 
+def schedule_steps(job_config: JobConfig) -> int:
+    """The steps the schedule spans: `lr_scheduler.total_steps`, or `training.steps` when unset."""
+    return job_config.lr_scheduler.total_steps or job_config.training.steps
+
+
 def decay_steps(job_config: JobConfig) -> int:
-    """The steps that decay: `decay_ratio` of `training.steps` (all after warmup when unset),
-    at most the steps after warmup."""
-    cfg, total = job_config.lr_scheduler, job_config.training.steps
+    """The steps that decay: `decay_ratio` of the schedule's steps (all after warmup when
+    unset), at most the steps after warmup."""
+    cfg, total = job_config.lr_scheduler, schedule_steps(job_config)
     after_warmup = total - min(cfg.warmup_steps, total)
     if cfg.decay_ratio is None:
         return after_warmup
@@ -53,9 +58,15 @@ def decay_steps(job_config: JobConfig) -> int:
 
 
 def build_lr_scheduler(optimizer, job_config: JobConfig) -> LambdaLR:
-    """A LambdaLR following `lr_factor` over `training.steps` steps."""
-    cfg, total = job_config.lr_scheduler, job_config.training.steps
-    _warn_if_only_warmup(cfg.warmup_steps, total)
+    """A LambdaLR following `lr_factor` over `schedule_steps` steps.
+
+    Pitfall: with `lr_scheduler.total_steps` beyond `training.steps` the run stops before the
+    decay ends; past `total_steps` the lr stays at the minimum.
+    """
+    cfg, total = job_config.lr_scheduler, schedule_steps(job_config)
+    _warn_if_only_warmup(
+        cfg.warmup_steps, total, "lr_scheduler.total_steps" if cfg.total_steps else "training.steps"
+    )
     factor = functools.partial(
         lr_factor,
         warmup=min(cfg.warmup_steps, total),
@@ -68,13 +79,13 @@ def build_lr_scheduler(optimizer, job_config: JobConfig) -> LambdaLR:
     return LambdaLR(optimizer, lambda last_epoch: factor(last_epoch + 1))
 
 
-def _warn_if_only_warmup(warmup_steps: int, steps: int) -> None:
+def _warn_if_only_warmup(warmup_steps: int, steps: int, steps_key: str) -> None:
     # Not an error: a short debug run of a preset may be meant to stay in warmup. But a
     # shortened run that keeps the preset's warmup never decays, which is easy to miss in
     # the loss curve.
     if warmup_steps >= steps:
         logger.warning(
-            f"'lr_scheduler.warmup_steps' = {warmup_steps} is not below 'training.steps' = {steps}: "
+            f"'lr_scheduler.warmup_steps' = {warmup_steps} is not below '{steps_key}' = {steps}: "
             "the whole run is warmup, so the lr never decays (and reaches optimizer.lr only at the "
             f"last step, if at all). Set lr_scheduler.warmup_steps below {steps} (e.g. "
             f"--lr_scheduler.warmup_steps {steps // 10})."

@@ -81,9 +81,15 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = opt(200, "linear warmup steps, reaching optimizer.lr at the last of them", min=0)
+    total_steps: int | None = opt(
+        None,
+        "steps the schedule spans (decay_ratio is a fraction of them); unset = training.steps. "
+        "Set it to stop a run early on the full run's lr curve",
+        min=1,
+    )
     decay_ratio: float | None = opt(
         None,
-        "fraction of training.steps spent decaying, at most those after warmup (as upstream); "
+        "fraction of the schedule's steps spent decaying, at most those after warmup (as upstream); "
         "unset = all after warmup",
         min=0.0,
         max=1.0,

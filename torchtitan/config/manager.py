@@ -27,9 +27,11 @@ from torchtitan.config.upstream import (
     QUANTIZE_FLOAT8,
     RENAMED_FOLDER_KEYS,
     RENAMED_KEYS,
-    UNBUILT_KEYS,
     UPSTREAM_BUNDLED_DATASETS,
     UPSTREAM_ONLY_SECTIONS,
+    has_upstream_keys,
+    unbuilt_key,
+    upstream_keys_of,
 )
 
 if sys.version_info >= (3, 11):
@@ -129,6 +131,12 @@ def _unknown_key_error(where: str, section: str, key: str) -> ConfigError:
             f"section [{section}] in {where} configures {UPSTREAM_ONLY_SECTIONS[section]} in upstream "
             "torchtitan, which this trainer does not build; remove the section."
         )
+    if section not in sections and has_upstream_keys(section):
+        known = [name.partition(".")[2] for name in upstream_keys_of(section) if not name.endswith(".*")]
+        return ConfigError(
+            f"unknown key '{section}.{key}' in {where}: upstream torchtitan's [{section}] is read here "
+            f"only for {', '.join(known)}.{did_you_mean(key, known, always=False)}"
+        )
     if section not in sections:
         return ConfigError(
             f"unknown section [{section}] in {where}.{did_you_mean(section, sections)} "
@@ -189,11 +197,11 @@ def _resolve_key(section: str, key: str, value, where: str, from_text: bool) -> 
     if new_name:
         logger.warning(
             f"Reading '{name}' in {where} as '{new_name}', its name here (upstream "
-            "torchtitan's earlier spelling); rename it to silence this warning."
+            "torchtitan's spelling, now or earlier); rename it to silence this warning."
         )
         new_section, _, new_key = new_name.partition(".")
         return new_section, new_key
-    spec = UNBUILT_KEYS.get(name)
+    spec = unbuilt_key(name)
     if spec is None:
         raise _unknown_key_error(where, section, key)
     value = _cli_value(value, spec.default) if from_text else value
@@ -461,9 +469,9 @@ def _apply_toml_section(
             return
     if _ignored_converter_section(section, str(path)):
         return
-    if section not in _sections():
+    if section not in _sections() and not has_upstream_keys(section):
         raise _unknown_key_error(str(path), section, "")
-    for key, value in table.items():
+    for key, value in _dotted(table):
         try:
             target = _resolve_key(section, key, value, str(path), from_text=False)
             if target is None:
@@ -472,6 +480,16 @@ def _apply_toml_section(
             _set_value(config, *target, value, str(path), from_text=False)
         except ConfigError as e:
             problems.append(str(e))
+
+
+def _dotted(table: dict, prefix: str = ""):
+    """(key, value) for each value of `table`, sub-tables' keys dotted: upstream's
+    [training.dataloader] num_workers is the key 'dataloader.num_workers' of [training]."""
+    for key, value in table.items():
+        if isinstance(value, dict):
+            yield from _dotted(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def _refuse_two_spellings(written_as: dict, target: tuple[str, str], name: str, value, path: Path) -> None:
@@ -501,7 +519,7 @@ def _takes_a_list(section: str, key: str) -> bool | None:
     section, _, key = RENAMED_KEYS.get(f"{section}.{key}", f"{section}.{key}").partition(".")
     if _is_own_key(section, key):
         return typing.get_origin(typing.get_type_hints(_sections()[section])[key]) is list
-    spec = UNBUILT_KEYS.get(f"{section}.{key}")
+    spec = unbuilt_key(f"{section}.{key}")
     if spec is None:
         return None
     return spec.default is ANY or isinstance(spec.default, list)

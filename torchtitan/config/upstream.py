@@ -33,6 +33,9 @@ RENAMED_KEYS = {
     "lr_scheduler.lr_min": "lr_scheduler.min_lr_factor",
     "validation.enabled": "validation.enable",
     "float8.moe_fqns_prototype": "float8.moe_fqns",
+    "job.print_config": "job.print_args",
+    "debug.seed": "training.seed",
+    "debug.deterministic": "training.deterministic",
 }
 # Earlier names read as the new key only when the value names a folder, as the new key does:
 # upstream's tokenizer_path held either such a folder or a tokenizer.model file (see below).
@@ -87,7 +90,62 @@ UNBUILT_KEYS = {
     "float8.force_recompute_fp8_weight_in_bwd": UnbuiltKey(
         "a float8 option that torchao has deprecated", ANY
     ),
+    # Upstream's last TOML-era keys.
+    "job.custom_config_module": UnbuiltKey("extending the config with a dataclass of one's own", ""),
+    "job.save_config_file": UnbuiltKey(
+        "a copy of the resolved config",
+        None,
+        fix="the resolved config is always written to <job.dump_folder>/config.toml; remove the key",
+    ),
+    "comm.mode": UnbuiltKey("dry runs on a fake or local-tensor backend", "default"),
+    "debug.deterministic_warn_only": UnbuiltKey("warning, not failing, on nondeterministic ops", False),
+    "debug.moe_force_load_balance": UnbuiltKey("round-robin expert routing for debugging", False),
+    "parallelism.pipeline_parallel_first_stage_less_layers": UnbuiltKey("pipeline parallelism", ANY),
+    "parallelism.pipeline_parallel_last_stage_less_layers": UnbuiltKey("pipeline parallelism", ANY),
+    "parallelism.pipeline_parallel_expert_parallel_overlap": UnbuiltKey("pipeline parallelism", ANY),
+    "parallelism.module_fqns_per_model_part": UnbuiltKey("pipeline parallelism", ANY),
+    "parallelism.context_parallel_load_balancer": UnbuiltKey("context parallelism", ANY),
+    "parallelism.expert_parallel_comm_backend": UnbuiltKey("DeepEP's all-to-all kernels", "standard"),
+    "checkpoint.enable_ft_dataloader_checkpoints": UnbuiltKey("TorchFT fault tolerance", ANY),
+    "checkpoint.initial_load_in_hf_quantized": UnbuiltKey(
+        "quantized Hugging Face weights (block-scaled fp8 ones load dequantized with "
+        "initial_load_in_hf alone here)",
+        ANY,
+    ),
+    "checkpoint.load_only": UnbuiltKey("loading checkpoints without saving any", False),
+    **{
+        f"{split}.dataloader.{key}": UnbuiltKey(
+            "data-loading worker processes (data loads in the training process here)", default
+        )
+        for split in ("training", "validation")
+        for key, default in (("num_workers", 0), ("persistent_workers", False), ("pin_memory", False))
+    },
+    # Sections of features not built here, inert while switched off ("section.*": its other keys).
+    "fault_tolerance.enable": UnbuiltKey("TorchFT fault tolerance", False),
+    "fault_tolerance.*": UnbuiltKey("TorchFT fault tolerance", ANY),
+    "memory_estimation.enable": UnbuiltKey(
+        "memory estimation inside the trainer", False, fix="run ./run_memory_estimation.sh instead"
+    ),
+    "memory_estimation.*": UnbuiltKey("memory estimation inside the trainer", ANY),
+    "experimental.custom_import": UnbuiltKey("importing modules of one's own", ""),
+    "experimental.custom_args_module": UnbuiltKey("extending the config with a dataclass of one's own", ""),
 }
+
+
+def unbuilt_key(name: str) -> UnbuiltKey | None:
+    """The entry for upstream key `name` ("section.key"), its section's "section.*" if it has one."""
+    return UNBUILT_KEYS.get(name) or UNBUILT_KEYS.get(f"{name.partition('.')[0]}.*")
+
+
+def upstream_keys_of(section: str) -> list[str]:
+    """The upstream keys of [section] ("section.key") that are read or ignored here."""
+    return [name for name in RENAMED_KEYS | UNBUILT_KEYS if name.startswith(f"{section}.")]
+
+
+def has_upstream_keys(section: str) -> bool:
+    """Whether upstream's [section] holds keys that are read or ignored here."""
+    return bool(upstream_keys_of(section))
+
 
 # Upstream's bundled dataset samples (in its tests/assets), and this trainer's bundled counterparts.
 UPSTREAM_BUNDLED_DATASETS = {"c4_test": "smoke", "c4_validation": "smoke_validation"}
