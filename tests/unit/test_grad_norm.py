@@ -1,9 +1,15 @@
 """Gradient clipping: the global 2-norm, accumulated in float64. (Sharded gradients: the layout
 parity tests compare every layout's grad_norm with one process's.)"""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
+from tests.conftest import python_path
+from torchtitan.distributed import utils
 from torchtitan.distributed.utils import clip_grad_norm_, finite_or_raise
 
 
@@ -74,3 +80,26 @@ def test_a_partial_gradient_is_reduced_once_so_the_optimizer_step_issues_no_coll
     assert weight.grad.placements == (Replicate(),)
     assert clipping.get_total_counts() == 1  # the one reduction of the pending sum
     assert stepping.get_total_counts() == 0
+
+
+def test_a_cpu_gradient_larger_than_a_piece_has_its_float64_norm(monkeypatch):
+    monkeypatch.setattr(utils, "CPU_NORM_PIECE", 100)
+    params = _params_with_grads()  # 2048, 32 and 105 elements: pieces of 100 and the rest
+    sums = utils.GradSquareSums()
+    sums.add(params)
+    assert sums.global_norm().item() == pytest.approx(_float64_norm(params), rel=1e-12)
+
+
+def test_a_cpu_gradients_norm_holds_no_float64_copy_of_it():
+    """torch converts a CPU tensor to float64 whole for a float64 norm: 2x the gradient."""
+    script = """
+import resource, torch
+from torchtitan.distributed.utils import clip_grad_norm_
+p = torch.nn.Parameter(torch.zeros(16_000_000)); p.grad = torch.randn(16_000_000)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+clip_grad_norm_([p], max_norm=0.0)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+    env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert float(out.stdout) < 61  # MiB: the gradient's size; a float64 copy is 122, a piece 32

@@ -187,7 +187,7 @@ class GradSquareSums:
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         self._device = self._device or local[0].device
         norms_by_layout: dict[tuple, list[torch.Tensor]] = {}
-        for param, grad, norm in zip(params, grads, torch._foreach_norm(local, 2.0, dtype=torch.float64)):
+        for param, grad, norm in zip(params, grads, _float64_norms(local)):
             key = _sharded_groups(grad) + ((param._ep_group,) if getattr(param, "_ep_local", False) else ())
             norms_by_layout.setdefault(key, []).append(norm)
         # One stack, square and sum per layout: per parameter, a square and an add were two
@@ -206,6 +206,30 @@ class GradSquareSums:
             total = total + square.to(total.device)
         self._by_layout, self._device = {}, None
         return total.sqrt()
+
+
+# Elements per piece of a CPU tensor whose norm is taken in pieces: 32 MiB in float64.
+CPU_NORM_PIECE = 1 << 22
+
+
+def _float64_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2-norm of each tensor, accumulated in float64.
+
+    On the CPU, torch first converts a tensor to float64 whole, a transient copy twice an fp32
+    gradient's size (the CPU offload of FSDP keeps the gradients there); so there a large
+    tensor's norm is taken in pieces of `CPU_NORM_PIECE` elements and the pieces' combined.
+    CUDA's kernel accumulates in float64 without a copy.
+    """
+    if not tensors or tensors[0].device.type != "cpu":
+        return torch._foreach_norm(tensors, 2.0, dtype=torch.float64)
+    norms = []
+    for t in tensors:
+        pieces = list(t.reshape(-1).split(CPU_NORM_PIECE))
+        if len(pieces) == 1:
+            norms.append(torch.linalg.vector_norm(t, dtype=torch.float64))
+        else:
+            norms.append(torch.stack(torch._foreach_norm(pieces, 2.0, dtype=torch.float64)).norm())
+    return norms
 
 
 def _reduce_partial_grads(params: list[torch.Tensor]) -> None:
