@@ -188,27 +188,52 @@ def test_build_attention_rejects_unknown_backend_listing_valid_ones():
         build_attention("flash")
 
 
-def test_mask_is_built_once_and_reused_by_every_layer(monkeypatch):
-    real_create_mask, real_sdpa = attention.create_mask, attention.F.scaled_dot_product_attention
-    built, masks_seen = [], []
+def _count_mask_builds(monkeypatch) -> list:
+    attention._token_independent_masks.cache_clear()
+    monkeypatch.setattr(attention, "_token_independent_masks", attention._token_independent_masks)
+    real_create_mask, built = attention.create_mask, []
 
     def counting_create_mask(*args, **kwargs):
         built.append(args[0])
         return real_create_mask(*args, **kwargs)
 
-    def recording_sdpa(*args, **kwargs):
-        masks_seen.append(kwargs["attn_mask"])
-        return real_sdpa(*args, **kwargs)
-
     monkeypatch.setattr(attention, "create_mask", counting_create_mask)
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording_sdpa)
-    masks = build_attention_masks(_tokens(32, [[]]), "causal")
+    return built
 
-    for layer in (FlexAttention(), FlexAttention()):
-        layer(*_qkv(32), masks)
 
-    assert len(built) == 1
-    assert all(seen is masks.dense_mask for seen in masks_seen) and len(masks_seen) == 2
+def test_a_token_independent_mask_is_built_once_for_every_batch(monkeypatch):
+    built = _count_mask_builds(monkeypatch)
+    first = build_attention_masks(_tokens(32, [[3], []], seed=1), "sliding_window", sliding_window=8)
+    second = build_attention_masks(_tokens(32, [[], [9]], seed=2), "sliding_window", sliding_window=8)
+    assert second is first and len(built) == 1
+    assert build_attention_masks(_tokens(32, [[]]), "sliding_window", sliding_window=4) is not first
+    assert build_attention_masks(_tokens(48, [[]]), "sliding_window", sliding_window=8) is not first
+
+
+def test_a_block_causal_mask_is_built_for_each_batch(monkeypatch):
+    built = _count_mask_builds(monkeypatch)
+    first = build_attention_masks(_tokens(32, [[3], []], seed=1), "block_causal", eos_id=EOS)
+    second = build_attention_masks(_tokens(32, [[], [9]], seed=2), "block_causal", eos_id=EOS)
+    assert len(built) == 2 and not torch.equal(first.dense_mask, second.dense_mask)
+
+
+def test_every_layer_keeps_one_shared_additive_mask_for_backward():
+    """SDPA turned the boolean mask into a float one in every layer, and each layer kept its own."""
+    masks = build_attention_masks(_tokens(32, [[10], [5, 20]]), "block_causal", eos_id=EOS)
+    mask_shaped = []
+
+    def keep(t):
+        if t.shape[-2:] == (32, 32) and t.dtype.is_floating_point:
+            mask_shaped.append(t)
+        return t
+
+    q, k, v = (t.requires_grad_() for t in _qkv(32))
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = FlexAttention()(q, k, v, masks)
+        out = FlexAttention()(out, k, v, masks)
+    assert len(mask_shaped) == 2 and mask_shaped[0] is mask_shaped[1] is masks.additive_mask(torch.float32)
+    want = _reference_attention(q, k, v, masks.dense_mask)
+    torch.testing.assert_close(FlexAttention()(q, k, v, masks), want)
 
 
 def test_compiled_block_mask_equals_eager_and_compiles_once_for_every_batch():

@@ -135,6 +135,12 @@ def test_forcing_sdpa_on_a_flex_flavor_is_refused_before_training(tmp_path, caps
     assert "'model.attn_mask_type' = 'block_causal'" in err and "Traceback" not in err
 
 
+def test_sdpa_with_a_non_causal_mask_both_set_is_refused_when_the_config_is_parsed():
+    """So that `python -m torchtitan.config.check` sees it, before any rank starts."""
+    with pytest.raises(ConfigError, match="'model.attn_mask_type' = 'chunked' needs the flex"):
+        parse_args(["--model.attn_backend", "sdpa", "--model.attn_mask_type", "chunked"], env={})
+
+
 def test_unknown_backend_or_mask_type_is_refused_when_the_config_is_parsed():
     with pytest.raises(ConfigError, match="model.attn_backend"):
         parse_args(["--model.attn_backend", "flash"], env={})
@@ -225,16 +231,32 @@ def test_a_window_or_chunk_covering_the_sequence_is_causal(mask_type):
 @pytest.mark.parametrize("model", ["llama3", "qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("mask_type", ["sliding_window", "chunked"])
 def test_flops_count_the_window_or_chunk_not_the_whole_sequence(model, mask_type):
-    """MFU counts the keys a query can see: a window of 8 in a 32-token sequence costs what a
-    causal 8-token sequence costs, and a window covering the sequence what causal costs."""
+    """A window of 8 in a 32-token sequence costs less than causal attention over it, and a
+    window covering the sequence what causal costs."""
     limits = lambda n: ["--model.sliding_window", str(n), "--model.attn_chunk_size", str(n)]  # noqa: E731
     causal = _args(model, "--model.attn_backend", "flex")
     masked = _args(model, "--model.attn_backend", "flex", "--model.attn_mask_type", mask_type, *limits(8))
     covering = _args(model, "--model.attn_backend", "flex", "--model.attn_mask_type", mask_type, *limits(64))
     module = _build(model, causal)
     flops = lambda args, seq_len: args.num_flops_per_token(module, seq_len)[1]  # noqa: E731
-    assert flops(masked, SEQ_LEN) == flops(causal, 8) < flops(causal, SEQ_LEN)
+    assert flops(causal, 8) < flops(masked, SEQ_LEN) < flops(causal, SEQ_LEN)
     assert flops(covering, SEQ_LEN) == flops(causal, SEQ_LEN)
+
+
+@pytest.mark.parametrize(
+    "mask_type, size", [("causal", 0), ("sliding_window", 5), ("sliding_window", 32), ("chunked", 5),
+                        ("chunked", 8), ("chunked", 40)],
+)  # fmt: skip
+def test_every_mask_is_counted_at_the_share_of_pairs_it_allows_as_causal_is(mask_type, size):
+    """Causal counts seq_len keys per query for its seq_len x (seq_len + 1) / 2 pairs; every mask
+    counts its real pairs the same way, so MFU compares across mask types."""
+    args = replace(_args("llama3", "--model.attn_backend", "flex"), attn_mask_type=mask_type,
+                   sliding_window=size, attn_chunk_size=size)  # fmt: skip
+    tokens = torch.ones(1, SEQ_LEN, dtype=torch.long)
+    pairs = args.build_masks(tokens).dense_mask.sum().item()
+    assert args.attention_span(SEQ_LEN) == pytest.approx(2 * pairs / (SEQ_LEN + 1), rel=1e-12)
+    if mask_type == "causal":
+        assert args.attention_span(SEQ_LEN) == SEQ_LEN
 
 
 @pytest.mark.parametrize("model", ["llama3", "qwen3", "deepseek_v3"])

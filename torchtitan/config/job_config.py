@@ -43,12 +43,16 @@ class Model:
         None, "attention backend; unset = the flavor's. sdpa is causal only, flex runs every mask type"
     )
     attn_mask_type: Literal["causal", "block_causal", "sliding_window", "chunked"] | None = opt(
-        None, "attention mask; unset = the flavor's; all but causal need flex (block_causal: split at EOS)"
+        None,
+        "attention mask of every layer; unset = the flavor's; all but causal need flex (block_causal: "
+        "documents split at EOS; sliding_window and chunked go by position only)",
     )
     sliding_window: int = opt(
         4096, "keys a query sees (itself included) under attn_mask_type sliding_window", min=1
     )
-    attn_chunk_size: int = opt(8192, "chunk length under attn_mask_type chunked (Llama 4 style)", min=1)
+    attn_chunk_size: int = opt(
+        8192, "chunk length under attn_mask_type chunked (Llama 4's chunked mask, on every layer)", min=1
+    )
     always_apply_yarn: bool = opt(
         False,
         "DeepSeek flavors: apply their YaRN at any training.seq_len, as Hugging Face runs the published "

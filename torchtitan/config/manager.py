@@ -684,6 +684,16 @@ def check_activation_checkpoint(
             )
 
 
+def attention_backend_conflict(mask_type: str, whose: str = "") -> ConfigError:
+    """The error for a mask type other than causal with the sdpa attention backend; `whose`
+    says where the backend came from when the config may not have set it."""
+    return ConfigError(
+        f"'model.attn_mask_type' = '{mask_type}' needs the flex attention backend, but "
+        f"'model.attn_backend' is 'sdpa'{whose}, which is causal only. Set "
+        'model.attn_backend = "flex", or model.attn_mask_type = "causal".'
+    )
+
+
 def ac_debug_conflict(conflict: str) -> ConfigError:
     """The error for `activation_checkpoint.debug` with `conflict`, something torch's checkpoint
     debug mode cannot trace: it replaces a checkpoint's `context_fn` with its own tracer and
@@ -773,6 +783,9 @@ def _check_consistency(config: JobConfig) -> None:
             "'optimizer.early_step_in_backward' = true frees one by one as it steps; set "
             "training.max_norm = 0 (grad_norm is still logged) or early_step_in_backward = false."
         )
+    m = config.model
+    if m.attn_backend == "sdpa" and m.attn_mask_type not in (None, "causal"):
+        raise attention_backend_conflict(m.attn_mask_type)
     _check_expert_parallel(p)
     _check_sequence_shards(config)
     _check_converters(config)

@@ -4,7 +4,8 @@ Backends:
 
 * ``sdpa``: causal `F.scaled_dot_product_attention`; needs no masks.
 * ``flex``: attention under one of `MASK_TYPES`. The mask is built once per batch by
-  `build_attention_masks` and handed to every layer, so no layer rebuilds it. On CUDA it is a
+  `build_attention_masks` (once per sequence length for the masks that do not depend on the
+  tokens) and handed to every layer, so no layer rebuilds it. On CUDA it is a
   flex-attention `BlockMask`, built by a compiled `create_block_mask` and run by a compiled
   `flex_attention`; elsewhere (CPU) it is an exact dense boolean mask run by SDPA, because
   PyTorch's flex attention has no backward on CPU.
@@ -17,9 +18,10 @@ masked. Keep it that way when adding a mask type: SDPA with a boolean mask retur
 masked row, while flex attention returns zeros, so the two paths would silently disagree.
 """
 
+import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -104,7 +106,8 @@ class AttentionMasks:
         seq_len: the sequence length the mask covers; q, k and v must match it.
         block_mask: flex-attention `BlockMask`, or None.
         dense_mask: bool tensor ``[batch or 1, 1, seq, seq]`` where True means "may attend", or None.
-            It costs ``batch * seq**2`` bytes for ``block_causal``, so it suits tests and small runs.
+            It costs ``batch * seq**2`` bytes for ``block_causal`` (and its additive form, see
+            `additive_mask`, 2 or 4 times that), so it suits tests and small runs.
     """
 
     mask_type: str
@@ -112,6 +115,16 @@ class AttentionMasks:
     seq_len: int
     block_mask: BlockMask | None = None
     dense_mask: torch.Tensor | None = None
+    _additive: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense mask as SDPA applies it, 0 where allowed and -inf elsewhere, in ``dtype``;
+        made once per dtype and shared. Given the boolean mask, SDPA makes this copy itself in
+        every layer, and each layer keeps its own for backward."""
+        if dtype not in self._additive:
+            additive = torch.zeros(self.dense_mask.shape, dtype=dtype, device=self.dense_mask.device)
+            self._additive[dtype] = additive.masked_fill_(~self.dense_mask, float("-inf"))
+        return self._additive[dtype]
 
 
 def _positive(value: int | None, name: str, mask_type: str) -> int:
@@ -171,7 +184,9 @@ def build_attention_masks(
 
     The representation follows ``tokens.device``: a flex `BlockMask` on CUDA, a dense boolean mask
     elsewhere (the choice is logged once per process). Both come from the same mask mod, so they
-    allow exactly the same positions.
+    allow exactly the same positions. The masks that do not read the tokens (all but
+    ``block_causal``) are built once per mask type, size, sequence length and device, and the
+    same object is returned afterwards (the last 8 such are kept).
 
     Args:
         tokens: int tensor ``[batch, seq]`` of input ids (only ``block_causal`` reads the values).
@@ -188,14 +203,33 @@ def build_attention_masks(
     mask_mod = build_mask_mod(
         tokens, mask_type, eos_id=eos_id, sliding_window=sliding_window, chunk_size=chunk_size
     )
-    batch, seq_len = tokens.shape
-    # Only block_causal differs per sequence; the others broadcast over the batch.
-    mask_batch = batch if mask_type == "block_causal" else None
-    if tokens.device.type == "cuda":
-        block_mask = build_block_mask(mask_mod, mask_batch, seq_len, tokens.device)
+    if mask_type != "block_causal":
+        # Only block_causal reads the tokens; the others are built once per shape and reused.
+        window = sliding_window if mask_type == "sliding_window" else None
+        chunk = chunk_size if mask_type == "chunked" else None
+        return _token_independent_masks(mask_type, window, chunk, tokens.shape[1], tokens.device)
+    return _masks_from_mod(mask_type, mask_mod, tokens.shape[0], tokens.shape[1], tokens.device)
+
+
+@functools.lru_cache(maxsize=8)
+def _token_independent_masks(
+    mask_type: str, window: int | None, chunk: int | None, seq_len: int, device: torch.device
+) -> AttentionMasks:
+    mask_mod = build_mask_mod(
+        torch.empty(0, 0, dtype=torch.long), mask_type, sliding_window=window, chunk_size=chunk
+    )
+    return _masks_from_mod(mask_type, mask_mod, None, seq_len, device)
+
+
+def _masks_from_mod(
+    mask_type: str, mask_mod: MaskMod, mask_batch: int | None, seq_len: int, device: torch.device
+) -> AttentionMasks:
+    """`mask_mod` as a block mask on CUDA, else as a dense one; ``mask_batch`` None broadcasts."""
+    if device.type == "cuda":
+        block_mask = build_block_mask(mask_mod, mask_batch, seq_len, device)
         return AttentionMasks(mask_type, mask_mod, seq_len, block_mask=block_mask)
-    _log_dense_path_once(tokens.device)
-    dense_mask = create_mask(mask_mod, mask_batch, None, seq_len, seq_len, device=tokens.device)
+    _log_dense_path_once(device)
+    dense_mask = create_mask(mask_mod, mask_batch, None, seq_len, seq_len, device=device)
     return AttentionMasks(mask_type, mask_mod, seq_len, dense_mask=dense_mask)
 
 
@@ -307,7 +341,10 @@ class FlexAttention(nn.Module):
                 q, k, v, block_mask=masks.block_mask, scale=scale, enable_gqa=gqa
             )
         k, v = _repeat_kv(q, k, v)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=masks.dense_mask, scale=scale)
+        # Compiled blocks take the boolean mask, as before: filling the shared additive one from
+        # inside a compiled block would make it recompile once the mask exists.
+        mask = masks.dense_mask if torch.compiler.is_compiling() else masks.additive_mask(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def build_attention(backend: str) -> nn.Module:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.job_config import Model as ModelConfig
-from torchtitan.config.manager import ConfigError
+from torchtitan.config.manager import ConfigError, attention_backend_conflict
 from torchtitan.distributed.utils import init_param_
 from torchtitan.models.attention import ATTENTION_BACKENDS, MASK_TYPES, AttentionMasks, build_attention_masks
 from torchtitan.models.rope import YaRNScaling
@@ -52,11 +52,8 @@ class AttentionArgs:
                 f"{', '.join(MASK_TYPES)}."
             )
         if self.attn_backend == "sdpa" and self.attn_mask_type != "causal":
-            raise ConfigError(
-                f"'model.attn_mask_type' = '{self.attn_mask_type}' needs the flex attention backend, but "
-                "'model.attn_backend' is 'sdpa' (the flavor's when unset), which is causal only. Set "
-                'model.attn_backend = "flex", or model.attn_mask_type = "causal".'
-            )
+            # Both set in the config is refused before the ranks start; here the flavor chose sdpa.
+            raise attention_backend_conflict(self.attn_mask_type, whose=" (the flavor's when unset)")
 
     def update_from_config(self, job_config: JobConfig):
         """A copy for the run: its RoPE table covers `training.seq_len`, with `[model]`'s attention
@@ -107,16 +104,23 @@ class AttentionArgs:
             )
         return replace(args, eos_id=eos_id)
 
-    def attention_span(self, seq_len: int) -> int:
-        """Keys each query is counted against in the FLOP count: the whole ``seq_len`` (causal
-        and ``block_causal``, whose documents vary by batch, count the full square, as
-        torchtitan's MFU does), but at most the window under ``sliding_window`` and the chunk
-        under ``chunked``, whose masks skip the rest."""
+    def attention_span(self, seq_len: int) -> float:
+        """Keys each query is counted against in the FLOP count: ``2 x pairs / (seq_len + 1)``,
+        where ``pairs`` is the (query, key) pairs the mask allows. That is ``seq_len`` for causal
+        (torchtitan's MFU counts the full square, causality not discounted, and so does
+        ``block_causal``, whose documents vary by batch), and the same share of the pairs for
+        ``sliding_window`` and ``chunked``, so that MFU compares across mask types."""
+        return 2 * self._allowed_pairs(seq_len) / (seq_len + 1)
+
+    def _allowed_pairs(self, seq_len: int) -> int:
         if self.attn_mask_type == "sliding_window":
-            return min(seq_len, self.sliding_window)
+            window = min(seq_len, self.sliding_window)
+            return window * (window + 1) // 2 + (seq_len - window) * window
         if self.attn_mask_type == "chunked":
-            return min(seq_len, self.attn_chunk_size)
-        return seq_len
+            chunk = min(seq_len, self.attn_chunk_size)
+            chunks, rest = divmod(seq_len, chunk)
+            return chunks * chunk * (chunk + 1) // 2 + rest * (rest + 1) // 2
+        return seq_len * (seq_len + 1) // 2
 
     def build_masks(self, tokens: torch.Tensor) -> AttentionMasks | None:
         """The attention masks of one batch, to be built once per forward and shared by every layer.
