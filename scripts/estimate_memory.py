@@ -326,10 +326,12 @@ def gpu_attention_kernels():
         return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
     F.scaled_dot_product_attention, attention.create_mask = fused, one_element_mask
+    attention.clear_mask_cache()  # neither real masks in here nor these masks out of here
     try:
         yield
     finally:
         F.scaled_dot_product_attention, attention.create_mask = sdpa, create_mask
+        attention.clear_mask_cache()
 
 
 class _FusedRMSNorm(torch.autograd.Function):

@@ -188,9 +188,9 @@ def test_build_attention_rejects_unknown_backend_listing_valid_ones():
         build_attention("flash")
 
 
-def _count_mask_builds(monkeypatch) -> list:
-    attention._token_independent_masks.cache_clear()
-    monkeypatch.setattr(attention, "_token_independent_masks", attention._token_independent_masks)
+@pytest.fixture
+def mask_builds(monkeypatch):
+    """The mask mods `create_mask` is called with, from an empty mask cache (emptied after too)."""
     real_create_mask, built = attention.create_mask, []
 
     def counting_create_mask(*args, **kwargs):
@@ -198,11 +198,13 @@ def _count_mask_builds(monkeypatch) -> list:
         return real_create_mask(*args, **kwargs)
 
     monkeypatch.setattr(attention, "create_mask", counting_create_mask)
-    return built
+    attention.clear_mask_cache()
+    yield built
+    attention.clear_mask_cache()
 
 
-def test_a_token_independent_mask_is_built_once_for_every_batch(monkeypatch):
-    built = _count_mask_builds(monkeypatch)
+def test_a_token_independent_mask_is_built_once_for_every_batch(mask_builds):
+    built = mask_builds
     first = build_attention_masks(_tokens(32, [[3], []], seed=1), "sliding_window", sliding_window=8)
     second = build_attention_masks(_tokens(32, [[], [9]], seed=2), "sliding_window", sliding_window=8)
     assert second is first and len(built) == 1
@@ -210,8 +212,8 @@ def test_a_token_independent_mask_is_built_once_for_every_batch(monkeypatch):
     assert build_attention_masks(_tokens(48, [[]]), "sliding_window", sliding_window=8) is not first
 
 
-def test_a_block_causal_mask_is_built_for_each_batch(monkeypatch):
-    built = _count_mask_builds(monkeypatch)
+def test_a_block_causal_mask_is_built_for_each_batch(mask_builds):
+    built = mask_builds
     first = build_attention_masks(_tokens(32, [[3], []], seed=1), "block_causal", eos_id=EOS)
     second = build_attention_masks(_tokens(32, [[], [9]], seed=2), "block_causal", eos_id=EOS)
     assert len(built) == 2 and not torch.equal(first.dense_mask, second.dense_mask)

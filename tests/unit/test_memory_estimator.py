@@ -14,6 +14,7 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 from tests.conftest import load_script
 from torchtitan.config import parse_args
+from torchtitan.models import attention
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
 
@@ -276,6 +277,17 @@ def test_flex_attention_is_estimated_as_its_gpu_kernel_holding_no_seq_by_seq_mas
     sdpa_peak = em.measure(_config(base, "none"), 1)[em.TOTAL]
     flex_peak = em.measure(_config(base + flex, "none"), 1)[em.TOTAL]
     assert flex_peak == sdpa_peak
+
+
+def test_masks_made_for_the_estimate_and_for_training_are_never_mixed():
+    """Masks that do not read the tokens are kept for reuse; the estimator's one-element
+    stand-ins must not reach a real run (there they would mask nothing), nor real masks it."""
+    tokens = torch.ones(1, 32, dtype=torch.long)
+    real = attention.build_attention_masks(tokens, "causal")
+    with em.gpu_attention_kernels():
+        estimated = attention.build_attention_masks(tokens, "causal")
+    assert estimated.dense_mask.numel() == 1 and real.dense_mask.shape[-2:] == (32, 32)
+    assert attention.build_attention_masks(tokens, "causal").dense_mask.shape[-2:] == (32, 32)
 
 
 def test_async_tensor_parallel_is_estimated_as_plain_tensor_parallel_with_a_note(capsys):

@@ -186,7 +186,9 @@ def build_attention_masks(
     elsewhere (the choice is logged once per process). Both come from the same mask mod, so they
     allow exactly the same positions. The masks that do not read the tokens (all but
     ``block_causal``) are built once per mask type, size, sequence length and device, and the
-    same object is returned afterwards (the last 8 such are kept).
+    same object is returned afterwards (the last 8 such are kept). Pitfall: code that replaces
+    how masks are made (`create_mask`, as the memory estimator does) must `clear_mask_cache()`
+    before and after.
 
     Args:
         tokens: int tensor ``[batch, seq]`` of input ids (only ``block_causal`` reads the values).
@@ -203,12 +205,19 @@ def build_attention_masks(
     mask_mod = build_mask_mod(
         tokens, mask_type, eos_id=eos_id, sliding_window=sliding_window, chunk_size=chunk_size
     )
-    if mask_type != "block_causal":
-        # Only block_causal reads the tokens; the others are built once per shape and reused.
+    # Only block_causal reads the tokens; the others are built once per shape and reused. Not
+    # for fake tensors (the memory estimator's), which must not meet real ones or outlive their mode.
+    if mask_type != "block_causal" and type(tokens) is torch.Tensor:
         window = sliding_window if mask_type == "sliding_window" else None
         chunk = chunk_size if mask_type == "chunked" else None
         return _token_independent_masks(mask_type, window, chunk, tokens.shape[1], tokens.device)
-    return _masks_from_mod(mask_type, mask_mod, tokens.shape[0], tokens.shape[1], tokens.device)
+    batch = tokens.shape[0] if mask_type == "block_causal" else None
+    return _masks_from_mod(mask_type, mask_mod, batch, tokens.shape[1], tokens.device)
+
+
+def clear_mask_cache() -> None:
+    """Forget the masks kept for reuse by `build_attention_masks`."""
+    _token_independent_masks.cache_clear()
 
 
 @functools.lru_cache(maxsize=8)
