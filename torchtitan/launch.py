@@ -12,6 +12,7 @@ what happened:
   again only when `--local-ranks-filter` hid that rank's output, and exits 2.
 - exit 143: the rank stopped on the stop file or SIGTERM after saving a checkpoint; this exits
   143, so a job script can tell "resubmit to resume" from a crash.
+- exit 3: the rank stopped so, but had trained steps with checkpointing off: nothing to resume.
 
 A signal to the launcher itself (SIGTERM, or Ctrl-C's SIGINT) is passed on to the ranks by
 torchrun, as always; the launcher then exits 128 + its number (143, 130) instead of torchrun's
@@ -25,9 +26,9 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import parse_args, run
 
-EXIT_BAD_INPUT = 2
-EXIT_STOPPED = 143  # 128 + SIGTERM, what the trainer exits with after a requested stop
-_ON_PURPOSE = (EXIT_BAD_INPUT, EXIT_STOPPED)
+from torchtitan.tools.exit_codes import EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_STOPPED_UNSAVED
+
+_ON_PURPOSE = (EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_STOPPED_UNSAVED)
 # How torchrun ends the other ranks once one has exited: SIGTERM, then SIGKILL after a grace time.
 _TEARDOWN = {-signal.SIGTERM, -signal.SIGKILL}
 
@@ -50,7 +51,7 @@ def closing_report(error: ChildFailedError, local_ranks_filter: str) -> tuple[in
     code = on_purpose.pop()
     rank = min(r for r, f in error.failures.items() if f.exitcode == code)
     failure = error.failures[rank]
-    if code == EXIT_STOPPED or _output_shown(failure.local_rank, local_ranks_filter):
+    if code != EXIT_BAD_INPUT or _output_shown(failure.local_rank, local_ranks_filter):
         return code, ""
     return code, f"rank {rank}: {_message(failure)}"
 

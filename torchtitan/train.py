@@ -41,6 +41,7 @@ from torchtitan.protocols.state_dict_adapter import build_run_state_dict_adapter
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.device_info import device_name
 from torchtitan.tools.dtypes import TORCH_DTYPES
+from torchtitan.tools.exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED
 from torchtitan.tools.logging import init_logger
 
 logger = logging.getLogger("torchtitan")
@@ -104,6 +105,11 @@ class Trainer:
         self.stop_requested = False
         self.stop_reason = "another rank's request"
         self.stop_file = os.environ.get(STOP_FILE_ENV) or None
+        if self.stop_file and not cfg.checkpoint.enable and self.rank == 0:
+            logger.warning(
+                f"${STOP_FILE_ENV} is set, but 'checkpoint.enable' = false: a stop before the end "
+                "saves nothing to resume from. Set checkpoint.enable = true to resume after a stop."
+            )
         self.stale_stop_file = self._stale_stop_file()
         self.stop_group = self._build_stop_group()
         self.train_state = TrainState()
@@ -403,11 +409,35 @@ class Trainer:
         gc.enable()
 
 
+def _stop_while_building(signum, frame) -> None:
+    logger.warning(f"Received signal {signum} while starting: stopping before training")
+    raise StopRequested
+
+
+def _stopped(trainer: "Trainer | None") -> int:
+    """Log a requested stop and return its exit code: resumable unless steps were trained with
+    checkpointing off."""
+    if trainer is None:
+        logger.warning("Stopped on request (SIGTERM) before training")
+        return EXIT_STOPPED
+    logger.warning(f"Stopped on request ({trainer.stop_reason}) after step {trainer.step}")
+    if trainer.step >= trainer.first_step and not trainer.job_config.checkpoint.enable:
+        logger.warning(
+            f"Nothing was saved ('checkpoint.enable' = false): steps {trainer.first_step} to "
+            f"{trainer.step} are lost, and the same command starts over."
+        )
+        return EXIT_STOPPED_UNSAVED
+    return EXIT_STOPPED
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the config and train; always clean up (writers, process group).
 
-    Exit codes: 0 done, 2 config mistake (one paragraph on stderr, no traceback), 143 stopped
-    by SIGTERM or the stop file (`TORCHTITAN_STOP_FILE`), 130 interrupted.
+    Exit codes (`torchtitan.tools.exit_codes`): 0 done, 2 config mistake (one paragraph on
+    stderr, no traceback), 143 stopped by SIGTERM or the stop file (`TORCHTITAN_STOP_FILE`)
+    with what was trained saved (or nothing trained yet), 3 stopped so with steps trained and
+    checkpointing off, 130 interrupted. A SIGTERM while the trainer is still being built
+    stops the build at once.
     """
     argv = sys.argv[1:] if argv is None else argv
     if wants_help(argv):
@@ -419,6 +449,9 @@ def main(argv: list[str] | None = None) -> None:
     init_logger()
     trainer = None
     exit_code = 0
+    # Until the trainer exists, nothing is trained: a SIGTERM stops building it (token caches
+    # being written clean up as on Ctrl-C), where by default it killed the rank.
+    signal.signal(signal.SIGTERM, _stop_while_building)
     try:
         trainer = Trainer(parse_args(argv))
         signal.signal(signal.SIGTERM, trainer.request_stop)
@@ -426,13 +459,12 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         dist_utils.report_to_torchrun(f"error: {e}")
-        exit_code = 2
+        exit_code = EXIT_BAD_INPUT
     except StopRequested:
-        logger.warning(f"Stopped on request ({trainer.stop_reason}) after step {trainer.step}")
-        exit_code = 128 + signal.SIGTERM
+        exit_code = _stopped(trainer)
     except KeyboardInterrupt:
         logger.warning("Interrupted; shutting down")
-        exit_code = 130
+        exit_code = EXIT_INTERRUPTED
     finally:
         if trainer is not None:
             trainer.close()

@@ -312,8 +312,9 @@ def test_the_stop_file_stops_every_rank_at_the_same_step_even_without_checkpoint
     assert f"Stopped on request (stop file {stop_file}) after step {stopped_at}" in output, output[-3000:]
     assert f"Stopped on request (another rank's request) after step {stopped_at}" in output
     # torchrun tears down the workers once the first exits, so the summary may list one of
-    # them with 143 and the other with -15; the two log lines above show both ranks stopped.
-    assert "exitcode  : 143" in output and proc.returncode != 0
+    # them with 3 (stopped, nothing saved) and the other with -15; the two log lines above show
+    # both ranks stopped.
+    assert "exitcode  : 3" in output and proc.returncode != 0
     assert not (tmp_path / "checkpoint").exists()
 
 
@@ -532,6 +533,36 @@ def test_a_stop_before_a_fresh_runs_first_step_writes_no_checkpoint(tmp_path, mo
     _stop_before_the_first_step(monkeypatch)
     assert _train_in_process(tmp_path, "--training.steps", "10") == 143
     assert not (tmp_path / "checkpoint").exists() or _steps(tmp_path) == []
+
+
+def test_a_stop_after_steps_with_checkpointing_off_exits_3_not_resumable_143(tmp_path, monkeypatch, caplog):
+    """143 tells a job script to resubmit and resume; with nothing saved there is nothing to resume."""
+
+    def stop_after_step_2(trainer):
+        trainer.stop_requested = trainer.stop_requested or trainer.step == 2
+
+    monkeypatch.setattr(Trainer, "_check_stop_file", stop_after_step_2)
+    assert _train_in_process(tmp_path, "--checkpoint.no_enable") == 3
+    assert sorted(_losses(tmp_path)) == [1, 2]
+    assert "Nothing was saved ('checkpoint.enable' = false): steps 1 to 2 are lost" in caplog.text
+
+
+def test_a_sigterm_while_the_trainer_is_built_stops_it_with_143(tmp_path, monkeypatch):
+    """By default SIGTERM killed the rank there (exit -15, a torchrun traceback, and a token
+    cache half written)."""
+    build_validator = Trainer._build_validator
+
+    def signalled_while_building(trainer, *args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return build_validator(trainer, *args)
+
+    monkeypatch.setattr(Trainer, "_build_validator", signalled_while_building)
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert _train_in_process(tmp_path) == 143
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoint").exists()
 
 
 def test_a_stop_file_left_from_before_the_run_is_ignored_until_touched(tmp_path, monkeypatch):

@@ -27,8 +27,10 @@ def _failed(tmp_path, exitcodes: dict[int, int]) -> ChildFailedError:
 
 @pytest.mark.parametrize(
     "exitcodes, expected",
-    [({0: 2, 1: 2}, 2), ({1: 2, 0: TERMINATED}, 2), ({0: 143, 1: KILLED}, 143), ({0: 143, 1: 143}, 143)],
-    ids=["every rank 2", "2 and the rest torn down", "143 and the rest killed", "every rank 143"],
+    [({0: 2, 1: 2}, 2), ({1: 2, 0: TERMINATED}, 2), ({0: 143, 1: KILLED}, 143), ({0: 143, 1: 143}, 143),
+     ({0: 3, 1: TERMINATED}, 3)],
+    ids=["every rank 2", "2 and the rest torn down", "143 and the rest killed", "every rank 143",
+         "stopped with nothing saved"],
 )  # fmt: skip
 def test_ranks_that_stopped_on_purpose_end_the_launch_with_their_exit_code(tmp_path, exitcodes, expected):
     assert closing_report(_failed(tmp_path, exitcodes), "0")[0] == expected
