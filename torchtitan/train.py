@@ -32,7 +32,14 @@ from torchtitan.components.training_step import (
 )
 from torchtitan.components.validate import Validator
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError, format_help, parse_args, to_toml, wants_help
+from torchtitan.config.manager import (
+    ConfigError,
+    dump_folder_error,
+    format_help,
+    parse_args,
+    to_toml,
+    wants_help,
+)
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -130,8 +137,11 @@ class Trainer:
         text = to_toml(self.job_config)
         if self.rank == 0:
             dump = Path(self.job_config.job.dump_folder)
-            dump.mkdir(parents=True, exist_ok=True)
-            (dump / "config.toml").write_text(text)
+            try:
+                dump.mkdir(parents=True, exist_ok=True)
+                (dump / "config.toml").write_text(text)
+            except OSError as e:
+                raise ConfigError(dump_folder_error(str(dump), e.strerror or str(e))) from None
             logger.info(f"Resolved config (also in {dump / 'config.toml'}):\n{text}")
             if self.job_config.job.print_args:
                 print(text)

@@ -500,3 +500,16 @@ def test_a_second_word_after_a_single_value_option_names_that_option():
 )  # fmt: skip
 def test_upstream_spellings_of_list_options_take_space_separated_items_too(argv, section, key):
     assert getattr(getattr(parse_args(argv, env={}), section), key) == argv[1:]
+
+
+@pytest.mark.parametrize("key", ["job.dump_folder", "checkpoint.folder", "metrics.save_tb_folder"])
+def test_an_empty_folder_usually_an_unset_shell_variable_is_refused(key):
+    message = _error([f"--{key}", ""])
+    assert f"'{key}' is empty, often an unset shell variable" in message
+
+
+def test_a_dump_folder_inside_a_file_is_refused_naming_the_file(tmp_path):
+    (tmp_path / "afile").touch()
+    message = _error(["--job.dump_folder", str(tmp_path / "afile" / "out")])
+    assert f"'job.dump_folder' = '{tmp_path / 'afile' / 'out'}' cannot be used" in message
+    assert f"{tmp_path / 'afile'} is not a folder" in message

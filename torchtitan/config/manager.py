@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import logging
 import math
+import os
 import sys
 import types
 import typing
@@ -760,8 +761,39 @@ def _check_profiling(p) -> None:
         )
 
 
+# Folder keys (all under job.dump_folder but itself): an empty value, usually an unset shell
+# variable, would write into the current folder.
+FOLDER_KEYS = ("job.dump_folder", "metrics.save_tb_folder", "checkpoint.folder",
+               "profiling.save_traces_folder", "profiling.save_memory_snapshot_folder",
+               "comm.save_traces_folder")  # fmt: skip
+
+
+def _check_folders(config: JobConfig) -> None:
+    for name in FOLDER_KEYS:
+        section, _, key = name.partition(".")
+        if not getattr(getattr(config, section), key).strip():
+            raise ConfigError(
+                f"'{name}' is empty, often an unset shell variable: the run would write into the "
+                "current folder; give a folder."
+            )
+    dump = Path(config.job.dump_folder)
+    existing = next(p for p in (dump, *dump.parents) if p.exists())
+    if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+        return
+    problem = "is not a folder" if not existing.is_dir() else "cannot be written"
+    raise ConfigError(
+        dump_folder_error(config.job.dump_folder, problem if existing == dump else f"{existing} {problem}")
+    )
+
+
+def dump_folder_error(dump_folder: str, problem: str) -> str:
+    """The message for a `job.dump_folder` the run cannot write to."""
+    return f"'job.dump_folder' = '{dump_folder}' cannot be used: {problem}; choose another folder."
+
+
 def _check_consistency(config: JobConfig) -> None:
     t, p = config.training, config.parallelism
+    _check_folders(config)
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError(
             f"'parallelism.data_parallel_shard_degree' = {p.data_parallel_shard_degree} is "
