@@ -9,7 +9,12 @@ ROOT="$(cd "$(dirname "$0")" && pwd)"
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 
 args=("$@")
-if [ -n "${NGPU:-}" ] && [[ " $* " != *" --ngpu"* ]]; then
+gives_ngpu=false
+for arg in "$@"; do
+  # Whole arguments only: "--ngpu" inside a value (a description) is not the option.
+  [[ "$arg" == --ngpu || "$arg" == --ngpu=* ]] && gives_ngpu=true
+done
+if [ -n "${NGPU:-}" ] && ! $gives_ngpu; then
   args=(--ngpu "${NGPU}" "$@")
 fi
 exec python "${ROOT}/scripts/estimate_memory.py" "${args[@]}"

@@ -29,6 +29,7 @@ from torch.distributed.run import parse_args, run
 from torchtitan.tools.exit_codes import EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_STOPPED_UNSAVED
 
 _ON_PURPOSE = (EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_STOPPED_UNSAVED)
+TORCHRUN_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")  # --nproc_per_node's words besides counts
 # How torchrun ends the other ranks once one has exited: SIGTERM, then SIGKILL after a grace time.
 _TEARDOWN = {-signal.SIGTERM, -signal.SIGKILL}
 
@@ -77,10 +78,22 @@ def ranks_filter_problem(local_ranks_filter: str, nproc_per_node: str) -> str | 
     )
 
 
+def nproc_problem(nproc_per_node: str) -> str | None:
+    """Why `--nproc_per_node` (run_train.sh's NGPU) is no process count torchrun takes (it
+    ends such a value with a traceback); None when it is fine."""
+    if nproc_per_node in TORCHRUN_NPROC_WORDS or (nproc_per_node.isdecimal() and int(nproc_per_node) > 0):
+        return None
+    return (
+        f"NGPU (--nproc_per_node) = '{nproc_per_node}' is no number of processes per node; give a "
+        f"positive whole number (or one of {', '.join(TORCHRUN_NPROC_WORDS)})."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with `argv` (default: the command line); returns the exit code."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if problem := ranks_filter_problem(args.local_ranks_filter or "", str(args.nproc_per_node)):
+    nproc = str(args.nproc_per_node)
+    if problem := nproc_problem(nproc) or ranks_filter_problem(args.local_ranks_filter or "", nproc):
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:

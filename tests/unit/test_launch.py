@@ -6,7 +6,7 @@ import signal
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from torchtitan.launch import closing_report, ranks_filter_problem
+from torchtitan.launch import closing_report, main, nproc_problem, ranks_filter_problem
 
 TERMINATED, KILLED = -signal.SIGTERM, -signal.SIGKILL
 
@@ -69,3 +69,16 @@ def test_a_log_rank_that_is_no_local_rank_is_refused(ranks_filter):
 @pytest.mark.parametrize("ranks_filter, nproc", [("0", "2"), ("0,1", "2"), ("", "2"), ("3", "gpu")])
 def test_local_ranks_of_the_launch_are_accepted(ranks_filter, nproc):
     assert ranks_filter_problem(ranks_filter, nproc) is None
+
+
+@pytest.mark.parametrize("nproc", ["abc", "-1", "0", "2.5"])
+def test_a_bad_ngpu_is_refused_naming_ngpu_with_exit_code_2(nproc, capsys):
+    """torchrun ended these with a traceback, and NGPU=0 was blamed on LOG_RANK."""
+    assert main([f"--nproc_per_node={nproc}", "--local-ranks-filter", "0", "-m", "torchtitan.train"]) == 2
+    err = capsys.readouterr().err
+    assert f"NGPU (--nproc_per_node) = '{nproc}'" in err and "LOG_RANK" not in err
+
+
+@pytest.mark.parametrize("nproc", ["1", "8", "auto", "gpu"])
+def test_a_process_count_torchrun_takes_is_no_problem(nproc):
+    assert nproc_problem(nproc) is None
