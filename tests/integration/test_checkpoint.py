@@ -565,6 +565,19 @@ def test_a_sigterm_while_the_trainer_is_built_stops_it_with_143(tmp_path, monkey
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoint").exists()
 
 
+@pytest.mark.parametrize("damage", ["truncated shard", "emptied metadata"])
+def test_resuming_from_a_damaged_checkpoint_names_it_and_the_earlier_ones(tmp_path, capsys, damage):
+    saving = ["--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only"]
+    assert _train_in_process(tmp_path, "--training.steps", "4", *saving) == 0
+    step_4 = tmp_path / "checkpoint" / "step-4"
+    damaged = step_4 / ("__0_0.distcp" if damage == "truncated shard" else ".metadata")
+    damaged.write_bytes(damaged.read_bytes()[: 100 if damage == "truncated shard" else 0])
+    assert _train_in_process(tmp_path, "--training.steps", "6", *saving) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {step_4} cannot be read" in err and "checkpoint.load_step (complete: 2)" in err
+    assert "Traceback" not in err
+
+
 def test_a_stop_file_left_from_before_the_run_is_ignored_until_touched(tmp_path, monkeypatch):
     stop_file = tmp_path / "stop"
     stop_file.touch()  # an earlier run's stop

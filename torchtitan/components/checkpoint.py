@@ -148,9 +148,35 @@ def _replace_folder(final: Path, new: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+# What reading a damaged DCP checkpoint raises: a shard missing or truncated, metadata emptied.
+UNREADABLE_CHECKPOINT = (OSError, EOFError, pickle.UnpicklingError, dcp.api.CheckpointException)
+
+
+def unreadable_checkpoint_error(folder: Path, error: Exception) -> ConfigError:
+    """The error for a complete-looking checkpoint that cannot be read, naming what to do."""
+    earlier = [s for s in complete_steps(folder.parent) if f"step-{s}" != folder.name]
+    instead = f" (complete: {', '.join(map(str, earlier))})" if earlier else ""
+    detail = f"{type(error).__name__}: {error}"
+    if isinstance(error, dcp.api.CheckpointException) and error.failures:
+        rank, (cause, _) = min(error.failures.items())
+        detail = f"rank {rank}: {type(cause).__name__}: {cause}"
+    detail = detail.strip().splitlines()[0]
+    return ConfigError(
+        f"checkpoint {folder} cannot be read ({detail}; a shard file missing or truncated?). Resume "
+        f"from an earlier step with checkpoint.load_step{instead}, or move the folder aside."
+    )
+
+
 def saved_keys(folder: Path) -> set[str]:
-    """The top-level state keys (model, optimizer, ...) a DCP checkpoint folder holds."""
-    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    """The top-level state keys (model, optimizer, ...) a DCP checkpoint folder holds.
+
+    Raises:
+        ConfigError: when the folder's metadata cannot be read.
+    """
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    except UNREADABLE_CHECKPOINT as error:
+        raise unreadable_checkpoint_error(folder, error) from None
     return {key.split(".")[0] for key in metadata.state_dict_metadata}
 
 
@@ -675,7 +701,10 @@ class CheckpointManager:
         on_disk = self._on_disk(state)
         if "model" in on_disk:
             self._check_fits(folder, on_disk["model"], key)
-        dcp.load(on_disk, checkpoint_id=str(folder))
+        try:
+            dcp.load(on_disk, checkpoint_id=str(folder))
+        except UNREADABLE_CHECKPOINT as error:
+            raise unreadable_checkpoint_error(folder, error) from None
         if "model" in state:
             set_model_state_dict(self.model, state["model"])
         if "optimizer" in state:
