@@ -1,5 +1,6 @@
 """Data: tokenizer, token cache, packing, rank slicing, resumable state, local formats."""
 
+import gzip
 import itertools
 import json
 import multiprocessing
@@ -16,7 +17,12 @@ import torch
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config.manager import ConfigError
 from torchtitan.datasets import token_cache
-from torchtitan.datasets.text_datasets import PackedTokenDataset, build_text_dataset
+from torchtitan.datasets.text_datasets import (
+    PackedTokenDataset,
+    build_text_dataset,
+    local_files,
+    read_local_documents,
+)
 
 BUNDLED_TOKENIZER = "torchtitan/assets/tokenizer"
 
@@ -487,3 +493,41 @@ def test_hub_stream_without_declared_features_is_checked_on_its_first_record(mon
     monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: stream)
     with pytest.raises(ConfigError, match=r"no 'text' column \(columns: \['content'\]\)"):
         build_text_dataset("org/code-set", None, tokenizer, 8, 0, 1, 1, infinite=True)
+
+
+def test_a_killed_tokenizations_temporary_file_is_removed_by_the_next_build(tmp_path, tokenizer, monkeypatch):
+    """SIGKILL (or a job's time limit) leaves it; each build writes under a new name."""
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"text": "one"}) + "\n")
+    key = token_cache.cache_key([data], tokenizer)
+    orphan = tmp_path / "cache" / f"{key}.bin.0123456789abcdef.tmp"
+    orphan.parent.mkdir()
+    orphan.write_bytes(b"\0" * 64)
+    tokens = token_cache.load_or_build([data], tokenizer, lambda: iter(["one"]))
+    assert not orphan.exists() and np.asarray(tokens).tolist() == tokenizer.encode("one")
+
+
+def test_a_dataset_with_no_tokens_at_all_is_refused_naming_it(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokenizer, "encode_batch", lambda texts, bos, eos: [[] for _ in texts])
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n")
+    with pytest.raises(ConfigError, match="empty.jsonl.* has 0 tokens: too few for one global batch"):
+        build_text_dataset("unused", str(tmp_path / "empty.jsonl"), tokenizer, 4, 0, 1, 1, infinite=True)
+
+
+def test_a_folder_of_gzipped_json_lines_is_read_as_c4_ships_them(tmp_path, tokenizer):
+    folder = tmp_path / "c4"
+    folder.mkdir()
+    for shard, texts in (("00000", ["first doc", "second doc"]), ("00001", ["third doc"])):
+        with gzip.open(folder / f"c4-train.{shard}-of-01024.json.gz", "wt") as f:
+            f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    files = local_files(str(folder), "training.dataset_path")
+    assert list(read_local_documents(files)) == ["first doc", "second doc", "third doc"]
+
+
+def test_a_folder_without_readable_files_names_the_files_it_holds(tmp_path):
+    (tmp_path / "shard.json.lz4").write_text("x")
+    (tmp_path / "notes.md").write_text("x")
+    with pytest.raises(ConfigError, match=r"found \['notes.md', 'shard.json.lz4'\]"):
+        local_files(str(tmp_path), "training.dataset_path")

@@ -24,6 +24,9 @@ BUNDLED_DATASETS = {name: BUNDLED_ASSETS / file for name, file in BUNDLED_DATASE
 # Short names for hub datasets: name -> (hub path, dataset config).
 HUB_ALIASES = {"c4": ("allenai/c4", "en")}
 _BUILDER_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+# Compressions `datasets` opens by themselves (fsspec infers them from the suffix), for the
+# text formats: allenai/c4 ships as .json.gz.
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 # The text builder's default makes every line a document: hard-wrapped prose would become one
 # BOS/EOS pair per line (and per blank line), and block_causal would mask across lines.
 _BUILDER_OPTIONS = {"text": {"sample_by": "document"}}
@@ -33,19 +36,31 @@ def local_files(dataset_path: str, key: str) -> list[Path]:
     """The data files at `dataset_path` (a file, or a folder of files of one supported kind)."""
     path = resolve_path(dataset_path)
     if path.is_file():
-        files = [path]
+        present = [path]
     elif path.is_dir():
         # Hidden folders and files (.ipynb_checkpoints, editors' copies) are not data.
-        files = sorted(p for p in path.rglob("*") if p.suffix in _BUILDER_BY_SUFFIX and not _hidden(p, path))
+        present = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p, path))
     else:
         raise ConfigError(f"'{key}' = '{dataset_path}' does not exist; give a file or folder.")
-    kinds = {_BUILDER_BY_SUFFIX.get(f.suffix) for f in files}
+    files = [p for p in present if _builder(p)] if path.is_dir() else present
+    kinds = {_builder(f) for f in files}
     if not files or None in kinds or len(kinds) > 1:
+        readable = ", ".join(_BUILDER_BY_SUFFIX)
         raise ConfigError(
-            f"'{key}' = '{dataset_path}' must hold files of one kind among "
-            f"{', '.join(_BUILDER_BY_SUFFIX)}; found {[f.name for f in files][:5] or 'none'}."
+            f"'{key}' = '{dataset_path}' must hold files of one kind among {readable} (the text "
+            f"ones also compressed as {', '.join(_COMPRESSED)}); found "
+            f"{[f.name for f in (files or present)][:5] or 'none'}."
         )
     return files
+
+
+def _builder(path: Path) -> str | None:
+    """The `datasets` builder that reads `path`, judged by its suffixes; None for none."""
+    suffix = path.suffix
+    if suffix in _COMPRESSED:
+        suffix = Path(path.stem).suffix
+        return _BUILDER_BY_SUFFIX.get(suffix) if suffix != ".parquet" else None
+    return _BUILDER_BY_SUFFIX.get(suffix)
 
 
 def _hidden(path: Path, root: Path) -> bool:
@@ -68,7 +83,7 @@ def read_local_documents(files: list[Path], key: str = "training.dataset_path"):
     """
     import datasets
 
-    builder = _BUILDER_BY_SUFFIX[files[0].suffix]
+    builder = _builder(files[0])
     options = _BUILDER_OPTIONS.get(builder, {})
     where = f"'{key}' ({_name_files(files)})"
 

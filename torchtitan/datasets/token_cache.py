@@ -3,9 +3,9 @@
 The file is keyed by the dataset files (path, size, modification time), the tokenizer's
 fingerprint and its BOS/EOS ids, so editing any of them makes a new cache. Writes go to a
 temporary file renamed into place, so concurrent ranks and crashed runs never leave a partial
-cache behind. An exclusive lock on `<cache>.lock` makes the processes sharing a cache folder
-(the ranks of a node, or of a job on a shared filesystem) tokenize once: the first builds while
-the others wait for its file.
+cache behind (the next build deletes a killed build's temporary file). An exclusive lock on
+`<cache>.lock` makes the processes sharing a cache folder (the ranks of a node, or of a job on a
+shared filesystem) tokenize once: the first builds while the others wait for its file.
 """
 
 import contextlib
@@ -110,13 +110,24 @@ def load_or_build(files: list[Path], tokenizer, read_documents) -> np.memmap:
         if not path.exists():
             with _build_lock(path):
                 if not path.exists():
+                    _remove_orphans(path)
                     _write_tokens(path, read_documents(), tokenizer)
+        if path.stat().st_size == 0:  # documents without text, by a tokenizer adding no BOS/EOS
+            return np.zeros(0, dtype=TOKEN_DTYPE)  # the caller's "too few tokens" names the key
         return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
     except OSError as error:  # reading the data files raises ConfigError, so this is the cache
         raise ConfigError(
             f"the token cache '{path}' cannot be written or read ({error.strerror or error}). Set "
             "$TORCHTITAN_CACHE_DIR to a writable folder with room for the tokens (4 bytes each)."
         ) from None
+
+
+def _remove_orphans(path: Path) -> None:
+    """Delete the temporary files of builds of `path` whose process was killed (SIGKILL, or a
+    crash) before it could: the caller holds the build lock, so no live build writes one."""
+    for orphan in path.parent.glob(f"{path.name}.*.tmp"):
+        logger.warning(f"Removing {orphan}, left by a tokenization that was killed")
+        orphan.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
