@@ -4,6 +4,8 @@ Each rank of the saving run is simulated in one process: its dataloader state go
 DCP checkpoint, and every rank of the resuming layout loads it through `CheckpointManager`.
 """
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -101,7 +103,8 @@ def test_the_same_layout_loads_each_rank_its_own_position(tmp_path):
     assert [_first_tokens(next(iter(loader))) for loader in resumed] == [[32, 36], [40, 44]]
 
 
-def test_a_new_seq_len_starts_at_the_first_window_after_the_unread_token(tmp_path):
+def test_a_new_seq_len_starts_at_the_first_window_after_the_unread_token(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
     loaders = [_loader(rank, 2, 2, seq_len=4) for rank in range(2)]
     _train(loaders, micro_batches=3)  # 12 windows of 4: tokens 0-47 are read
     state = _save(tmp_path / "step-3", loaders, 2)
@@ -110,6 +113,7 @@ def test_a_new_seq_len_starts_at_the_first_window_after_the_unread_token(tmp_pat
 
     # Token 48 is the first unread; windows of 10 start at 0, 10, ..., 50.
     assert _first_tokens(next(iter(resumed[0]))) == [50, 60]
+    assert "from data-parallel degree 2 x local batch 2 to 1 x 2, seq_len 4 -> 10: 5 windows" in caplog.text
 
 
 def test_positions_past_the_end_of_the_data_wrap_into_the_next_epoch(tmp_path):

@@ -766,14 +766,18 @@ class CheckpointManager:
         # Packed datasets deal global windows in order, so the number consumed is
         # layout-independent and this layout continues from it. (The loader applies the
         # dataset state when its iterator is created, so the saved state itself is rewritten.)
+        saved_seq_len = loader_state["dataset_state"].get("seq_len", dataset.seq_len)
         loader_state["dataset_state"] = dataset.state_continuing(
             loader_state["dataset_state"], saved_batch, saved_dp
         )
         self.dataloader.load_state_dict(loader_state)
+        seq_lens = ""
+        if saved_seq_len != dataset.seq_len:
+            seq_lens = f", seq_len {saved_seq_len} -> {dataset.seq_len}"
         logger.info(
             f"Data position carried over from data-parallel degree {saved_dp} x local batch {saved_batch} "
-            f"to {self.dp_degree} x {dataset.local_batch_size}: "
-            f"{loader_state['dataset_state']['window_offset']} windows consumed"
+            f"to {self.dp_degree} x {dataset.local_batch_size}{seq_lens}: "
+            f"{loader_state['dataset_state']['window_offset']} windows of {dataset.seq_len} tokens consumed"
         )
 
     def _read_loader_state(self, folder: Path, slot: str, packed: bool) -> dict:
