@@ -178,7 +178,7 @@ def test_upstreams_debug_section_sets_the_seed_and_determinism_here(tmp_path):
 
 def test_an_unknown_key_of_upstreams_debug_section_lists_the_ones_read_here(tmp_path):
     message = _error(tmp_path, "[debug]\nsed = 7\n")
-    assert "unknown key 'debug.sed'" in message and "read here only for seed, deterministic" in message
+    assert "unknown key 'debug.sed'" in message and "understood here only for seed, deterministic" in message
     assert "Did you mean 'seed'?" in message
 
 
@@ -228,3 +228,9 @@ def test_float8_grouped_experts_are_refused_only_with_float8_on(tmp_path):
 def test_a_list_written_as_a_comma_separated_string_is_read_as_on_the_command_line(tmp_path):
     cfg = _load(tmp_path, '[model]\nconverters = "float8"\n[float8]\nfilter_fqns = "output, router.gate"\n')
     assert cfg.model.converters == ["float8"] and cfg.float8.filter_fqns == ["output", "router.gate"]
+
+
+def test_a_misspelt_key_of_an_upstream_sub_table_lists_the_keys_understood_there(tmp_path):
+    message = _error(tmp_path, "[training.dataloader]\nnum_worker = 0\n")
+    assert "[training.dataloader] is understood here only for num_workers" in message
+    assert "Did you mean 'num_workers'?" in message

@@ -132,10 +132,17 @@ def _unknown_key_error(where: str, section: str, key: str) -> ConfigError:
             f"section [{section}] in {where} configures {UPSTREAM_ONLY_SECTIONS[section]} in upstream "
             "torchtitan, which this trainer does not build; remove the section."
         )
+    nested = f"{section}.{key.rpartition('.')[0]}"
+    if "." in key and has_upstream_keys(nested):
+        known = [name.rpartition(".")[2] for name in upstream_keys_of(nested)]
+        return ConfigError(
+            f"unknown key '{section}.{key}' in {where}: upstream torchtitan's [{nested}] is understood here "
+            f"only for {', '.join(known)}.{did_you_mean(key.rpartition('.')[2], known, always=False)}"
+        )
     if section not in sections and has_upstream_keys(section):
         known = [name.partition(".")[2] for name in upstream_keys_of(section) if not name.endswith(".*")]
         return ConfigError(
-            f"unknown key '{section}.{key}' in {where}: upstream torchtitan's [{section}] is read here "
+            f"unknown key '{section}.{key}' in {where}: upstream torchtitan's [{section}] is understood here "
             f"only for {', '.join(known)}.{did_you_mean(key, known, always=False)}"
         )
     if section not in sections:
@@ -1000,7 +1007,8 @@ def format_help() -> str:
         "usage: python -m torchtitan.train [--config NAME_OR_PATH] [--section.key VALUE ...]",
         "",
         "Precedence: defaults < TOML file < command line. Booleans: --section.key or",
-        "--section.no_key. Lists: comma-separated. The config file may also come from",
+        "--section.no_key. Lists: space-separated (--compile.components model loss) or",
+        "comma-separated in one value. The config file may also come from",
         "--job.config_file or $CONFIG_FILE; the default is " + DEFAULT_CONFIG + ".",
     ]
     defaults = JobConfig()
