@@ -244,6 +244,12 @@ class CheckpointManager:
         self.stager: DefaultStager | None = None  # async_with_pinned_mem's, built at its first save
         self.staging = None  # future of the pending save's copy to host memory
         self._check(job_config)
+        if c.enable:
+            keep = f"the newest {c.keep_latest_k} kept" if c.keep_latest_k > 0 else "all kept"
+            logger.info(
+                f"Checkpointing to {self.folder}: every {c.interval} steps and at the last, {keep}, "
+                f"async_mode {c.async_mode}; a resume loads the newest complete one there"
+            )
         if c.async_mode != "disabled" and dist.is_initialized():
             # Async saves coordinate on their own gloo group, off the training collectives.
             self.async_group = dist.new_group(backend="gloo")
