@@ -128,7 +128,7 @@ def test_sigterm_stops_after_the_current_step_and_cleans_up(tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM
+    assert proc.returncode == 3  # stopped with checkpointing off: nothing to resume (143 with)
     assert "Traceback" not in err
     stopped_at = int(re.search(r"Stopped on request \(SIGTERM\) after step (\d+)", err).group(1))
     steps = [r["step"] for r in read_metrics(dump)]

@@ -309,7 +309,8 @@ def test_ac_wraps_blocks_as_the_compiled_run_does_though_the_step_runs_eagerly()
     sdpa_peak = em.measure(_config(base, "selective op"), 1)[em.TOTAL]
     flex_compiled = em.measure(_config(base + flex + ["--compile.enable"], "selective op"), 1)[em.TOTAL]
     flex_eager = em.measure(_config(base + flex, "selective op"), 1)[em.TOTAL]
-    document_ids, stand_in_mask = 512 * 8, 1  # block_causal's int64 ids per token, the 1-element mask
+    # block_causal's int64 ids per token; the 1-element stand-in mask, boolean and additive (fp32)
+    document_ids, stand_in_mask = 512 * 8, 1 + 4
     assert flex_compiled == sdpa_peak + document_ids + stand_in_mask
     # Uncompiled, the attention branch is under full AC: it keeps less than block op-SAC.
     assert flex_eager < flex_compiled
