@@ -1,5 +1,6 @@
 """Data: tokenizer, token cache, packing, rank slicing, resumable state, local formats."""
 
+import errno
 import gzip
 import itertools
 import json
@@ -531,3 +532,20 @@ def test_a_folder_without_readable_files_names_the_files_it_holds(tmp_path):
     (tmp_path / "notes.md").write_text("x")
     with pytest.raises(ConfigError, match=r"found \['notes.md', 'shard.json.lz4'\]"):
         local_files(str(tmp_path), "training.dataset_path")
+
+
+def test_without_flock_a_build_leaves_other_builds_temporary_files_alone(tmp_path, tokenizer, monkeypatch):
+    """There, another live build may be writing its file; only the lock makes it an orphan."""
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "no locks")
+
+    monkeypatch.setattr(token_cache.fcntl, "flock", no_flock)
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"text": "one"}) + "\n")
+    other_build = tmp_path / "cache" / f"{token_cache.cache_key([data], tokenizer)}.bin.0123456789abcdef.tmp"
+    other_build.parent.mkdir()
+    other_build.write_bytes(b"\0" * 64)
+    token_cache.load_or_build([data], tokenizer, lambda: iter(["one"]))
+    assert other_build.exists()

@@ -784,7 +784,8 @@ def _check_folders(config: JobConfig) -> None:
                 "current folder; give a folder."
             )
     dump = Path(config.job.dump_folder)
-    existing = next(p for p in (dump, *dump.parents) if p.exists())
+    # os.path.exists: Path.exists raises where a parent cannot be entered.
+    existing = next(p for p in (dump, *dump.parents) if os.path.exists(p))
     if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
         return
     problem = "is not a folder" if not existing.is_dir() else "cannot be written"

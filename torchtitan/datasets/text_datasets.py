@@ -26,7 +26,7 @@ HUB_ALIASES = {"c4": ("allenai/c4", "en")}
 _BUILDER_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 # Compressions `datasets` opens by themselves (fsspec infers them from the suffix), for the
 # text formats: allenai/c4 ships as .json.gz.
-_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+_COMPRESSED = (".gz", ".bz2", ".xz")
 # The text builder's default makes every line a document: hard-wrapped prose would become one
 # BOS/EOS pair per line (and per blank line), and block_causal would mask across lines.
 _BUILDER_OPTIONS = {"text": {"sample_by": "document"}}

@@ -108,9 +108,10 @@ def load_or_build(files: list[Path], tokenizer, read_documents) -> np.memmap:
     path = cache_dir() / f"{cache_key(files, tokenizer)}.bin"
     try:
         if not path.exists():
-            with _build_lock(path):
+            with _build_lock(path) as locked:
                 if not path.exists():
-                    _remove_orphans(path)
+                    if locked:  # without the lock, another live build may be writing its file
+                        _remove_orphans(path)
                     _write_tokens(path, read_documents(), tokenizer)
         if path.stat().st_size == 0:  # documents without text, by a tokenizer adding no BOS/EOS
             return np.zeros(0, dtype=TOKEN_DTYPE)  # the caller's "too few tokens" names the key
@@ -132,20 +133,20 @@ def _remove_orphans(path: Path) -> None:
 
 @contextlib.contextmanager
 def _build_lock(path: Path):
-    """Hold an exclusive flock on `<path>.lock` while inside; the kernel drops it if the
-    holder dies. The lock file stays: removing it would let a late process lock a new file
-    while another still holds the old one."""
+    """Hold an exclusive flock on `<path>.lock` while inside, yielding whether it is held (not
+    where the filesystem has no flock); the kernel drops it if the holder dies. The lock file
+    stays: removing it would let a late process lock a new file while another still holds the
+    old one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        _lock_exclusive(fd, path)
-        yield
+        yield _lock_exclusive(fd, path)
     finally:
         os.close(fd)
 
 
-def _lock_exclusive(fd: int, path: Path) -> None:
-    """Block until `fd` is locked; return unlocked where the filesystem has no flock."""
+def _lock_exclusive(fd: int, path: Path) -> bool:
+    """Block until `fd` is locked and return True; False where the filesystem has no flock."""
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -155,3 +156,5 @@ def _lock_exclusive(fd: int, path: Path) -> None:
     except OSError as e:
         if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
             raise
+        return False
+    return True
