@@ -513,3 +513,10 @@ def test_a_dump_folder_inside_a_file_is_refused_naming_the_file(tmp_path):
     message = _error(["--job.dump_folder", str(tmp_path / "afile" / "out")])
     assert f"'job.dump_folder' = '{tmp_path / 'afile' / 'out'}' cannot be used" in message
     assert f"{tmp_path / 'afile'} is not a folder" in message
+
+
+def test_numbers_in_a_list_of_names_are_refused_not_read_as_names(tmp_path):
+    path = tmp_path / "numbers.toml"
+    path.write_text("[compile]\ncomponents = [1, 2]\n")
+    message = _error(["--config", str(path)])
+    assert "'compile.components' = [1, 2]" in message and "expected a list of str" in message

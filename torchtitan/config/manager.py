@@ -335,9 +335,11 @@ def _coerce(value, tp):
         if isinstance(value, str):
             # As on the command line; upstream torchtitan's files wrote lists this way too.
             return _parse_text(value, tp)
-        if not isinstance(value, list):
+        item = typing.get_args(tp)[0]
+        # A number in a list of names is a mistake (components = [1, 2]), not a name to spell.
+        if not isinstance(value, list) or (item is str and not all(isinstance(v, str) for v in value)):
             raise ValueError(value)
-        return [_coerce(v, typing.get_args(tp)[0]) for v in value]
+        return [_coerce(v, item) for v in value]
     if tp is type(None):
         if value is None:
             return None
