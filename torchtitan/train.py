@@ -70,6 +70,9 @@ class Trainer:
 
     def __init__(self, job_config: JobConfig):
         self.job_config = cfg = job_config
+        # First, so that a misspelt model or flavor fails before any process group or log output.
+        self.spec = get_train_spec(cfg.model.name)
+        self.model_args = self.spec.get_flavor(cfg.model.flavor).update_from_config(cfg)
         self.device = dist_utils.local_device()
         world_size = dist_utils.init_distributed(
             self.device,
@@ -90,8 +93,6 @@ class Trainer:
         dist_utils.set_determinism(cfg.training.seed, cfg.training.deterministic)
         self._write_resolved_config()
 
-        self.spec = get_train_spec(cfg.model.name)
-        self.model_args = self.spec.get_flavor(cfg.model.flavor).update_from_config(cfg)
         self.tokenizer = self.spec.build_tokenizer_fn(cfg)
         self._check_vocab()
         self.accum_steps = gradient_accumulation_steps(cfg, self.parallel_dims.dp_degree)

@@ -444,6 +444,15 @@ def test_a_ranks_config_error_reaches_torchruns_failure_summary(tmp_path, monkey
     assert failure.message.startswith("error: unknown flavor 'model.flavor' = '9B'"), failure.message
 
 
+def test_a_misspelt_flavor_fails_before_the_run_writes_or_logs_its_config(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--model.flavor", "debugmdel", "--job.dump_folder", str(tmp_path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Did you mean 'debugmodel'?" in err
+    assert "Resolved config" not in err and not (tmp_path / "config.toml").exists()
+
+
 def test_bad_input_from_the_shell_exits_2_without_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "torchtitan.train", "--training.stpes", "3"],
