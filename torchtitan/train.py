@@ -143,9 +143,10 @@ class Trainer:
                 (dump / "config.toml").write_text(text)
             except OSError as e:
                 raise ConfigError(dump_folder_error(str(dump), e.strerror or str(e))) from None
-            logger.info(f"Resolved config (also in {dump / 'config.toml'}):\n{text}")
             if self.job_config.job.print_args:
-                print(text)
+                logger.info(f"Resolved config (also in {dump / 'config.toml'}):\n{text}")
+            else:
+                logger.info(f"Resolved config written to {dump / 'config.toml'}")
 
     def _check_vocab(self) -> None:
         if self.tokenizer.vocab_size > self.model_args.vocab_size:

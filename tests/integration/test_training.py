@@ -54,6 +54,9 @@ def test_run_train_sh_with_the_default_config_trains_debug_model_and_loss_falls(
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Model llama3 debugmodel" in proc.stderr
+    # The config goes to its file; the log shows it only with job.print_args, as upstream does.
+    assert "Resolved config written to outputs/config.toml" in proc.stderr
+    assert "local_batch_size = " not in proc.stderr
     records = read_metrics(PROJECT_ROOT / "outputs")[already:]
     first, last = records[0]["loss"], records[-1]["loss"]
     print(f"run_train.sh: {elapsed:.0f}s, loss {first:.3f} -> {last:.3f}")

@@ -29,7 +29,9 @@ class Job:
     config_file: str = opt("", "TOML file to read; also --config NAME_OR_PATH or $CONFIG_FILE")
     dump_folder: str = opt("./outputs", "folder for logs, metrics, resolved config and outputs")
     description: str = opt("default job", "free-text description of the run")
-    print_args: bool = opt(False, "print the resolved config to stdout at start")
+    print_args: bool = opt(
+        False, "log the whole resolved config at start (it is always written to dump_folder/config.toml)"
+    )
 
 
 @dataclass
