@@ -1,9 +1,9 @@
 """What only a CUDA GPU can check: flex_attention's compiled BlockMask path against the exact
-dense path, the bf16 grouped-matmul experts against the loop, the GPU attention kernel under
-op-SAC, short bf16 and float8 training runs, the CUDA memory snapshots, a resume from a
-pinned-memory async save, and the memory the optimizer saves by stepping in backward. Marked
-`gpu`; skipped without CUDA. `scripts/gpu_check.sh` runs them with
-`python -m pytest -m gpu tests/gpu`.
+dense path (every mask type; GQA and MLA heads in bf16), the CUDA gradient norm, the bf16
+grouped-matmul experts against the loop, the GPU attention kernel under op-SAC, short bf16
+and float8 training runs, the CUDA memory snapshots, a resume from a pinned-memory async save,
+and the memory the optimizer saves by stepping in backward. Marked `gpu`; skipped without
+CUDA. `scripts/gpu_check.sh` runs them with `python -m pytest -m gpu tests/gpu`.
 """
 
 import pickle
@@ -22,6 +22,7 @@ from torchtitan.config import ActivationCheckpoint
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.utils import clip_grad_norm_
 from torchtitan.models.attention import FlexAttention, build_attention_masks
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import TransformerBlock
@@ -61,6 +62,54 @@ def test_compiled_flex_block_mask_equals_the_dense_path_forward_and_backward(mas
     assert results[0][0] is not None
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+# (query heads, kv heads, qk head dim, v head dim): the debug flex models' GQA, and MLA's unequal
+# head dims that are not powers of 2 (DeepSeek-V3's debug model), with its softmax scale.
+HEAD_SHAPES = {"gqa": (8, 2, 64, 64), "mla": (4, 4, 48, 32)}
+
+
+@pytest.mark.parametrize("heads", list(HEAD_SHAPES))
+def test_compiled_flex_block_mask_with_gqa_or_mla_heads_in_bf16_equals_the_dense_path(heads):
+    n_q, n_kv, qk_dim, v_dim = HEAD_SHAPES[heads]
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 8, (2, 512), generator=generator)
+    q = torch.randn(2, n_q, 512, qk_dim, generator=generator)
+    k = torch.randn(2, n_kv, 512, qk_dim, generator=generator)
+    v = torch.randn(2, n_kv, 512, v_dim, generator=generator)
+    results = []
+    for masks_device in ("cuda", "cpu"):
+        masks = build_attention_masks(tokens.to(masks_device), "block_causal", eos_id=0)
+        if masks.dense_mask is not None:
+            masks = replace(masks, dense_mask=masks.dense_mask.to(CUDA))
+        inputs = [t.to(CUDA, torch.bfloat16).requires_grad_() for t in (q, k, v)]
+        out = FlexAttention()(*inputs, masks=masks, scale=qk_dim**-0.5 * 0.9)
+        out.float().square().sum().backward()
+        results.append([out.detach(), *(t.grad for t in inputs)])
+    assert results[0][0].shape == (2, n_q, 512, v_dim)
+    for got, want in zip(*results):  # bf16 rounding is ~0.4% per element; a wrong mask is ~100%
+        relative_error = (got.float() - want.float()).norm() / want.float().norm()
+        assert relative_error < 2e-2, relative_error
+
+
+def test_the_gradient_norm_on_cuda_equals_a_float64_norm_and_clips_to_max_norm():
+    """The CUDA branch of the float64 norm (one foreach kernel) that the CPU suite never takes."""
+    torch.manual_seed(0)
+    sizes = [(3, torch.float32), (1 << 20, torch.float32), (4097, torch.bfloat16)]
+    params = [nn.Parameter(torch.zeros(n, device=CUDA, dtype=dtype)) for n, dtype in sizes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    grads = [p.grad.detach().double().cpu() for p in params]
+    want = torch.cat(grads).norm()
+
+    norm = clip_grad_norm_(params, max_norm=1.0)
+
+    assert abs(norm.item() - want.item()) <= 1e-6 * want.item()
+    for p, before in zip(params, grads):
+        scaled = before * (1.0 / (want.item() + 1e-6))
+        torch.testing.assert_close(
+            p.grad.double().cpu(), scaled, rtol=1e-2 if p.dtype == torch.bfloat16 else 1e-5, atol=0
+        )
 
 
 def test_bf16_grouped_mm_experts_equal_the_loop():

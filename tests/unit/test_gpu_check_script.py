@@ -35,3 +35,24 @@ def test_an_unknown_argument_is_refused_rather_than_running_the_whole_check(tmp_
 
     assert done.returncode == 64 and f"(got '{argument}')" in done.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_a_missing_dependency_of_the_trainer_stops_the_check_at_the_pre_flight(tmp_path):
+    """safetensors is imported by the trainer only: a pre-flight that imported a fixed list of
+    packages passed without it, and then every training step of the check failed."""
+    stub = tmp_path / "stub" / "safetensors"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('No module named safetensors (stub)')\n")
+    logs = tmp_path / "logs"
+    env = {
+        **os.environ,
+        "GPU_CHECK_DIR": str(logs),
+        "PYTHONPATH": f"{stub.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "--cpu-dry-run"], capture_output=True, text=True, env=env, timeout=300
+    )
+
+    assert done.returncode == 99, done.stdout[-2000:]  # not "1 failed step"
+    assert "No module named safetensors (stub)" in done.stdout and "pre-flight failed" in done.stderr
+    assert sorted(p.name for p in logs.iterdir()) == ["preflight.log"]  # nothing else ran
