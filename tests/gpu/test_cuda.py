@@ -112,7 +112,9 @@ def test_the_gradient_norm_on_cuda_equals_a_float64_norm_and_clips_to_max_norm()
         )
 
 
-def test_bf16_grouped_mm_experts_equal_the_loop():
+def test_bf16_grouped_mm_experts_equal_the_loop_forward_and_backward():
+    """Expert 1 gets no tokens: its weight gradients must be zeros (the padding of empty groups
+    exists for them), and every other gradient must match the loop's."""
     torch.manual_seed(0)
     experts = GroupedExperts(dim=256, hidden_dim=512, num_experts=8).to(CUDA, torch.bfloat16)
     for weight in experts.parameters():
@@ -120,10 +122,21 @@ def test_bf16_grouped_mm_experts_equal_the_loop():
     x = torch.randn(1000, 256, device=CUDA, dtype=torch.bfloat16)
     counts = torch.tensor([300, 0, 200, 100, 150, 50, 100, 100], device=CUDA)
     assert experts.uses_grouped_mm(x)
-    grouped = experts(x, counts)
-    experts.use_grouped_mm = False
-    looped = experts(x, counts)
-    torch.testing.assert_close(grouped.float(), looped.float(), rtol=2e-2, atol=2e-2)
+    results = []
+    for use_grouped_mm in (True, False):
+        experts.use_grouped_mm = use_grouped_mm
+        experts.zero_grad()
+        inputs = x.clone().requires_grad_()
+        out = experts(inputs, counts)
+        out.float().square().sum().backward()
+        results.append(
+            [out.detach(), inputs.grad, *(w.grad.clone() for w in (experts.w1, experts.w2, experts.w3))]
+        )
+    for weight_grad in results[0][2:]:
+        assert weight_grad[1].count_nonzero() == 0
+    for got, want in zip(*results):
+        relative_error = (got.float() - want.float()).norm() / want.float().norm()
+        assert relative_error < 2e-2, relative_error
 
 
 class _AttentionCallsInBackward(TorchDispatchMode):
