@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,19 @@ def python_path(*first: str | Path) -> str:
     (on a node without network the dependencies may come from PYTHONPATH alone)."""
     inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
     return os.pathsep.join([*map(str, first), str(PROJECT_ROOT), *inherited])
+
+
+def selects_gpu_tests(markexpr: str) -> bool:
+    """Whether a `-m` expression asks for the GPU-marked tests (`-m gpu`), not only leaves them out."""
+    return re.search(r"(?<!not )\bgpu\b", markexpr) is not None
+
+
+def pytest_configure(config):
+    # The default suite is the CPU's even on a GPU machine: its multi-rank runs would each take the
+    # device of their LOCAL_RANK, which a one-GPU machine lacks, and its tolerances are fp32 CPU
+    # ones. `-m gpu` (scripts/gpu_check.sh) keeps the GPU. Set before anything initializes CUDA.
+    if not selects_gpu_tests(config.getoption("markexpr") or ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 @pytest.fixture(scope="session", autouse=True)
