@@ -36,3 +36,29 @@ def test_blocks_under_bf16_fsdp_get_the_rope_table_in_fp32(monkeypatch):
     finally:
         dist.destroy_process_group()
     assert seen and set(seen) == {(torch.bfloat16, torch.float32)}
+
+
+def test_every_fsdp_unit_reduces_gradients_in_mixed_precision_reduce_not_the_param_dtype():
+    """The parity tests train in fp32, where the two dtypes coincide: a policy that reduced in the
+    param dtype (bf16 gradient sums) would pass them all. Expert units (EP 2) included."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cfg = parse_args(
+        ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--training.seq_len", "32",
+         "--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32",
+         "--parallelism.expert_parallel_degree", "2"],
+        env={},
+    )  # fmt: skip
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        dims = ParallelDims(1, 4, 1, 4, ep=2)
+        dims.build_mesh("cpu")
+        spec = get_train_spec("qwen3")
+        model = spec.model_cls(replace(spec.get_flavor("debugmodel_moe"), n_layers=2, max_seq_len=32))
+        spec.parallelize_fn(model, dims, cfg, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    units = {name or "<root>": m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    policies = {name: m._get_fsdp_state()._mp_policy for name, m in units.items()}
+    assert any("experts" in name for name in units), list(units)
+    assert {(p.param_dtype, p.reduce_dtype) for p in policies.values()} == {(torch.bfloat16, torch.float32)}
