@@ -92,6 +92,17 @@ def test_max_loss_is_the_largest_rank_loss(single_process, layout_runs):
     assert all(r["max_loss"] > r["loss"] for r in layout_runs("hsdp2x2"))
 
 
+def test_tokens_per_second_counts_each_devices_share_of_the_global_batch(single_process, layout_runs):
+    """tps x step time is the tokens one device processed in the step: tensor-parallel ranks share
+    their batch (so tps and MFU are not inflated by the TP degree), data-parallel ranks split it."""
+    seq_len = 64
+    expected = {"single": GLOBAL_BATCH * seq_len, "tp2": GLOBAL_BATCH * seq_len // 2, "hsdp2x2": seq_len}
+    runs = {"single": single_process, "tp2": layout_runs("tp2"), "hsdp2x2": layout_runs("hsdp2x2")}
+    for name, records in runs.items():
+        tokens = [r["tps"] * r["step_seconds"] for r in records]
+        assert tokens == pytest.approx([expected[name]] * 5, rel=1e-9), name
+
+
 _AC = "--activation_checkpoint."
 AC_MODES = {
     "none": [_AC + "mode", "none"],

@@ -1,5 +1,6 @@
 """End-to-end runs on the CPU: default launch, data-parallel parity, validation, signals."""
 
+import json
 import os
 import re
 import signal
@@ -32,16 +33,19 @@ def _losses(dump) -> list[float]:
     return [r["loss"] for r in read_metrics(dump)]
 
 
-def _assert_close(a: list[float], b: list[float], rtol: float) -> None:
+def _assert_close(a: list[dict], b: list[dict], rtol: float) -> None:
+    """Losses and gradient norms: AdamW is blind to a uniform gradient scale, so equal losses
+    alone would pass gradients twice too large."""
     assert len(a) == len(b) == 5
-    for x, y in zip(a, b):
-        assert abs(x - y) <= rtol * abs(y), (a, b)
+    for key in ("loss", "grad_norm"):
+        for x, y in zip(a, b):
+            assert abs(x[key] - y[key]) <= rtol * abs(y[key]), (key, x["step"], x[key], y[key])
 
 
-def _train(tmp_path, name, args, nproc=1) -> list[float]:
+def _train(tmp_path, name, args, nproc=1) -> list[dict]:
     proc = run_trainer(SMALL + args + ["--job.dump_folder", str(tmp_path / name)], nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return _losses(tmp_path / name)
+    return read_metrics(tmp_path / name)
 
 
 def test_run_train_sh_with_the_default_config_trains_debug_model_and_loss_falls():
@@ -76,6 +80,29 @@ def test_gradient_accumulation_of_two_half_batches_matches_one_full_batch(tmp_pa
         tmp_path, "accum", ["--training.local_batch_size", "2", "--training.global_batch_size", "4"]
     )
     _assert_close(accumulated, full, rtol=1e-4)
+
+
+def _validation_losses(tmp_path, name, nproc, local_batch, extra=()) -> list[float]:
+    """validation/loss after step 1 of a 1-step run: two validation batches, global batch 4."""
+    dump = tmp_path / name
+    args = ["--training.steps", "1", "--training.local_batch_size", str(local_batch),
+            "--validation.enable", "--validation.freq", "1", "--validation.seq_len", "64",
+            "--validation.steps", "2", "--validation.local_batch_size", str(local_batch),
+            "--job.dump_folder", str(dump), *extra]  # fmt: skip
+    proc = run_trainer(SMALL + args, nproc=nproc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())
+    return [r["validation/loss"] for r in records if "validation/loss" in r]
+
+
+def test_validation_loss_is_the_same_on_one_process_fsdp_and_tensor_parallel(tmp_path):
+    """The mean over every data-parallel rank's batches (FSDP 2 splits the global batch) and the
+    loss-parallel loss (TP 2) give the single process's value."""
+    single = _validation_losses(tmp_path, "single", 1, 4)
+    fsdp = _validation_losses(tmp_path, "fsdp", 2, 2)
+    tp = _validation_losses(tmp_path, "tp", 2, 4, ["--parallelism.tensor_parallel_degree", "2"])
+    assert len(single) == 1 and 7 < single[0] < 9, single  # one step from the initial 8.1
+    assert fsdp == pytest.approx(single, rel=1e-5) and tp == pytest.approx(single, rel=1e-5)
 
 
 def test_validation_loss_and_tensorboard_scalars_are_recorded(tmp_path):

@@ -90,6 +90,19 @@ def test_rope_scores_depend_only_on_relative_position():
     assert torch.allclose(rq[3] @ rk[1], rq[6] @ rk[4], atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rope_takes_its_real_form_and_gives_the_eager_complex_forms_bits(dtype):
+    """Compiled blocks rotate with cos/sin products, eager ones with a complex multiply; only
+    compiled runs (tp2_compiled) would otherwise notice the compiled form going wrong."""
+    torch._dynamo.reset()
+    cache = precompute_rope_cache(head_dim=16, max_seq_len=32, theta=10000.0)
+    x = torch.randn(2, 32, 3, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    compiled = torch.compile(apply_rope, fullgraph=True)(x, cache)
+    eager = apply_rope(x, cache)
+    assert compiled.dtype == eager.dtype == dtype
+    torch.testing.assert_close(compiled, eager)  # the same bits here; tolerance for other CPUs
+
+
 def test_flops_per_token_counts_six_per_parameter_plus_attention():
     model = _tiny()
     params, flops = model.args.num_flops_per_token(model, seq_len=16)

@@ -194,7 +194,9 @@ def test_tensorboard_and_wandb_get_upstream_torchtitans_tags(tmp_path, clock, fa
     assert scalars["time_metrics/data_loading(%)"] == pytest.approx(10.0)
     assert scalars["memory/max_reserved(GiB)"] == 70.0 and scalars["memory/max_reserved(%)"] == 50.0
     assert scalars["memory/max_active(GiB)"] == 35.0 and scalars["memory/max_active(%)"] == 25.0
-    assert scalars["mfu(%)"] > 0 and scalars["grad_norm"] == 1.0 and scalars["lr"] == 1e-3
+    assert scalars["tflops"] == pytest.approx(250 * 6e9 / 1e12)
+    assert scalars["mfu(%)"] == pytest.approx(100 * 250 * 6e9 / 989e12)  # H200: 989 dense bf16 TFLOP/s
+    assert scalars["grad_norm"] == 1.0 and scalars["lr"] == 1e-3
     assert "loss" not in scalars and "step" not in scalars
 
 
