@@ -61,13 +61,16 @@ def dequantize_by_full_size_scales(tensors: dict[str, torch.Tensor], block) -> d
     return out
 
 
-def seconds(fn, repeats: int) -> float:
-    times = []
+def median_seconds(fns: dict, repeats: int) -> dict:
+    """Each function's median time, the functions taking turns, so that drift in the machine's
+    load falls on both alike."""
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -94,20 +97,16 @@ def main() -> None:
     print()
     print("| dequantization | seconds | GiB/s of fp8 read | float32 temporaries per weight |")
     print("|---|---|---|---|")
-    for name, fn, temporaries in [
-        (
-            "dequantize_fp8",
-            lambda: dequantize_fp8(tensors, block),
-            "none besides the result (1 padded copy for ragged shapes)",
-        ),
-        (
-            "full-size scales (reference)",
-            lambda: dequantize_by_full_size_scales(tensors, block),
-            "2 (scales, weight)",
-        ),
-    ]:
-        took = seconds(fn, cli.repeats)
-        print(f"| {name} | {took:.2f} | {fp8_bytes / 2**30 / took:.2f} | {temporaries} |")
+    methods = {
+        "dequantize_fp8": lambda: dequantize_fp8(tensors, block),
+        "full-size scales (reference)": lambda: dequantize_by_full_size_scales(tensors, block),
+    }
+    temporaries = {
+        "dequantize_fp8": "none besides the result (1 padded copy for ragged shapes)",
+        "full-size scales (reference)": "2 (scales, weight)",
+    }
+    for name, took in median_seconds(methods, cli.repeats).items():
+        print(f"| {name} | {took:.2f} | {fp8_bytes / 2**30 / took:.2f} | {temporaries[name]} |")
 
 
 if __name__ == "__main__":

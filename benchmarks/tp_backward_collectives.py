@@ -42,7 +42,8 @@ def _count(name: str, flavor: str, tp: int, seq_len: int, batch: int) -> _Backwa
     spec = get_train_spec(name)
     cfg = parse_args(["--model.name", name, "--model.flavor", flavor, "--training.seq_len", str(seq_len),
                       "--training.mixed_precision_param", "float32",
-                      "--parallelism.tensor_parallel_degree", str(tp)], env={})  # fmt: skip
+                      "--parallelism.tensor_parallel_degree", str(tp),
+                      "--activation_checkpoint.mode", "none"], env={})  # fmt: skip
     with torch.device("meta"):
         model = spec.model_cls(spec.get_flavor(flavor).update_from_config(cfg))
     dims = ParallelDims(1, 1, tp, tp)

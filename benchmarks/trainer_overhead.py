@@ -69,17 +69,27 @@ class BareLoop:
         self.optimizer.step()
 
 
+def _synchronize() -> None:
+    """Waits for the device's queued work, so that a timed round is not charged the last one's."""
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+
+
 def time_trainer(trainer: Trainer, steps: int) -> float:
     trainer.job_config.training.steps = trainer.step + steps
+    _synchronize()
     start = time.perf_counter()
     trainer.train()
+    _synchronize()
     return (time.perf_counter() - start) / steps
 
 
 def time_bare(loop: BareLoop, steps: int) -> float:
+    _synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         loop.step()
+    _synchronize()
     return (time.perf_counter() - start) / steps
 
 

@@ -146,7 +146,7 @@ def test_block_ac_of_compiled_tp_is_refused_where_compile_takes_device_meshes(mo
     with torch.device("meta"):
         model = Qwen3Model(_model_args().update_from_config(cfg))
     monkeypatch.setattr(compile_module, "compile_sees_device_meshes", lambda: True)
-    with pytest.raises(ConfigError, match=r"selective_ac_option = \"op\" \(the default\)"):
+    with pytest.raises(ConfigError, match=r"option = \"op\" \(both: the option.s default is \"2\"\)"):
         check_compile_supported(model, cfg)
     monkeypatch.setattr(compile_module, "compile_sees_device_meshes", lambda: False)  # torch 2.11
     check_compile_supported(model, cfg)

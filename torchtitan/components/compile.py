@@ -78,9 +78,9 @@ def _refuse_block_ac_of_tensor_parallel(job_config: JobConfig) -> None:
         f"'activation_checkpoint.mode' = {mode} with compile.enable and "
         f"'parallelism.tensor_parallel_degree' = {tp} fails in torch {torch.__version__}'s compiler "
         "(it saves the tensor-parallel DeviceMesh among the tensors for backward when it "
-        'recomputes attention). Use mode = "selective" with selective_ac_option = "op" (the '
-        'default) or mode = "memory_budget", or set compile.enable = false; torch 2.11 runs this '
-        "combination."
+        'recomputes attention). Set mode = "selective" and selective_ac_option = "op" (both: the '
+        'option\'s default is "2"), or mode = "memory_budget", or compile.enable = false; torch '
+        "2.11 runs this combination."
     )
 
 
