@@ -3,10 +3,10 @@
 import importlib.util
 import json
 import os
-import re
 from pathlib import Path
 
 import pytest
+from _pytest.mark.expression import Expression
 
 from tests.forked_launcher import launch
 from torchtitan.components.compile import compiles_checkpointed_scalars
@@ -38,8 +38,17 @@ def python_path(*first: str | Path) -> str:
 
 
 def selects_gpu_tests(markexpr: str) -> bool:
-    """Whether a `-m` expression asks for the GPU-marked tests (`-m gpu`), not only leaves them out."""
-    return re.search(r"(?<!not )\bgpu\b", markexpr) is not None
+    """Whether a `-m` expression selects the GPU-marked tests and no CPU ones (unmarked or
+    `integration`): `-m gpu` does, `-m "gpu or integration"` does not (its multi-rank runs
+    need the CPU). Evaluated as pytest evaluates it."""
+    if not markexpr.strip():
+        return False
+    expression = Expression.compile(markexpr)
+
+    def selects(marks: set[str]) -> bool:
+        return expression.evaluate(lambda name, **_: name in marks)
+
+    return selects({"gpu"}) and not selects(set()) and not selects({"integration"})
 
 
 def pytest_configure(config):

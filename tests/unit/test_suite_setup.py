@@ -10,7 +10,17 @@ from tests.conftest import selects_gpu_tests
 
 @pytest.mark.parametrize(
     "markexpr, selects",
-    [("gpu", True), ("gpu and not slow", True), ("not full_matrix", False), ("not gpu", False), ("", False)],
+    [
+        ("gpu", True),
+        ("gpu and not slow", True),
+        ("not full_matrix", False),
+        ("not gpu", False),
+        ("", False),
+        ("not (gpu or integration)", False),
+        ("not(gpu)", False),
+        ("gpu or integration", False),
+        ("not gpu and integration", False),
+    ],  # fmt: skip
 )
 def test_only_a_mark_expression_that_asks_for_gpu_tests_keeps_the_gpu(markexpr, selects):
     assert selects_gpu_tests(markexpr) is selects
