@@ -22,11 +22,14 @@ BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16
 # Eager flex_attention on CPU warns that it is unfused; that is expected for a reference.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
-MASK_KWARGS = {
-    "causal": {},
-    "block_causal": {"eos_id": EOS},
-    "sliding_window": {"sliding_window": 8},
-    "chunked": {"chunk_size": 16},
+SPLIT = {"split_documents": True, "eos_id": EOS}
+MASKS = {  # test id: (mask type, build_attention_masks keywords)
+    "causal": ("causal", {}),
+    "block_causal": ("block_causal", {"eos_id": EOS}),
+    "sliding_window": ("sliding_window", {"sliding_window": 8}),
+    "chunked": ("chunked", {"chunk_size": 16}),
+    "sliding_window_split": ("sliding_window", {"sliding_window": 8, **SPLIT}),
+    "chunked_split": ("chunked", {"chunk_size": 16, **SPLIT}),
 }
 
 
@@ -58,13 +61,14 @@ def _reference_attention(q, k, v, allowed: torch.Tensor, scale: float | None = N
 
 
 @pytest.mark.parametrize("kv_heads", [HEADS, KV_HEADS])
-@pytest.mark.parametrize("mask_type", list(MASK_KWARGS))
-def test_cpu_dense_path_matches_eager_flex_attention(mask_type, kv_heads):
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_cpu_dense_path_matches_eager_flex_attention(mask, kv_heads):
     seq = 128
     tokens = _tokens(seq, [[20, 50, 51], [5, 90]])
-    masks = build_attention_masks(tokens, mask_type, **MASK_KWARGS[mask_type])
+    mask_type, kwargs = MASKS[mask]
+    masks = build_attention_masks(tokens, mask_type, **kwargs)
     q, k, v = _qkv(seq, kv_heads=kv_heads)
-    batch = BATCH if mask_type == "block_causal" else None
+    batch = BATCH if attention.reads_tokens(mask_type, kwargs.get("split_documents", False)) else None
     block_mask = create_block_mask(masks.mask_mod, batch, None, seq, seq, device="cpu")
 
     with torch.no_grad():
@@ -155,17 +159,35 @@ def test_chunked_mask_entries():
     assert allowed[16].nonzero().flatten().tolist() == [16]
 
 
-@pytest.mark.parametrize("mask_type", list(MASK_KWARGS))
-def test_every_token_attends_to_itself(mask_type):
-    masks = build_attention_masks(_tokens(64, [[3, 4, 20], [63]]), mask_type, **MASK_KWARGS[mask_type])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_every_token_attends_to_itself(mask):
+    mask_type, kwargs = MASKS[mask]
+    masks = build_attention_masks(_tokens(64, [[3, 4, 20], [63]]), mask_type, **kwargs)
 
     assert masks.dense_mask.diagonal(dim1=-2, dim2=-1).all()
+
+
+@pytest.mark.parametrize("mask_type", ["sliding_window", "chunked"])
+def test_split_documents_keeps_a_window_or_chunk_within_each_document(mask_type):
+    # Row 0 packs documents 0..9 (EOS at 9) and 10..47; row 1 is one document.
+    tokens = _tokens(48, [[9], []])
+    mask_type, kwargs = MASKS[f"{mask_type}_split"]
+    split = build_attention_masks(tokens, mask_type, **kwargs).dense_mask
+    positional = build_attention_masks(tokens, mask_type, **MASKS[mask_type][1]).dense_mask
+    same_document = torch.zeros(2, 1, 48, 48, dtype=torch.bool)
+    same_document[0, 0, :10, :10] = same_document[0, 0, 10:, 10:] = same_document[1] = True
+
+    assert torch.equal(split, positional & same_document)
+    assert positional[0, 0, 10:16, :10].any()  # unsplit, the window or chunk crosses the EOS
+    assert torch.equal(split[1], positional[0])  # a row without EOS is the positional mask
 
 
 @pytest.mark.parametrize(
     ("mask_type", "kwargs", "named"),
     [
         ("block_causal", {}, "eos_id"),
+        ("chunked", {"chunk_size": 4, "split_documents": True}, "eos_id"),
+        ("causal", {"split_documents": True, "eos_id": EOS}, "block_causal"),
         ("sliding_window", {"sliding_window": 0}, "sliding_window"),
         ("sliding_window", {}, "sliding_window"),
         ("chunked", {"chunk_size": -1}, "chunk_size"),
@@ -219,6 +241,14 @@ def test_a_block_causal_mask_is_built_for_each_batch(mask_builds):
     assert len(built) == 2 and not torch.equal(first.dense_mask, second.dense_mask)
 
 
+def test_split_documents_masks_are_built_for_each_batch(mask_builds):
+    built = mask_builds
+    mask_type, kwargs = MASKS["sliding_window_split"]
+    first = build_attention_masks(_tokens(32, [[3], []], seed=1), mask_type, **kwargs)
+    second = build_attention_masks(_tokens(32, [[], [9]], seed=2), mask_type, **kwargs)
+    assert len(built) == 2 and not torch.equal(first.dense_mask, second.dense_mask)
+
+
 def test_every_layer_keeps_one_shared_additive_mask_for_backward():
     """SDPA turned the boolean mask into a float one in every layer, and each layer kept its own."""
     masks = build_attention_masks(_tokens(32, [[10], [5, 20]]), "block_causal", eos_id=EOS)
@@ -238,11 +268,14 @@ def test_every_layer_keeps_one_shared_additive_mask_for_backward():
     torch.testing.assert_close(FlexAttention()(q, k, v, masks), want)
 
 
-def test_compiled_block_mask_equals_eager_and_compiles_once_for_every_batch():
+@pytest.mark.parametrize("mask", ["block_causal", "sliding_window_split"])
+def test_compiled_block_mask_equals_eager_and_compiles_once_for_every_batch(mask):
     seq = 384  # three 128-blocks: full, partial and skipped blocks all occur
     batches = [_tokens(seq, [[40, 200], []], seed=1), _tokens(seq, [[130], [10, 20, 250]], seed=2)]
+    mask_type, kwargs = MASKS[mask]
+    kwargs = {**kwargs, "sliding_window": 150}  # a window across block edges, when it applies
     for index, tokens in enumerate(batches):
-        mask_mod = build_mask_mod(tokens, "block_causal", eos_id=EOS)
+        mask_mod = build_mask_mod(tokens, mask_type, **kwargs)
         # The second batch's mask mod is a new closure over new document ids: it must reuse the code.
         with torch._dynamo.config.patch(error_on_recompile=index > 0):
             compiled = build_block_mask(mask_mod, BATCH, seq, "cpu")

@@ -107,6 +107,28 @@ def test_block_causal_takes_the_eos_id_of_the_runs_tokenizer():
     assert args.eos_id is not None and args.eos_id == build_hf_tokenizer(cfg).eos_id
 
 
+def test_split_documents_takes_the_eos_id_of_the_runs_tokenizer():
+    cfg = _config("qwen3", "--model.attn_backend", "flex", "--model.attn_mask_type", "chunked",
+                  "--model.attn_split_documents")  # fmt: skip
+    args = get_train_spec("qwen3").get_flavor("debugmodel").update_from_config(cfg)
+    assert args.split_documents and args.eos_id == build_hf_tokenizer(cfg).eos_id
+
+
+@pytest.mark.parametrize("mask_type", ["causal", "block_causal"])
+def test_split_documents_with_a_mask_it_does_not_split_is_refused_naming_the_fix(mask_type):
+    argv = ["--model.attn_split_documents", "--model.attn_mask_type", mask_type]
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv, env={})
+    message = str(info.value)
+    assert "'model.attn_split_documents' = true" in message and f"is '{mask_type}'" in message
+    assert 'model.attn_mask_type = "block_causal"' in message
+
+
+def test_split_documents_on_a_flavor_whose_mask_it_does_not_split_is_refused():
+    with pytest.raises(ConfigError, match="is 'block_causal' \\(the flavor's when unset\\)"):
+        _args("llama3", "--model.flavor", "debugmodel_flex_attn", "--model.attn_split_documents")
+
+
 def test_flex_flavor_exists_for_every_model_and_its_config_selects_it():
     for model, toml in FLEX_CONFIGS.items():
         cfg = parse_args(["--config", toml], env={})
@@ -273,6 +295,22 @@ def test_block_causal_keeps_a_later_document_blind_to_an_earlier_one(model):
         torch.testing.assert_close(after[0, 10:], before[0, 10:], atol=1e-5, rtol=0)
         assert not torch.allclose(after[0, :9], before[0, :9])  # the edited document itself changed
         assert not torch.allclose(causal(edited)[0, 10:], causal(tokens)[0, 10:])  # plain causal leaks
+
+
+@pytest.mark.parametrize("model", ["llama3", "qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("mask_type", ["sliding_window", "chunked"])
+def test_split_documents_keeps_a_window_or_chunk_blind_to_the_previous_document(model, mask_type):
+    # Window and chunk of 16 reach from positions 10..15 back across the EOS at position 9.
+    sizes = ["--model.sliding_window", "16", "--model.attn_chunk_size", "16"]
+    args = _args(model, "--model.attn_backend", "flex", "--model.attn_mask_type", mask_type, *sizes,
+                 "--model.attn_split_documents")  # fmt: skip
+    split, unsplit = _build(model, args), _build(model, replace(args, split_documents=False))
+    tokens = _documents(args.eos_id)[:, :-1]
+    edited = tokens.clone()
+    edited[0, 2:9] = torch.randint(args.eos_id + 1, 2048, (7,), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        torch.testing.assert_close(split(edited)[0, 10:], split(tokens)[0, 10:], atol=1e-5, rtol=0)
+        assert not torch.allclose(unsplit(edited)[0, 10:16], unsplit(tokens)[0, 10:16])
 
 
 # ----- activation checkpointing ------------------------------------------------------------

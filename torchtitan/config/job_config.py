@@ -47,7 +47,12 @@ class Model:
     attn_mask_type: Literal["causal", "block_causal", "sliding_window", "chunked"] | None = opt(
         None,
         "attention mask of every layer; unset = the flavor's; all but causal need flex (block_causal: "
-        "documents split at EOS; sliding_window and chunked go by position only)",
+        "documents split at EOS; sliding_window and chunked go by position unless attn_split_documents)",
+    )
+    attn_split_documents: bool = opt(
+        False,
+        "also split sliding_window and chunked masks at EOS, so that no query sees another packed "
+        "document (block_causal always does)",
     )
     sliding_window: int = opt(
         4096, "keys a query sees (itself included) under attn_mask_type sliding_window", min=1

@@ -704,6 +704,16 @@ def attention_backend_conflict(mask_type: str, whose: str = "") -> ConfigError:
     )
 
 
+def split_documents_conflict(mask_type: str, whose: str = "") -> ConfigError:
+    """The error for `model.attn_split_documents` with a mask type it does not apply to; `whose`
+    says where the mask type came from when the config may not have set it."""
+    return ConfigError(
+        f"'model.attn_split_documents' = true, but 'model.attn_mask_type' is '{mask_type}'{whose}; "
+        "the key splits sliding_window and chunked masks at EOS. For causal attention split at "
+        'documents set model.attn_mask_type = "block_causal" (which always splits) and drop the key.'
+    )
+
+
 def ac_debug_conflict(conflict: str) -> ConfigError:
     """The error for `activation_checkpoint.debug` with `conflict`, something torch's checkpoint
     debug mode cannot trace: it replaces a checkpoint's `context_fn` with its own tracer and
@@ -828,6 +838,8 @@ def _check_consistency(config: JobConfig) -> None:
     m = config.model
     if m.attn_backend == "sdpa" and m.attn_mask_type not in (None, "causal"):
         raise attention_backend_conflict(m.attn_mask_type)
+    if m.attn_split_documents and m.attn_mask_type in ("causal", "block_causal"):
+        raise split_documents_conflict(m.attn_mask_type)
     _check_expert_parallel(p)
     _check_sequence_shards(config)
     _check_converters(config)

@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    and_masks,
+    create_block_mask,
+    create_mask,
+    flex_attention,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +68,8 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     return torch.cumsum(is_eos, dim=1) - is_eos
 
 
-def block_causal_mask(doc_ids: torch.Tensor) -> MaskMod:
-    """Mask mod for packed documents: causal, and only within a query's own document.
+def same_document_mask(doc_ids: torch.Tensor) -> MaskMod:
+    """Mask mod letting a query see only keys of its own document (in either direction).
 
     Args:
         doc_ids: ``[batch, seq]`` document index per token, from `document_ids`. The returned mask
@@ -71,9 +77,18 @@ def block_causal_mask(doc_ids: torch.Tensor) -> MaskMod:
     """
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+        return doc_ids[b, q_idx] == doc_ids[b, kv_idx]
 
     return mask_mod
+
+
+def block_causal_mask(doc_ids: torch.Tensor) -> MaskMod:
+    """Mask mod for packed documents: causal, and only within a query's own document.
+
+    Args:
+        doc_ids: as for `same_document_mask`.
+    """
+    return and_masks(causal_mask, same_document_mask(doc_ids))
 
 
 def sliding_window_mask(window: int) -> MaskMod:
@@ -106,7 +121,7 @@ class AttentionMasks:
         seq_len: the sequence length the mask covers; q, k and v must match it.
         block_mask: flex-attention `BlockMask`, or None.
         dense_mask: bool tensor ``[batch or 1, 1, seq, seq]`` where True means "may attend", or None.
-            It costs ``batch * seq**2`` bytes for ``block_causal`` (and its additive form, see
+            It costs ``batch * seq**2`` bytes for masks that read the tokens (and its additive form, see
             `additive_mask`, 2 or 4 times that), so it suits tests and small runs.
     """
 
@@ -127,6 +142,11 @@ class AttentionMasks:
         return self._additive[dtype]
 
 
+def reads_tokens(mask_type: str, split_documents: bool = False) -> bool:
+    """Whether the mask depends on the batch's tokens (document boundaries), not only on positions."""
+    return mask_type == "block_causal" or split_documents
+
+
 def _positive(value: int | None, name: str, mask_type: str) -> int:
     if value is None or value <= 0:
         raise ValueError(f"mask_type '{mask_type}' needs a positive {name}, got {value!r}")
@@ -140,26 +160,41 @@ def build_mask_mod(
     eos_id: int | None = None,
     sliding_window: int | None = None,
     chunk_size: int | None = None,
+    split_documents: bool = False,
 ) -> MaskMod:
     """The mask mod for ``mask_type``, validating the argument that type needs.
 
     Arguments a mask type does not use are ignored, so a config may always pass all of them.
+    ``split_documents`` keeps ``sliding_window`` and ``chunked`` within each packed document as
+    well (``block_causal`` always does); it needs ``eos_id`` then.
 
     Raises:
-        ValueError: for an unknown ``mask_type``, or when ``block_causal`` lacks ``eos_id``,
-            ``sliding_window`` lacks a positive ``sliding_window`` or ``chunked`` a positive ``chunk_size``.
+        ValueError: for an unknown ``mask_type``, or when ``block_causal`` (or ``split_documents``)
+            lacks ``eos_id``, ``sliding_window`` lacks a positive ``sliding_window`` or ``chunked`` a
+            positive ``chunk_size``, or for ``split_documents`` with ``causal`` (that is
+            ``block_causal``).
     """
     if mask_type == "causal":
+        if split_documents:
+            raise ValueError("split_documents with mask_type 'causal' is mask_type 'block_causal'; use that")
         return causal_mask
     if mask_type == "block_causal":
-        if eos_id is None:
-            raise ValueError("mask_type 'block_causal' needs eos_id to find document boundaries")
-        return block_causal_mask(document_ids(tokens, eos_id))
+        return block_causal_mask(document_ids(tokens, _eos(eos_id, mask_type)))
     if mask_type == "sliding_window":
-        return sliding_window_mask(_positive(sliding_window, "sliding_window", mask_type))
-    if mask_type == "chunked":
-        return chunked_mask(_positive(chunk_size, "chunk_size", mask_type))
-    raise ValueError(f"unknown mask_type '{mask_type}'; valid: {', '.join(MASK_TYPES)}")
+        positional = sliding_window_mask(_positive(sliding_window, "sliding_window", mask_type))
+    elif mask_type == "chunked":
+        positional = chunked_mask(_positive(chunk_size, "chunk_size", mask_type))
+    else:
+        raise ValueError(f"unknown mask_type '{mask_type}'; valid: {', '.join(MASK_TYPES)}")
+    if not split_documents:
+        return positional
+    return and_masks(positional, same_document_mask(document_ids(tokens, _eos(eos_id, mask_type))))
+
+
+def _eos(eos_id: int | None, mask_type: str) -> int:
+    if eos_id is None:
+        raise ValueError(f"mask_type '{mask_type}' splits documents at EOS, so it needs eos_id")
+    return eos_id
 
 
 def _log_dense_path_once(device: torch.device) -> None:
@@ -179,23 +214,26 @@ def build_attention_masks(
     eos_id: int | None = None,
     sliding_window: int | None = None,
     chunk_size: int | None = None,
+    split_documents: bool = False,
 ) -> AttentionMasks:
     """Build the attention mask for one batch; call once per batch and pass the result to every layer.
 
     The representation follows ``tokens.device``: a flex `BlockMask` on CUDA, a dense boolean mask
     elsewhere (the choice is logged once per process). Both come from the same mask mod, so they
-    allow exactly the same positions. The masks that do not read the tokens (all but
-    ``block_causal``) are built once per mask type, size, sequence length and device, and the
-    same object is returned afterwards (the last 8 such are kept). Pitfall: code that replaces
-    how masks are made (`create_mask`, as the memory estimator does) must `clear_mask_cache()`
-    before and after.
+    allow exactly the same positions. The masks that do not read the tokens (all but ``block_causal``
+    and those that ``split_documents``) are built once per mask type, size, sequence length and
+    device, and the same object is returned afterwards (the last 8 such are kept). Pitfall: code
+    that replaces how masks are made (`create_mask`, as the memory estimator does) must
+    `clear_mask_cache()` before and after.
 
     Args:
-        tokens: int tensor ``[batch, seq]`` of input ids (only ``block_causal`` reads the values).
+        tokens: int tensor ``[batch, seq]`` of input ids (read only by masks that split documents).
         mask_type: one of `MASK_TYPES`.
-        eos_id: end-of-document id; required for ``block_causal``.
+        eos_id: end-of-document id; required for ``block_causal`` and ``split_documents``.
         sliding_window: window length including the query itself; required for ``sliding_window``.
         chunk_size: chunk length; required for ``chunked``.
+        split_documents: keep ``sliding_window`` or ``chunked`` within the documents ``eos_id``
+            ends, for packed sequences (see `build_mask_mod`).
 
     Raises:
         ValueError: see `build_mask_mod`; also when ``tokens`` is not 2-D.
@@ -203,15 +241,21 @@ def build_attention_masks(
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
     mask_mod = build_mask_mod(
-        tokens, mask_type, eos_id=eos_id, sliding_window=sliding_window, chunk_size=chunk_size
+        tokens,
+        mask_type,
+        eos_id=eos_id,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+        split_documents=split_documents,
     )
-    # Only block_causal reads the tokens; the others are built once per shape and reused. Not
-    # for fake tensors (the memory estimator's), which must not meet real ones or outlive their mode.
-    if mask_type != "block_causal" and type(tokens) is torch.Tensor:
+    token_dependent = reads_tokens(mask_type, split_documents)
+    # Masks of positions only are built once per shape and reused. Not for fake tensors (the
+    # memory estimator's), which must not meet real ones or outlive their mode.
+    if not token_dependent and type(tokens) is torch.Tensor:
         window = sliding_window if mask_type == "sliding_window" else None
         chunk = chunk_size if mask_type == "chunked" else None
         return _token_independent_masks(mask_type, window, chunk, tokens.shape[1], tokens.device)
-    batch = tokens.shape[0] if mask_type == "block_causal" else None
+    batch = tokens.shape[0] if token_dependent else None
     return _masks_from_mod(mask_type, mask_mod, batch, tokens.shape[1], tokens.device)
 
 
@@ -263,9 +307,9 @@ def build_block_mask(
 
     Args:
         mask_mod: a mask mod from `build_mask_mod`.
-        batch: the batch size for per-sequence masks (``block_causal``), or None to broadcast.
+        batch: the batch size for masks that read the tokens (`reads_tokens`), or None to broadcast.
         seq_len: query and key length.
-        device: where the mask (and, for ``block_causal``, the document ids) live. Any device
+        device: where the mask (and the document ids of masks that split documents) live. Any device
             inductor compiles for works; the model uses this on CUDA only.
     """
     return _create_block_mask_compiled()(mask_mod, batch, None, seq_len, seq_len, device=device)

@@ -10,9 +10,15 @@ import torch.nn.functional as F
 from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.job_config import Model as ModelConfig
-from torchtitan.config.manager import ConfigError, attention_backend_conflict
+from torchtitan.config.manager import ConfigError, attention_backend_conflict, split_documents_conflict
 from torchtitan.distributed.utils import init_param_
-from torchtitan.models.attention import ATTENTION_BACKENDS, MASK_TYPES, AttentionMasks, build_attention_masks
+from torchtitan.models.attention import (
+    ATTENTION_BACKENDS,
+    MASK_TYPES,
+    AttentionMasks,
+    build_attention_masks,
+    reads_tokens,
+)
 from torchtitan.models.rope import YaRNScaling
 
 
@@ -23,14 +29,16 @@ class AttentionArgs:
     Attributes:
         attn_backend: one of `ATTENTION_BACKENDS`.
         attn_mask_type: one of `MASK_TYPES`; every type but ``causal`` needs the ``flex`` backend.
-        eos_id: the id that ends a document, read by ``block_causal``; `with_attention_config`
-            takes it from the run's tokenizer.
+        eos_id: the id that ends a document, read by ``block_causal`` and ``split_documents``;
+            `with_attention_config` takes it from the run's tokenizer.
         sliding_window: keys a query sees, itself included, under ``sliding_window``.
         attn_chunk_size: chunk length under ``chunked``.
+        split_documents: also split ``sliding_window`` or ``chunked`` at document ends.
 
     Raises:
-        ConfigError: (at construction) for an unknown backend or mask type, or a mask type other
-            than ``causal`` with the ``sdpa`` backend.
+        ConfigError: (at construction) for an unknown backend or mask type, a mask type other
+            than ``causal`` with the ``sdpa`` backend, or ``split_documents`` with a mask type
+            other than ``sliding_window`` and ``chunked``.
     """
 
     attn_backend: str = "sdpa"
@@ -39,6 +47,7 @@ class AttentionArgs:
     # [model]'s defaults, so that args built without a config match a run that leaves them unset.
     sliding_window: int = ModelConfig.sliding_window
     attn_chunk_size: int = ModelConfig.attn_chunk_size
+    split_documents: bool = ModelConfig.attn_split_documents
 
     def __post_init__(self):
         if self.attn_backend not in ATTENTION_BACKENDS:
@@ -54,6 +63,8 @@ class AttentionArgs:
         if self.attn_backend == "sdpa" and self.attn_mask_type != "causal":
             # Both set in the config is refused before the ranks start; here the flavor chose sdpa.
             raise attention_backend_conflict(self.attn_mask_type, whose=" (the flavor's when unset)")
+        if self.split_documents and self.attn_mask_type not in ("sliding_window", "chunked"):
+            raise split_documents_conflict(self.attn_mask_type, whose=" (the flavor's when unset)")
 
     def update_from_config(self, job_config: JobConfig):
         """A copy for the run: its RoPE table covers `training.seq_len`, with `[model]`'s attention
@@ -78,12 +89,14 @@ class AttentionArgs:
         """A copy with ``[model]``'s attention keys applied.
 
         The backend and mask type are overridden only when set (unset keeps the flavor's);
-        the window and chunk size always come from the config. For ``block_causal`` the EOS id
-        is read from the tokenizer in ``model.hf_assets_path``, the one the run trains with.
+        the window, chunk size and document split always come from the config. For a mask that
+        splits documents the EOS id is read from the tokenizer in ``model.hf_assets_path``, the
+        one the run trains with.
 
         Raises:
-            ConfigError: for a mask type the backend cannot run (checked before the tokenizer
-                is read), or ``block_causal`` with a tokenizer that has no EOS token.
+            ConfigError: for a mask type the backend cannot run or ``attn_split_documents`` does
+                not apply to (checked before the tokenizer is read), or a mask that splits
+                documents with a tokenizer that has no EOS token.
         """
         m = job_config.model
         args = replace(
@@ -92,15 +105,17 @@ class AttentionArgs:
             attn_mask_type=m.attn_mask_type or self.attn_mask_type,
             sliding_window=m.sliding_window,
             attn_chunk_size=m.attn_chunk_size,
+            split_documents=m.attn_split_documents,
         )
-        if args.attn_mask_type != "block_causal":
+        if not reads_tokens(args.attn_mask_type, args.split_documents):
             return args
         eos_id = build_hf_tokenizer(job_config).eos_id
         if eos_id is None:
+            split = " with 'model.attn_split_documents' = true" if args.split_documents else ""
             raise ConfigError(
-                f"'model.attn_mask_type' = 'block_causal' splits documents at EOS, but the tokenizer in "
-                f"'model.hf_assets_path' = '{m.hf_assets_path}' has no EOS token; use a tokenizer with "
-                "one, or another attn_mask_type."
+                f"'model.attn_mask_type' = '{args.attn_mask_type}'{split} splits documents at "
+                f"EOS, but the tokenizer in 'model.hf_assets_path' = '{m.hf_assets_path}' has no EOS "
+                "token; use a tokenizer with one, or a mask that does not split documents."
             )
         return replace(args, eos_id=eos_id)
 
@@ -109,7 +124,8 @@ class AttentionArgs:
         where ``pairs`` is the (query, key) pairs the mask allows. That is ``seq_len`` for causal
         (torchtitan's MFU counts the full square, causality not discounted, and so does
         ``block_causal``, whose documents vary by batch), and the same share of the pairs for
-        ``sliding_window`` and ``chunked``, so that MFU compares across mask types."""
+        ``sliding_window`` and ``chunked`` (split at documents or not, as ``block_causal``), so
+        that MFU compares across mask types."""
         return 2 * self._allowed_pairs(seq_len) / (seq_len + 1)
 
     def _allowed_pairs(self, seq_len: int) -> int:
@@ -139,6 +155,7 @@ class AttentionArgs:
             eos_id=self.eos_id,
             sliding_window=self.sliding_window,
             chunk_size=self.attn_chunk_size,
+            split_documents=self.split_documents,
         )
 
 
