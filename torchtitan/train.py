@@ -169,7 +169,8 @@ class Trainer:
         logger.info(
             f"Model {cfg.model.name} {cfg.model.flavor}: "
             f"{sum(p.numel() for p in model.parameters()):,} parameters "
-            f"({self.num_params:,} without embeddings) on {device_name(self.device)}"
+            f"({self.num_params:,} without embeddings) on {device_name(self.device)}; "
+            f"attention {self.model_args.describe_attention()}"
         )
         model = self.spec.parallelize_fn(model, self.parallel_dims, cfg, self.device)
         model.to_empty(device=self.device)

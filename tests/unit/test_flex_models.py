@@ -129,6 +129,21 @@ def test_split_documents_on_a_flavor_whose_mask_it_does_not_split_is_refused():
         _args("llama3", "--model.flavor", "debugmodel_flex_attn", "--model.attn_split_documents")
 
 
+def test_the_startup_log_names_the_backend_the_mask_its_size_and_the_document_split():
+    eos = _args("qwen3", "--model.attn_backend", "flex", "--model.attn_mask_type", "block_causal").eos_id
+    flex = ("--model.attn_backend", "flex", "--model.attn_mask_type")
+    described = {
+        ("--model.attn_backend", "sdpa"): "sdpa, causal",
+        ("--model.attn_backend", "flex"): "flex, causal",
+        (*flex, "block_causal"): f"flex, block_causal, split at EOS id {eos}",
+        (*flex, "chunked", "--model.attn_chunk_size", "16"): "flex, chunked of 16",
+        (*flex, "sliding_window", "--model.sliding_window", "8", "--model.attn_split_documents"):
+            f"flex, sliding_window of 8, split at EOS id {eos}",
+    }  # fmt: skip
+    for overrides, line in described.items():
+        assert _args("qwen3", *overrides).describe_attention() == line
+
+
 def test_flex_flavor_exists_for_every_model_and_its_config_selects_it():
     for model, toml in FLEX_CONFIGS.items():
         cfg = parse_args(["--config", toml], env={})

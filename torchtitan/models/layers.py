@@ -119,6 +119,16 @@ class AttentionArgs:
             )
         return replace(args, eos_id=eos_id)
 
+    def describe_attention(self) -> str:
+        """The attention every layer runs, for the startup log: backend, mask type and its size,
+        and where documents split (e.g. ``flex, sliding_window of 4096, split at EOS id 2``)."""
+        if self.attn_backend == "sdpa":
+            return "sdpa, causal"
+        sizes = {"sliding_window": self.sliding_window, "chunked": self.attn_chunk_size}
+        size = f" of {sizes[self.attn_mask_type]}" if self.attn_mask_type in sizes else ""
+        splits = reads_tokens(self.attn_mask_type, self.split_documents)
+        return f"flex, {self.attn_mask_type}{size}" + (f", split at EOS id {self.eos_id}" if splits else "")
+
     def attention_span(self, seq_len: int) -> float:
         """Keys each query is counted against in the FLOP count: ``2 x pairs / (seq_len + 1)``,
         where ``pairs`` is the (query, key) pairs the mask allows. That is ``seq_len`` for causal

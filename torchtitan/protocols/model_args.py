@@ -15,3 +15,6 @@ class BaseModelArgs(Protocol):
 
     def num_flops_per_token(self, model: nn.Module, seq_len: int) -> tuple[int, float]:
         """(parameter count without embeddings, training FLOPs per token at `seq_len`)."""
+
+    def describe_attention(self) -> str:
+        """The attention the layers run (backend, mask), for the startup log."""
