@@ -172,13 +172,13 @@ class PartialGradColwiseParallel(ColwiseParallel):
     gradient is left a partial sum for the module's one reduce-scatter."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module = super()._apply(module, device_mesh)
-        # Ahead of ColwiseParallel's own input hook, which then finds the DTensor it wants.
+        # Registered before ColwiseParallel's own input hook, so it runs first and that hook finds
+        # the DTensor it wants. Not by `prepend=True` afterwards: torch 2.11's dynamo then guards
+        # the wrong hook and compiled TP fails with "IndexError: tuple index out of range".
         module.register_forward_pre_hook(
-            lambda _module, args: (_ReplicatedInputPartialGrad.apply(args[0], device_mesh), *args[1:]),
-            prepend=True,
+            lambda _module, args: (_ReplicatedInputPartialGrad.apply(args[0], device_mesh), *args[1:])
         )
-        return module
+        return super()._apply(module, device_mesh)
 
 
 class RouterTensorParallel(ParallelStyle):
