@@ -278,8 +278,8 @@ class Trainer:
         autocast = autocast_context(self.job_config, self.parallel_dims, self.device)
         with loss_context(self.parallel_dims, self.job_config), autocast:
             val_loss = self.validator.validate(self.model)
-        # Upstream torchtitan's wording, so that log greps written for it keep working.
-        logger.info(f"validate step: {self.step:>5}  loss: {val_loss:8.4f}")
+        # Upstream torchtitan's line, spacing included, so that log greps written for it keep working.
+        logger.info(f"validate step: {self.step:2}  loss: {val_loss:7.4f}")
         self.metrics.write({"step": self.step, "validation/loss": val_loss})
 
     def train(self) -> None:

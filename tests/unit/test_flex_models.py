@@ -114,19 +114,31 @@ def test_split_documents_takes_the_eos_id_of_the_runs_tokenizer():
     assert args.split_documents and args.eos_id == build_hf_tokenizer(cfg).eos_id
 
 
-@pytest.mark.parametrize("mask_type", ["causal", "block_causal"])
-def test_split_documents_with_a_mask_it_does_not_split_is_refused_naming_the_fix(mask_type):
-    argv = ["--model.attn_split_documents", "--model.attn_mask_type", mask_type]
+FLEX = ["--model.attn_backend", "flex"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fix"),
+    [
+        (["--model.attn_mask_type", "causal"],
+         'set model.attn_backend = "flex" and model.attn_mask_type = "block_causal"'),
+        ([*FLEX, "--model.attn_mask_type", "causal"], 'set model.attn_mask_type = "block_causal"'),
+        ([*FLEX, "--model.attn_mask_type", "block_causal"], "always splits documents: drop the key"),
+    ],
+)  # fmt: skip
+def test_split_documents_with_a_mask_it_does_not_split_is_refused_naming_the_fix(overrides, fix):
     with pytest.raises(ConfigError) as info:
-        parse_args(argv, env={})
+        parse_args(["--model.attn_split_documents", *overrides], env={})
     message = str(info.value)
-    assert "'model.attn_split_documents' = true" in message and f"is '{mask_type}'" in message
-    assert 'model.attn_mask_type = "block_causal"' in message
+    assert "'model.attn_split_documents' = true" in message and f"is '{overrides[-1]}'" in message
+    assert fix in message
 
 
 def test_split_documents_on_a_flavor_whose_mask_it_does_not_split_is_refused():
     with pytest.raises(ConfigError, match="is 'block_causal' \\(the flavor's when unset\\)"):
         _args("llama3", "--model.flavor", "debugmodel_flex_attn", "--model.attn_split_documents")
+    with pytest.raises(ConfigError, match="is 'causal' .* set model.attn_backend = \"flex\" and"):
+        _args("llama3", "--model.attn_split_documents")  # an sdpa flavor
 
 
 def test_the_startup_log_names_the_backend_the_mask_its_size_and_the_document_split():

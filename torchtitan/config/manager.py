@@ -704,13 +704,20 @@ def attention_backend_conflict(mask_type: str, whose: str = "") -> ConfigError:
     )
 
 
-def split_documents_conflict(mask_type: str, whose: str = "") -> ConfigError:
+def split_documents_conflict(mask_type: str, backend: str | None, whose: str = "") -> ConfigError:
     """The error for `model.attn_split_documents` with a mask type it does not apply to; `whose`
-    says where the mask type came from when the config may not have set it."""
-    return ConfigError(
+    says where the mask type came from when the config may not have set it. The fix it names
+    also sets the flex backend unless ``backend`` already is flex."""
+    problem = (
         f"'model.attn_split_documents' = true, but 'model.attn_mask_type' is '{mask_type}'{whose}; "
-        "the key splits sliding_window and chunked masks at EOS. For causal attention split at "
-        'documents set model.attn_mask_type = "block_causal" (which always splits) and drop the key.'
+        "the key splits sliding_window and chunked masks at EOS."
+    )
+    if mask_type == "block_causal":
+        return ConfigError(f"{problem} block_causal always splits documents: drop the key.")
+    flex = "" if backend == "flex" else 'model.attn_backend = "flex" and '
+    return ConfigError(
+        f"{problem} For causal attention split at documents set {flex}model.attn_mask_type = "
+        '"block_causal" (which always splits), and drop the key.'
     )
 
 
@@ -839,7 +846,7 @@ def _check_consistency(config: JobConfig) -> None:
     if m.attn_backend == "sdpa" and m.attn_mask_type not in (None, "causal"):
         raise attention_backend_conflict(m.attn_mask_type)
     if m.attn_split_documents and m.attn_mask_type in ("causal", "block_causal"):
-        raise split_documents_conflict(m.attn_mask_type)
+        raise split_documents_conflict(m.attn_mask_type, m.attn_backend)
     _check_expert_parallel(p)
     _check_sequence_shards(config)
     _check_converters(config)

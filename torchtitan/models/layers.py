@@ -64,7 +64,9 @@ class AttentionArgs:
             # Both set in the config is refused before the ranks start; here the flavor chose sdpa.
             raise attention_backend_conflict(self.attn_mask_type, whose=" (the flavor's when unset)")
         if self.split_documents and self.attn_mask_type not in ("sliding_window", "chunked"):
-            raise split_documents_conflict(self.attn_mask_type, whose=" (the flavor's when unset)")
+            raise split_documents_conflict(
+                self.attn_mask_type, self.attn_backend, whose=" (the flavor's when unset)"
+            )
 
     def update_from_config(self, job_config: JobConfig):
         """A copy for the run: its RoPE table covers `training.seq_len`, with `[model]`'s attention
