@@ -45,27 +45,23 @@ pytestmark = [
     ),
 ]
 CUDA = torch.device("cuda")
-SPLIT = {"split_documents": True, "eos_id": 0}
-MASKS = {  # test id: (mask type, build_attention_masks keywords)
-    "causal": ("causal", {}),
-    "block_causal": ("block_causal", {"eos_id": 0}),
-    "sliding_window": ("sliding_window", {"sliding_window": 64}),
-    "chunked": ("chunked", {"chunk_size": 128}),
-    "sliding_window_split": ("sliding_window", {"sliding_window": 64, **SPLIT}),
-    "chunked_split": ("chunked", {"chunk_size": 128, **SPLIT}),
+MASK_ARGS = {
+    "causal": {},
+    "block_causal": {"eos_id": 0},
+    "sliding_window": {"sliding_window": 64},
+    "chunked": {"chunk_size": 128},
 }
 
 
-@pytest.mark.parametrize("mask", list(MASKS))
-def test_compiled_flex_block_mask_equals_the_dense_path_forward_and_backward(mask):
-    mask_type, kwargs = MASKS[mask]
+@pytest.mark.parametrize("mask_type", list(MASK_ARGS))
+def test_compiled_flex_block_mask_equals_the_dense_path_forward_and_backward(mask_type):
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 8, (2, 512), generator=generator)  # id 0 is a frequent EOS
     q, k, v = (torch.randn(2, 8, 512, 64, generator=generator) for _ in range(3))
     attention = FlexAttention()
     results = []
     for masks_device in ("cuda", "cpu"):
-        masks = build_attention_masks(tokens.to(masks_device), mask_type, **kwargs)
+        masks = build_attention_masks(tokens.to(masks_device), mask_type, **MASK_ARGS[mask_type])
         if masks.dense_mask is not None:
             masks = replace(masks, dense_mask=masks.dense_mask.to(CUDA))
         inputs = [t.to(CUDA).requires_grad_() for t in (q, k, v)]
