@@ -66,8 +66,9 @@ def test_compiled_float8_with_op_sac_matches_eager(tmp_path):
     compiled = _train(tmp_path / "compiled", 1, 4, OP_SAC + ["--compile.enable"])
     # Inductor's fused amax and casts round differently; by step 5 the gradient norm is 2e-3 off.
     # Since the CPU steps with fused AdamW (the only change to a one-process run then) the loss
-    # is 1.1e-4 off at step 4 on an AMD EPYC; float8 on and off differ by 1.4e-3 there.
-    _assert_close(compiled, eager, 2e-4, 5e-3)
+    # is 1.1e-4 off at step 4 on an AMD EPYC with torch 2.13, and 2.5e-4 with torch 2.11 (whose
+    # inductor fuses differently); float8 on and off differ by 1.4e-3 there.
+    _assert_close(compiled, eager, 5e-4, 5e-3)
 
 
 @pytest.mark.full_matrix
