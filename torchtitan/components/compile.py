@@ -2,6 +2,7 @@
 
 import hashlib
 import logging
+import re
 
 import torch
 import torch.distributed as dist
@@ -23,12 +24,21 @@ def _has_moe(block: nn.Module) -> bool:
 # capture_scalar_outputs (unbacked-symbol errors under full, op-SAC and memory_budget AC);
 # checked on 2.11, fixed in 2.12.
 _FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS = (2, 12)
+# From this release the partitioner leaves opaque inputs (the TP DeviceMesh) out of the tensors
+# saved for backward, so compiled blocks under full AC and TP run again; checked on 2.14.1 (2.14.0
+# was not run, so it stays refused).
+_FIRST_TORCH_TO_RECOMPUTE_WITH_MESH_INPUTS = (2, 14, 1)
+
+
+def _release(torch_version: str) -> tuple[int, ...]:
+    """``"2.14.1+cu130"`` as ``(2, 14, 1)``; pre-release and local tags are dropped."""
+    numbers = torch_version.split("+")[0].split(".")[:3]
+    return tuple(int(re.match(r"\d*", n).group() or 0) for n in numbers)
 
 
 def compiles_checkpointed_scalars(torch_version: str = torch.__version__) -> bool:
     """Whether this torch compiles checkpointed MoE blocks with capture_scalar_outputs."""
-    major, minor = torch_version.split("+")[0].split(".")[:2]
-    return (int(major), int(minor)) >= _FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS
+    return _release(torch_version)[:2] >= _FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS
 
 
 def checked_backend(job_config: JobConfig) -> str:
@@ -45,7 +55,7 @@ def checked_backend(job_config: JobConfig) -> str:
 
 def check_compile_supported(model: nn.Module, job_config: JobConfig, torch_version: str = torch.__version__):
     """Refuse compile settings that this torch is known to get wrong (ConfigError, exit code 2)."""
-    _refuse_block_ac_of_tensor_parallel(job_config)
+    _refuse_block_ac_of_tensor_parallel(job_config, torch_version)
     c, ac = job_config.compile, job_config.activation_checkpoint
     if not (c.capture_scalar_outputs and ac.mode != "none" and _has_moe(model)):
         return
@@ -59,28 +69,30 @@ def check_compile_supported(model: nn.Module, job_config: JobConfig, torch_versi
         )
 
 
-def _refuse_block_ac_of_tensor_parallel(job_config: JobConfig) -> None:
+def _refuse_block_ac_of_tensor_parallel(job_config: JobConfig, torch_version: str) -> None:
     """Full AC (or selective N) of compiled blocks under tensor parallelism fails in the first
-    step where torch passes the TP DeviceMesh into compiled graphs as an opaque object (torch
-    2.13 here; 2.11 runs it): the recomputed attention kernel, which torch tags as random for
-    its dropout, gets its RNG state saved after the mesh, where AOTAutograd expects only tensors
+    step where torch passes the TP DeviceMesh into compiled graphs as an opaque object and does
+    not yet keep it out of the saved tensors (torch 2.13 here; 2.11, which passes no mesh, and
+    2.14.1 run it): the recomputed attention kernel, which torch tags as random for its dropout,
+    gets its RNG state saved after the mesh, where AOTAutograd expects only tensors
     ("AssertionError: expected all tensors_saved_with_vc_check to be Tensors"). Checked when
     blocks compile, not when the config is parsed, so the memory estimator (which runs the
     step eagerly) still takes such configs (the Llama 3 405B preset is one)."""
     ac, tp = job_config.activation_checkpoint, job_config.parallelism.tensor_parallel_degree
     wraps_whole_blocks = ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op")
-    if not (wraps_whole_blocks and tp > 1 and compile_sees_device_meshes()):
+    fixed = _release(torch_version) >= _FIRST_TORCH_TO_RECOMPUTE_WITH_MESH_INPUTS
+    if not (wraps_whole_blocks and tp > 1 and compile_sees_device_meshes()) or fixed:
         return
     mode = f"'{ac.mode}'"
     if ac.mode == "selective":
         mode += f" with 'activation_checkpoint.selective_ac_option' = '{ac.selective_ac_option}'"
     raise ConfigError(
         f"'activation_checkpoint.mode' = {mode} with compile.enable and "
-        f"'parallelism.tensor_parallel_degree' = {tp} fails in torch {torch.__version__}'s compiler "
+        f"'parallelism.tensor_parallel_degree' = {tp} fails in torch {torch_version}'s compiler "
         "(it saves the tensor-parallel DeviceMesh among the tensors for backward when it "
         'recomputes attention). Set mode = "selective" and selective_ac_option = "op" (both: the '
         'option\'s default is "2"), or mode = "memory_budget", or compile.enable = false; torch '
-        "2.11 runs this combination."
+        "2.11 and torch >= 2.14.1 run this combination."
     )
 
 
