@@ -31,15 +31,11 @@ from torchtitan.components.training_step import (
     gradient_accumulation_steps,
 )
 from torchtitan.components.validate import Validator
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import (
-    ConfigError,
-    dump_folder_error,
-    format_help,
-    parse_args,
-    to_toml,
-    wants_help,
-)
+from torchtitan.config.manager import format_help, parse_args, wants_help
+from torchtitan.config.toml_writer import to_toml
+from torchtitan.config.validation import dump_folder_error
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.parallel_dims import ParallelDims

@@ -38,7 +38,7 @@ from torchtitan.components.hf_io import (
     load_hf_tensors,
     read_hf_layout,
 )
-from torchtitan.config.manager import ConfigError
+from torchtitan.config.errors import ConfigError
 from torchtitan.protocols.state_dict_adapter import (
     StateDictMismatchError,
     build_state_dict_adapter,

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtitan.components.hf_io import save_hf
 from torchtitan.components.tokenizer import build_hf_tokenizer
-from torchtitan.config.manager import ConfigError
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args as parse_run_config
 from torchtitan.protocols.state_dict_adapter import (
     HFConfigError,

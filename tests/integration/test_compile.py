@@ -16,7 +16,8 @@ from torch._dynamo.utils import counters
 
 from tests.conftest import needs_checkpointed_scalar_capture
 from torchtitan.components.compile import check_compile_supported
-from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.moe import load_balance_step, pop_aux_loss
 from torchtitan.models.qwen3 import qwen3_flavors

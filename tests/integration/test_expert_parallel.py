@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import read_metrics, run_trainer
 from tests.integration.workers import run_worker, shut_down
-from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.qwen3 import qwen3_flavors
 from torchtitan.models.qwen3.model import Qwen3Model

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.moe import pop_aux_loss
 from torchtitan.protocols.train_spec import get_train_spec

@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import read_metrics, run_trainer
 from tests.integration.workers import run_worker, shut_down
-from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
 from torchtitan.protocols.train_spec import get_train_spec

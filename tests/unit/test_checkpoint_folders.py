@@ -8,7 +8,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState, complete_steps, prune_checkpoints
-from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import parse_args
 
 
 def _save(folder, step: int, resumable: bool = True, suffix: str = "") -> None:

@@ -9,7 +9,8 @@ import tomllib
 
 from tests.conftest import load_script
 from torchtitan.config import ConfigError, JobConfig, parse_args
-from torchtitan.config.manager import find_config_dirs, format_help, resolve_config_path, to_toml
+from torchtitan.config.manager import find_config_dirs, format_help, resolve_config_path
+from torchtitan.config.toml_writer import to_toml
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.train import main

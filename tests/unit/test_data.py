@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
-from torchtitan.config.manager import ConfigError
+from torchtitan.config.errors import ConfigError
 from torchtitan.datasets import token_cache
 from torchtitan.datasets.text_datasets import (
     PackedTokenDataset,

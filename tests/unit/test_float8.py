@@ -13,7 +13,8 @@ from torchao.float8.float8_linear import Float8Linear
 from torchtitan.components.float8 import Float8Converter
 from torchtitan.components.model_converter import build_model_converters
 from torchtitan.config import ActivationCheckpoint
-from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import parse_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.llama3 import llama3_flavors

@@ -23,7 +23,7 @@ from torchtitan.components.hf_io import (
     load_hf,
     save_hf,
 )
-from torchtitan.config.manager import ConfigError
+from torchtitan.config.errors import ConfigError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -8,7 +8,8 @@ import torch
 
 from torchtitan.components import metrics as metrics_module
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import parse_args
 
 
 class FakeClock:

@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 from tests.conftest import load_script, python_path
 from tests.forked_launcher import launch
 from torchtitan.components.hf_io import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, load_hf, save_hf
-from torchtitan.config.manager import parse_args, to_toml
+from torchtitan.config.manager import parse_args
+from torchtitan.config.toml_writer import to_toml
 from torchtitan.models.rope import RoPEScaling, YaRNScaling
 from torchtitan.protocols.state_dict_adapter import (
     HFConfigError,

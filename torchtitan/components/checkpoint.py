@@ -56,9 +56,9 @@ from torchtitan.components.hf_io import (
     read_hf_layout,
     save_hf,
 )
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import CHECKPOINT_STATE_KEYS as STATE_KEYS
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.expert_parallel import full_expert_tensor, global_expert_view, is_ep_local
 from torchtitan.protocols.state_dict_adapter import StateDictMismatchError, describe_mismatch
 from torchtitan.tools.dtypes import TORCH_DTYPES

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.grouped_mm import probe_grouped_mm_for_compile
 

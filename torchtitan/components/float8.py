@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)

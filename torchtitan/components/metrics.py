@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError
 from torchtitan.tools.device_info import device_name, peak_bf16_flops, peak_memory_gib, reset_peak_memory
 
 logger = logging.getLogger(__name__)

@@ -5,8 +5,7 @@ parallelized, and their per-step hooks. The one built here is float8 (`component
 import torch
 import torch.nn as nn
 
-from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import CONVERTERS
+from torchtitan.config.job_config import CONVERTERS, JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 
 

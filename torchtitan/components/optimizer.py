@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.expert_parallel import routed_experts
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import GradSquareSums

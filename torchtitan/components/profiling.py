@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError
 
 logger = logging.getLogger(__name__)
 

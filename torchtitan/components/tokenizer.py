@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError
 from torchtitan.tools.paths import resolve_path
 
 logger = logging.getLogger(__name__)

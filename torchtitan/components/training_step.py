@@ -5,8 +5,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
 from torchtitan.distributed.utils import plain_tensor

@@ -14,7 +14,8 @@ warnings when training starts. `--help` lists the trainer's arguments.
 import logging
 import sys
 
-from torchtitan.config.manager import ConfigError, format_help, parse_args, wants_help
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import format_help, parse_args, wants_help
 
 USAGE = "usage: python -m torchtitan.config.check [--errors-only] [the trainer's arguments]"
 

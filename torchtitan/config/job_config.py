@@ -3,11 +3,16 @@
 Names follow torchtitan's schema so that a torchtitan user's file runs unchanged where the
 feature exists. Every field carries a one-line help text (shown by `--help`) through `opt`.
 Sections whose feature is not built yet are declared so that files parse, and
-`torchtitan.config.manager` rejects any non-default value that would need them.
+`torchtitan.config.validation` rejects any non-default value that would need them.
 """
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
+
+# `model.converters` entries, upstream's newer spelling included, and the converter each names.
+CONVERTERS = {"float8": "float8", "quantize.linear.float8": "float8"}
 
 
 def opt(default, help: str, **checks):
@@ -16,7 +21,8 @@ def opt(default, help: str, **checks):
     Args:
         default: the default value (lists are copied per instance).
         help: one line for `--help`.
-        checks: `min`, `max` (inclusive) or `gt`, `lt` (exclusive) bounds checked by the manager.
+        checks: `min`, `max` (inclusive) or `gt`, `lt` (exclusive) bounds, checked by
+            `torchtitan.config.validation`.
     """
     metadata = {"help": help, **checks}
     if isinstance(default, list):
@@ -350,9 +356,13 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         """The config as nested plain dicts, as it would be written to TOML."""
-        from dataclasses import asdict
+        return dataclasses.asdict(self)
 
-        return asdict(self)
+
+def section_types() -> dict[str, type]:
+    """Each `[section]` name and the dataclass that holds its keys."""
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
 
 
 def model_compile_enabled(job_config: JobConfig) -> bool:

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import BUNDLED_DATASET_FILES
-from torchtitan.config.manager import ConfigError
 from torchtitan.datasets import token_cache
 from torchtitan.tools.paths import BUNDLED_ASSETS, resolve_path
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan.config.manager import ConfigError
+from torchtitan.config.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

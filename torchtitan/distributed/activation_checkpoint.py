@@ -30,8 +30,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import ActivationCheckpoint
-from torchtitan.config.manager import ConfigError, ac_debug_conflict, check_activation_checkpoint
+from torchtitan.config.validation import ac_debug_conflict, check_activation_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -365,7 +366,7 @@ def apply_ac(
         op_sac_save_list: ops whose outputs op-SAC saves; default `DEFAULT_SAVE_LIST`.
         base_folder: where memory_budget writes its pareto plot (the dump folder).
         compile_backend: the torch.compile backend of the blocks; memory_budget needs one of
-            `torchtitan.config.manager.MEMORY_BUDGET_BACKENDS`.
+            `torchtitan.config.validation.MEMORY_BUDGET_BACKENDS`.
 
     Pitfalls: call after tensor parallelism and before torch.compile and FSDP, so that the
     checkpoint sees the collectives TP adds and FSDP's hooks stay outside it. Models with

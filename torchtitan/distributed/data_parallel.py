@@ -9,8 +9,8 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.expert_parallel import mark_expert_params
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.tools.dtypes import TORCH_DTYPES

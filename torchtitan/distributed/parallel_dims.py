@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torchtitan.config.manager import ConfigError
+from torchtitan.config.errors import ConfigError
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 # With expert parallelism dp_shard is built from two dims: EP groups are runs of consecutive

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 from torchtitan.components.compile import apply_compile, checked_backend
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig, model_compile_enabled
-from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.data_parallel import apply_data_parallel
 from torchtitan.distributed.expert_parallel import apply_expert_parallel

@@ -23,8 +23,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig, model_compile_enabled
-from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.expert_parallel import routed_experts
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import scale_grad

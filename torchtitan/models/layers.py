@@ -8,9 +8,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchtitan.components.tokenizer import build_hf_tokenizer
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.job_config import Model as ModelConfig
-from torchtitan.config.manager import ConfigError, attention_backend_conflict, split_documents_conflict
+from torchtitan.config.validation import attention_backend_conflict, split_documents_conflict
 from torchtitan.distributed.utils import init_param_
 from torchtitan.models.attention import (
     ATTENTION_BACKENDS,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.config.manager import ConfigError
+from torchtitan.config.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from torchtitan.config.manager import ConfigError, did_you_mean
+from torchtitan.config.errors import ConfigError, did_you_mean
 from torchtitan.protocols.model_args import BaseModelArgs
 
 
