@@ -3,20 +3,28 @@
 Trains the Qwen3 MoE debug model (fp32, CPU, gloo) with expert_parallel_degree 2 on 2 processes,
 once per AC mode, interleaving the modes round by round so machine noise hits all alike. Both
 full-AC options are measured: `reissue` (the token all-to-alls run again in recompute) and
-`replay` (their outputs are saved). Rank 0 prints one table.
+`replay` (their outputs are saved). Where the combine all-to-all is replayed (op-SAC, full
+replay), recompute skips the experts' w2, whose output only that all-to-all reads; the rows marked
+"w2 recomputed" turn that off, to show what it saves. Rank 0 prints one table.
 
     python benchmarks/moe_expert_parallel.py [--batch 2] [--seq-len 512] [--rounds 3]
-        [--steps-per-round 2] [--warmup 1]
+        [--steps-per-round 2] [--warmup 1] [--dim 256] [--moe-hidden-dim 256] [--layers 6]
+
+`--dim`, `--moe-hidden-dim` and `--layers` resize the debug flavor (wider experts make the
+matmuls, rather than the per-op overheads, the cost).
 
 Run it as is: it starts itself under torchrun with 2 processes.
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -24,9 +32,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.config.manager import parse_args
+from torchtitan.distributed import activation_checkpoint as ac_module
 from torchtitan.distributed.expert_parallel import is_ep_local
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.qwen3 import qwen3_flavors
+from torchtitan.models.qwen3.args import Qwen3ModelArgs
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 from torchtitan.tools.activation_memory import bytes_held_for_backward
@@ -40,30 +50,46 @@ MODES = {
     "selective 2": [_MODE, "selective", _OPTION, "2"],
     "selective op": [_MODE, "selective", _OPTION, "op"],
 }
+MODES["full, replay, w2 recomputed"] = MODES["full, replay"]
+MODES["selective op, w2 recomputed"] = MODES["selective op"]
 EP = 2
 
 
 class _AllToAllTraffic(TorchDispatchMode):
-    """Counts the all-to-alls and the bytes this rank sends through them."""
+    """Counts the all-to-alls and the bytes this rank sends through them, and the experts'
+    grouped matmuls that run."""
 
     def __init__(self):
         super().__init__()
         self.calls = 0
         self.bytes_sent = 0
+        self.expert_matmuls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops._c10d_functional.all_to_all_single.default:
             self.calls += 1
             self.bytes_sent += args[0].numel() * args[0].element_size()
+        # With grad mode on: the forward's, or in backward the recompute's (not the gradients').
+        if func is torch.ops.aten._grouped_mm.default and torch.is_grad_enabled():
+            self.expert_matmuls += 1
         return func(*args, **(kwargs or {}))
 
 
-def build(parallel_dims: ParallelDims, ac_argv: list[str], seq_len: int) -> Qwen3Model:
+def flavor(cli) -> Qwen3ModelArgs:
+    return replace(
+        qwen3_flavors["debugmodel_moe"], dim=cli.dim, moe_hidden_dim=cli.moe_hidden_dim, n_layers=cli.layers
+    )
+
+
+def build(parallel_dims: ParallelDims, ac_argv: list[str], cli, skip_w2: bool = True) -> Qwen3Model:
     argv = ["--config", "qwen3_debug_model_moe.toml", "--parallelism.expert_parallel_degree", str(EP)]
-    cfg = parse_args(argv + ac_argv + ["--training.seq_len", str(seq_len)], env={})
+    cfg = parse_args(argv + ac_argv + ["--training.seq_len", str(cli.seq_len)], env={})
     with torch.device("meta"):
-        model = Qwen3Model(qwen3_flavors["debugmodel_moe"].update_from_config(cfg))
-    parallelize_qwen3(model, parallel_dims, cfg, torch.device("cpu"))
+        model = Qwen3Model(flavor(cli).update_from_config(cfg))
+    # Without the skip, AC sees no block whose output feeds an all-to-all (as before it existed).
+    no_skip = mock.patch.object(ac_module, "_output_feeds_all_to_all", return_value=False)
+    with contextlib.nullcontext() if skip_w2 else no_skip:
+        parallelize_qwen3(model, parallel_dims, cfg, torch.device("cpu"))
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     model.init_weights()
@@ -71,8 +97,8 @@ def build(parallel_dims: ParallelDims, ac_argv: list[str], seq_len: int) -> Qwen
 
 
 class ModeRun:
-    def __init__(self, parallel_dims, ac_argv, tokens):
-        self.model = build(parallel_dims, ac_argv, tokens.shape[1] - 1)
+    def __init__(self, parallel_dims, ac_argv, tokens, cli, skip_w2: bool = True):
+        self.model = build(parallel_dims, ac_argv, cli, skip_w2)
         # Experts are plain local tensors, the rest DTensors: foreach kernels take one kind at a time.
         local = [p for p in self.model.parameters() if is_ep_local(p)]
         sharded = [p for p in self.model.parameters() if not is_ep_local(p)]
@@ -94,15 +120,17 @@ class ModeRun:
         if record:
             self.times.append(time.perf_counter() - start)
 
-    def traffic(self) -> tuple[int, int, int]:
-        """(forward calls, backward calls, backward bytes) of one step's all-to-alls."""
+    def traffic(self) -> tuple[int, int, int, int]:
+        """(forward calls, backward calls, backward bytes) of one step's all-to-alls, and the
+        experts' grouped matmuls recomputed in its backward."""
         with _AllToAllTraffic() as forward:
             loss = self.loss()
         with _AllToAllTraffic() as whole:
             self.loss().backward()
         del loss
         self.optimizer.zero_grad(set_to_none=True)
-        return forward.calls, whole.calls - forward.calls, whole.bytes_sent - forward.bytes_sent
+        recomputed = whole.expert_matmuls - forward.expert_matmuls
+        return forward.calls, whole.calls - forward.calls, whole.bytes_sent - forward.bytes_sent, recomputed
 
     def held_bytes(self) -> int:
         return bytes_held_for_backward(self.model, self.tokens[:, :-1])
@@ -114,7 +142,10 @@ def table(cli) -> list[str]:
     vocab = qwen3_flavors["debugmodel_moe"].vocab_size
     generator = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, vocab, (cli.batch, cli.seq_len + 1), generator=generator)
-    runs = {name: ModeRun(parallel_dims, argv, tokens) for name, argv in MODES.items()}
+    runs = {
+        name: ModeRun(parallel_dims, argv, tokens, cli, skip_w2="w2 recomputed" not in name)
+        for name, argv in MODES.items()
+    }
     for run in runs.values():
         for _ in range(cli.warmup):
             run.step(record=False)
@@ -126,21 +157,23 @@ def table(cli) -> list[str]:
     runs["none"].held_bytes()  # the first measurement also counts lazily created state
     held = {name: run.held_bytes() for name, run in runs.items()}
     lines = [
-        f"Qwen3 debugmodel_moe, EP {EP} on {dist.get_world_size()} CPU processes (gloo), batch "
+        f"Qwen3 debugmodel_moe (dim {cli.dim}, moe_hidden_dim {cli.moe_hidden_dim}, {cli.layers} "
+        f"layers), EP {EP} on {dist.get_world_size()} CPU processes (gloo), batch "
         f"{cli.batch} x {cli.seq_len} per rank, fp32, median of {cli.rounds * cli.steps_per_round} "
-        f"steps, torch {torch.__version__}; all-to-alls and MiB sent per rank per step",
+        f"steps, torch {torch.__version__}; all-to-alls, MiB sent and the experts' grouped "
+        "matmuls recomputed, per rank per step",
         "",
         "| mode | step (ms) | time vs none | held for backward MiB | memory vs none "
-        "| a2a fwd | a2a bwd | MiB sent bwd |",
-        "|---|---|---|---|---|---|---|---|",
+        "| a2a fwd | a2a bwd | MiB sent bwd | expert matmuls recomputed |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, run in runs.items():
         step = statistics.median(run.times)
-        fwd_calls, bwd_calls, bwd_bytes = run.traffic()
+        fwd_calls, bwd_calls, bwd_bytes, recomputed = run.traffic()
         row = [
             f"{1000 * step:.0f}", f"{step / base_time:.2f}",
             f"{held[name] / 2**20:.1f}", f"{held[name] / held['none']:.2f}",
-            str(fwd_calls), str(bwd_calls), f"{bwd_bytes / 2**20:.1f}",
+            str(fwd_calls), str(bwd_calls), f"{bwd_bytes / 2**20:.1f}", str(recomputed),
         ]  # fmt: skip
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     return lines
@@ -153,6 +186,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps-per-round", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
+    debug = qwen3_flavors["debugmodel_moe"]
+    parser.add_argument("--dim", type=int, default=debug.dim)
+    parser.add_argument("--moe-hidden-dim", type=int, default=debug.moe_hidden_dim)
+    parser.add_argument("--layers", type=int, default=debug.n_layers)
     cli = parser.parse_args()
     if "RANK" not in os.environ:
         launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={EP}", __file__]

@@ -208,13 +208,23 @@ WORKER_AC = {
     "full, replay": AC["full"] + REPLAY,
     "full, replay, no early stop": AC["full no early stop"] + REPLAY,
     "selective op": AC["selective op"],
+    "selective op, looped experts": AC["selective op"],
 }
+LOOPED = {"selective op, looped experts"}  # experts run as per-expert matmuls, not grouped mm
 # Backward all-to-alls per MoE layer: autograd's two (the transposes of dispatch and combine),
 # plus, when full AC re-issues them, the recomputed dispatch and combine. The split-size
 # exchange is saved in every AC mode.
 BACKWARD_A2A_PER_LAYER = {
     "none": 2, "full, reissue": 4, "full, reissue, no early stop": 4,
     "full, replay": 2, "full, replay, no early stop": 2, "selective op": 2,
+    "selective op, looped experts": 2,
+}  # fmt: skip
+# Expert matmuls (w1, w3, w2) recomputed per MoE layer: where the combine all-to-all is replayed
+# from the cache, w2, whose output feeds only that all-to-all, is skipped.
+RECOMPUTED_EXPERT_MATMULS_PER_LAYER = {
+    "none": 0, "full, reissue": 3, "full, reissue, no early stop": 3,
+    "full, replay": 2, "full, replay, no early stop": 2, "selective op": 2,
+    "selective op, looped experts": 2,
 }  # fmt: skip
 LEAK_STEPS = 6  # a leak adds 6 tensors a step (all_to_all under full AC without early stop)
 
@@ -238,6 +248,31 @@ def test_backward_issues_only_the_all_to_alls_the_ac_mode_needs(ep_worker_report
     assert set(counts["backward_a2a"]) == {BACKWARD_A2A_PER_LAYER[ac] * layers}, counts
 
 
+def _no_ac(report: dict, ac: str) -> dict:
+    """The report of the run without AC that takes the same experts path as `ac`."""
+    return report["no_ac_looped"] if ac in LOOPED else report["modes"]["none"]
+
+
+@pytest.mark.parametrize("ac", list(WORKER_AC))
+def test_recompute_skips_the_expert_matmul_whose_output_only_the_replayed_all_to_all_reads(
+    ep_worker_report, ac
+):
+    layers = ep_worker_report["moe_layers"]
+    counts = ep_worker_report["modes"][ac]
+    per_projection = counts["expert_mm_per_projection"]
+    assert counts["forward_expert_mm"] == 3 * layers * per_projection, counts
+    expected = RECOMPUTED_EXPERT_MATMULS_PER_LAYER[ac] * layers * per_projection
+    assert counts["recomputed_expert_mm"] == expected, counts
+
+
+@pytest.mark.parametrize("ac", sorted(set(WORKER_AC) - {"none"}))
+def test_ac_under_ep_gives_the_gradients_of_no_ac_bit_for_bit(ep_worker_report, ac):
+    """Recompute runs the same kernels on the same inputs, and what it skips (the combine
+    all-to-all's input) never reaches backward."""
+    expected = _no_ac(ep_worker_report, ac)["grads_digest"]
+    assert ep_worker_report["modes"][ac]["grads_digest"] == expected, ac
+
+
 @pytest.mark.parametrize("ac", list(WORKER_AC))
 def test_memory_held_after_each_step_stays_flat(ep_worker_report, ac):
     held = ep_worker_report["modes"][ac]["held_after_step"]
@@ -258,22 +293,41 @@ def test_recompute_under_ep_replays_the_forward_routing(ep_worker_report, ac):
     assert ep_worker_report["modes"][ac]["replayed_grads_equal"], ac
 
 
-class _CountAllToAll(TorchDispatchMode):
+class _CountOps(TorchDispatchMode):
+    """Counts all-to-alls, and the routed experts' forward matmuls that run (in backward: those
+    of the recompute). Entered before the step, so checkpoint's modes see every op first, and an
+    op they skip is not counted."""
+
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.a2a = self.expert_mm = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops._c10d_functional.all_to_all_single.default:
-            self.count += 1
+            self.a2a += 1
+        # Grad mode is on in forward and in recompute, off for the gradients' own matmuls.
+        is_expert_mm = func is torch.ops.aten._grouped_mm.default or _is_expert_weight_mm(func, args)
+        if is_expert_mm and torch.is_grad_enabled():
+            self.expert_mm += 1
         return func(*args, **(kwargs or {}))
 
 
-def _build(parallel_dims, ac_argv: list[str]):
+def _is_expert_weight_mm(func, args) -> bool:
+    """A looped expert's matmul: its right operand is one expert's slice of the 3-D weight."""
+    if func is not torch.ops.aten.mm.default:
+        return False
+    base = args[1]._base
+    return base is not None and base.dim() == 3
+
+
+def _build(parallel_dims, ac_argv: list[str], looped: bool = False):
     cfg = parse_args(CONFIG + EP2 + ac_argv + ["--training.seq_len", "64"], env={})
     with torch.device("meta"):
         # Two blocks keep the 20-step leak check quick; every count is per MoE layer.
         model = Qwen3Model(replace(qwen3_flavors["debugmodel_moe"], n_layers=2).update_from_config(cfg))
+    for name, module in model.named_modules():
+        if name.endswith("moe.experts"):
+            module.use_grouped_mm = not looped
     parallelize_qwen3(model, parallel_dims, cfg, torch.device("cpu"))
     model.to_empty(device="cpu")
     torch.manual_seed(0)
@@ -302,19 +356,28 @@ def _grads(model) -> list[torch.Tensor]:
     ]
 
 
-def _report_mode(parallel_dims, ac, tokens) -> dict:
-    model = _build(parallel_dims, WORKER_AC[ac])
+def _digest(grads: list[torch.Tensor]) -> list[str]:
+    """Each gradient's sum and absolute sum, exact (float64, in hex): a gradient that differs in
+    any bit almost surely changes one of them, and the worker can print them."""
+    return [f"{g.double().sum().item().hex()} {g.double().abs().sum().item().hex()}" for g in grads]
+
+
+def _report_mode(parallel_dims, ac, tokens, looped: bool = False) -> dict:
+    model = _build(parallel_dims, WORKER_AC[ac], looped)
     experts = [m for n, m in model.named_modules() if n.endswith("moe.experts")]
-    with _CountAllToAll() as mode:
+    # One mode over forward and backward: a mode entered for backward only upsets SAC's recompute.
+    with _CountOps() as mode:
         loss = _loss(model, tokens)
-    forward_a2a = mode.count
-    loss.backward()
+        forward_a2a, forward_expert_mm = mode.a2a, mode.expert_mm
+        loss.backward()
+    recomputed_expert_mm = mode.expert_mm - forward_expert_mm
+    first_grads = _digest(_grads(model))
     backward_a2a, held = [], []
     for _ in range(LEAK_STEPS):
         model.zero_grad(set_to_none=True)
-        with _CountAllToAll() as mode:
+        with _CountOps() as mode:
             _loss(model, tokens).backward()
-        backward_a2a.append(mode.count - forward_a2a)
+        backward_a2a.append(mode.a2a - forward_a2a)
         held.append(_held_tensors())
     reference = _grads(model)
     model.zero_grad(set_to_none=True)
@@ -327,6 +390,11 @@ def _report_mode(parallel_dims, ac, tokens) -> dict:
     return {
         "forward_a2a": forward_a2a,
         "backward_a2a": backward_a2a,
+        "forward_expert_mm": forward_expert_mm,
+        "recomputed_expert_mm": recomputed_expert_mm,
+        # One grouped mm per projection, or one matmul per local expert.
+        "expert_mm_per_projection": experts[0].w1.shape[0] if looped else 1,
+        "grads_digest": first_grads,
         "held_after_step": held,
         "pending_contexts": sum(e._ep_hooks._ctx is not None for e in experts),
         "replayed_grads_equal": all(torch.equal(a, b) for a, b in zip(reference, replayed)),
@@ -346,10 +414,13 @@ def _worker() -> None:
     model = None
     for ac in WORKER_AC:
         del model  # so that the held-tensor counts of each mode see one model only
-        mode_report = _report_mode(parallel_dims, ac, tokens)
+        mode_report = _report_mode(parallel_dims, ac, tokens, looped=ac in LOOPED)
         model = mode_report.pop("model")
         report["moe_layers"] = mode_report.pop("moe_layers")
         report["modes"][ac] = mode_report
+    del model
+    report["no_ac_looped"] = _report_mode(parallel_dims, "none", tokens, looped=True)
+    model = report["no_ac_looped"].pop("model")
     experts = [m for n, m in model.named_modules() if n.endswith("moe.experts")]
     names = ("w1", "w2", "w3")
     report["expert_shapes"] = [list(getattr(experts[0], n).shape) for n in names]

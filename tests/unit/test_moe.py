@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.config import ActivationCheckpoint
 from torchtitan.distributed import activation_checkpoint as ac_module
@@ -307,6 +308,44 @@ def test_checkpointed_moe_gives_the_same_grads_as_no_checkpoint(ac, use_grouped_
     assert torch.equal(out_p, out_c) and torch.equal(dx_p, dx_c)
     for name, grad in grads_p.items():
         assert torch.equal(grad, grads_c[name]), name
+
+
+class _CountRecomputedGroupedMM(TorchDispatchMode):
+    """Grouped matmuls run with grad mode on: in backward, those of a recompute (the gradients'
+    own run with it off)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._grouped_mm.default and torch.is_grad_enabled():
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _recomputed_grouped_mm(feeds_all_to_all: bool) -> int:
+    moe = _moe()
+    moe.experts.output_feeds_all_to_all = feeds_all_to_all
+    holder = _Holder(moe)
+    apply_ac(holder, OP_SAC, op_sac_save_list=DEFAULT_SAVE_LIST)
+    x = _tokens(2, 12, DIM)
+    assert holder.layers["0"].moe.experts.uses_grouped_mm(x)
+    loss = holder(x).square().mean()
+    with _CountRecomputedGroupedMM() as counter:
+        loss.backward()
+    return counter.count
+
+
+def test_without_expert_parallelism_op_sac_recomputes_all_three_expert_matmuls():
+    """w2's output is weighted by the routing scores, which backward needs."""
+    assert _recomputed_grouped_mm(feeds_all_to_all=False) == 3
+
+
+def test_experts_whose_output_feeds_an_all_to_all_skip_w2_in_recompute():
+    """What expert parallelism declares; the all-to-all then replays from the cache (see
+    tests/integration/test_expert_parallel.py for the gradients)."""
+    assert _recomputed_grouped_mm(feeds_all_to_all=True) == 2
 
 
 def test_recompute_neither_recounts_tokens_nor_resets_the_aux_loss():

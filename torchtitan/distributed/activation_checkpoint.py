@@ -17,9 +17,15 @@ Modes (`[activation_checkpoint].mode`):
         recomputes the rest, except that every second matmul is recomputed.
     memory_budget: no wrapping; torch.compile's partitioner chooses what to save so that
         activations stay within `memory_budget` of what saving everything costs.
+
+Wherever a recompute replays the expert-parallel combine all-to-all from its cache (op-SAC,
+full AC with "replay"), it skips the matmul that makes that all-to-all's input (see
+`all_to_all_input`).
 """
 
+import contextlib
 import logging
+import threading
 from collections import defaultdict
 
 import torch
@@ -28,6 +34,7 @@ from torch._higher_order_ops.flex_attention import flex_attention as _flex_atten
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper as ptd_checkpoint_wrapper,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torchtitan.config.errors import ConfigError
@@ -284,27 +291,114 @@ def _full_ac_moe_policy(replay_all_to_all: bool):
     return policy
 
 
-def full_ac_moe_context_fn(replay_all_to_all: bool):
+def full_ac_moe_context_fn(replay_all_to_all: bool, skip_all_to_all_inputs: bool = False):
     """A `context_fn` for full AC of an MoE block: recompute everything but the routing, the
-    split sizes and, with `replay_all_to_all`, the token all-to-alls."""
-    return lambda: create_selective_checkpoint_contexts(_full_ac_moe_policy(replay_all_to_all))
+    split sizes and, with `replay_all_to_all`, the token all-to-alls. `skip_all_to_all_inputs`
+    (only with `replay_all_to_all`): see `all_to_all_input`."""
+    policy = _full_ac_moe_policy(replay_all_to_all)
+    return _selective_context_fn(lambda: policy, skip_all_to_all_inputs and replay_all_to_all)
 
 
 def op_sac_context_fn(
-    save_ops: frozenset, forced_mm_shapes: set = frozenset(), block_end_mm_shapes: set = frozenset()
+    save_ops: frozenset,
+    forced_mm_shapes: set = frozenset(),
+    block_end_mm_shapes: set = frozenset(),
+    skip_all_to_all_inputs: bool = False,
 ):
     """A `context_fn` for op-SAC; each checkpointed call gets fresh matmul counters, shared
     by its forward and its recompute so that both make the same choices. The reduce-scatter
     right after a matmul of `block_end_mm_shapes` is not saved: give them only under
     `early_stop` (the checkpoint's), which never recomputes it; without, recompute would
-    re-issue it."""
+    re-issue it. `skip_all_to_all_inputs` (only when `save_ops` holds the all-to-all): see
+    `all_to_all_input`."""
 
+    def new_policy():
+        return _op_sac_policy(save_ops, forced_mm_shapes, defaultdict(int), block_end_mm_shapes)
+
+    skip = skip_all_to_all_inputs and _c10d.all_to_all_single.default in save_ops
+    return _selective_context_fn(new_policy, skip)
+
+
+def _selective_context_fn(new_policy, skip_all_to_all_inputs: bool):
     def context_fn():
-        return create_selective_checkpoint_contexts(
-            _op_sac_policy(save_ops, forced_mm_shapes, defaultdict(int), block_end_mm_shapes)
-        )
+        forward, recompute = create_selective_checkpoint_contexts(new_policy())
+        if skip_all_to_all_inputs:
+            recompute = _skipping_all_to_all_inputs(recompute)
+        return forward, recompute
 
     return context_fn
+
+
+# The matmuls `all_to_all_input` may mark; other ops in its region run as usual.
+_SKIPPABLE_MATMULS = (_aten.mm.default, _aten._grouped_mm.default)
+_all_to_all_input = threading.local()
+
+
+@contextlib.contextmanager
+def all_to_all_input():
+    """Mark the matmuls run inside as making the input of an expert-parallel all-to-all (the
+    routed experts' last projection, which the combine sends back).
+
+    A recompute (of op-SAC, or of full AC with `full_ac_all_to_all = "replay"`) takes that
+    all-to-all's output from the checkpoint's cache, so it never reads the matmul's output; it
+    only has to get past it to reach what backward needs further on (the combined output that
+    weights the routing scores). Inside this region such a recompute runs no kernel for `mm`
+    and `_grouped_mm`: it hands on an uninitialized tensor of the output's shape. Autograd still
+    records each matmul and saves its inputs, so backward is unchanged; a third of the routed
+    experts' recompute is saved.
+
+    Everywhere else (the forward, a recompute that re-issues the all-to-all, a block without
+    expert parallelism, a compiled block, whose graph drops the unused matmul by itself) it
+    does nothing. `apply_ac` turns it on per block only when a module of the block sets
+    `output_feeds_all_to_all` (as `apply_expert_parallel` does for the routed experts).
+
+    Pitfalls: mark only matmuls whose output reaches nothing but that all-to-all (through
+    reindexing at most); anything else reading it in a recompute would read garbage. The
+    recompute of such a block passes each op through one more Python dispatch mode, a few
+    microseconds each (less than the skipped matmul saves even on the debug models' experts:
+    see `benchmarks/moe_expert_parallel.py`).
+    """
+    _all_to_all_input.depth = getattr(_all_to_all_input, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _all_to_all_input.depth -= 1
+
+
+def _matmul_output(func, args, kwargs):
+    """An uninitialized output for `mm` or 2-D x 3-D `_grouped_mm`; None for other layouts."""
+    a, b = args[0], args[1]
+    if func == _aten.mm.default:
+        return a.new_empty((a.shape[0], b.shape[1]))
+    if a.dim() == 2 and b.dim() == 3:
+        out_dtype = kwargs.get("out_dtype", args[4] if len(args) > 4 else None)
+        return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
+    return None
+
+
+class _SkipAllToAllInputs(TorchDispatchMode):
+    """Recompute-side mode: the matmuls inside `all_to_all_input` return uninitialized outputs
+    (below autograd, which still records them)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(_all_to_all_input, "depth", 0) and func in _SKIPPABLE_MATMULS:
+            out = _matmul_output(func, args, kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _skipping_all_to_all_inputs(recompute_context):
+    # Entered before (under) the SAC cache, which must see every op of the recompute in the
+    # forward's order: the ops it runs reach this mode, and what this mode creates bypasses it.
+    with _SkipAllToAllInputs(), recompute_context:
+        yield
+
+
+def _output_feeds_all_to_all(block: nn.Module) -> bool:
+    return any(getattr(m, "output_feeds_all_to_all", False) for m in block.modules())
 
 
 def _wrap_child(block: nn.Module, name: str, wrap) -> str:
@@ -397,18 +491,25 @@ def apply_ac(
         block_end_shapes = _block_end_mm_shapes(model) if ac_config.early_stop else frozenset()
         save_ops = DEFAULT_SAVE_LIST if op_sac_save_list is None else frozenset(op_sac_save_list)
         context_fn = op_sac_context_fn(save_ops, shapes, block_end_shapes)
+        skipping_context_fn = op_sac_context_fn(save_ops, shapes, block_end_shapes, not model_compile_enabled)
     full_kind = "full AC" if every == 1 else f"full AC on one block in {every}"
     blocks_by_kind: dict[str, list[str]] = defaultdict(list)
     for index, (name, block) in enumerate(list(model.layers.named_children())):
         if index % every:
             continue
+        feeds_all_to_all = _output_feeds_all_to_all(block)
         if is_op_sac:
             block, kind = _apply_op_sac_to_block(
-                block, ac_config, context_fn, use_flex_attn, model_compile_enabled
+                block,
+                ac_config,
+                skipping_context_fn if feeds_all_to_all else context_fn,
+                use_flex_attn,
+                model_compile_enabled,
             )
         elif hasattr(block, "moe"):
             replay = ac_config.full_ac_all_to_all == "replay"
-            block = _checkpoint(block, ac_config, full_ac_moe_context_fn(replay))
+            skip = feeds_all_to_all and not model_compile_enabled
+            block = _checkpoint(block, ac_config, full_ac_moe_context_fn(replay, skip))
             kind = f"{full_kind} (MoE: routing saved, all-to-alls {ac_config.full_ac_all_to_all})"
         else:
             block, kind = _checkpoint(block, ac_config), full_kind

@@ -224,6 +224,8 @@ def apply_expert_parallel(
         hooks = experts._ep_hooks = _ExpertParallelHooks(ep_mesh.get_group(), data_ranks)
         experts.register_forward_pre_hook(hooks.dispatch)
         experts.register_forward_hook(hooks.combine)
+        # Read by activation checkpointing: see its `all_to_all_input`.
+        experts.output_feeds_all_to_all = True
         # Forward hooks run in registration order: the rows come back, then are padded.
         if split is not None:
             experts.register_forward_hook(split.restore_all_rows)

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from torchtitan.distributed.activation_checkpoint import all_to_all_input
 from torchtitan.distributed.utils import init_param_
 from torchtitan.models.layers import FeedForward, trunc_normal
 from torchtitan.tools.grouped_mm import grouped_mm_supported
@@ -231,7 +232,8 @@ class GroupedExperts(nn.Module):
         outs = []
         for e, rows in enumerate(torch.split(x, counts.tolist())):
             h = F.silu(rows @ w1[e].transpose(0, 1)) * (rows @ w3[e].transpose(0, 1))
-            outs.append(h @ w2[e].transpose(0, 1))
+            with all_to_all_input():
+                outs.append(h @ w2[e].transpose(0, 1))
         return torch.cat(outs)
 
     def _grouped(self, x, counts, w1, w2, w3) -> torch.Tensor:
@@ -243,7 +245,10 @@ class GroupedExperts(nn.Module):
         offs = torch.cumsum(padded_counts, dim=0, dtype=torch.int32)
         h = F.silu(torch._grouped_mm(padded, w1.transpose(-2, -1), offs=offs))
         h = h * torch._grouped_mm(padded, w3.transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)[dest]
+        # Under expert parallelism only the combine all-to-all reads w2's output.
+        with all_to_all_input():
+            out = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        return out[dest]
 
     def init_weights(self, init_std: float) -> None:
         init_param_(self.w1, trunc_normal(0.02))
