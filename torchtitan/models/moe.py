@@ -217,7 +217,10 @@ class GroupedExperts(nn.Module):
         Returns:
             [N, dim], row i computed by the expert that owns row i.
 
-        Pitfall: the loop path reads the counts on the host (one device sync per call).
+        Pitfalls: the loop path reads the counts on the host (one device sync per call). The
+        grouped-mm path's padding rows hold whatever memory held, NaN included, so
+        `torch.autograd.set_detect_anomaly(True)` reports NaN in their gradients although no
+        result reads them; set `use_grouped_mm = False` on the experts to debug with it.
         """
         dtype = _matmul_dtype(x)
         x = x.to(dtype)
@@ -239,7 +242,7 @@ class GroupedExperts(nn.Module):
     def _grouped(self, x, counts, w1, w2, w3) -> torch.Tensor:
         dest, padded_counts = _aligned_rows(counts, x.shape[0], self.align_rows)
         # Static worst-case size (no device sync). Grouped mm leaves output rows past the last
-        # offset unwritten; they are never read.
+        # offset unwritten; only elementwise ops touch them, and nothing reaches the results.
         padded = x.new_zeros(x.shape[0] + counts.numel() * self.align_rows, x.shape[1])
         padded[dest] = x
         offs = torch.cumsum(padded_counts, dim=0, dtype=torch.int32)
