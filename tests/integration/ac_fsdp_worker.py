@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from tests.integration.workers import AC_MODES, SEQ_LEN, build_debug_model, shut_down
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.tools.fqn import clean_fqn
 
 
 def loss_and_grads(model, tokens):
@@ -24,7 +25,7 @@ def loss_and_grads(model, tokens):
     grads = {}
     for name, p in model.named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        grads[name.replace("._checkpoint_wrapped_module", "")] = grad
+        grads[clean_fqn(name)] = grad
     return loss.detach(), grads
 
 

@@ -22,6 +22,7 @@ from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
 from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.tools.fqn import clean_fqn
 
 pytestmark = pytest.mark.integration
 
@@ -92,7 +93,7 @@ def _loss_and_grads(model, parallel_dims, cfg, tokens):
     grads = {}
     for name, param in model.named_parameters():
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-        grads[name.replace("._checkpoint_wrapped_module", "")] = grad
+        grads[clean_fqn(name)] = grad
     return loss.item(), grads
 
 

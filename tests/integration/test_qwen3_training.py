@@ -20,6 +20,7 @@ from torchtitan.distributed.utils import plain_tensor
 from torchtitan.models.qwen3 import qwen3_flavors
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+from torchtitan.tools.fqn import clean_fqn
 
 pytestmark = pytest.mark.integration
 
@@ -100,10 +101,7 @@ def _gradients(parallel_dims: ParallelDims | None, cfg) -> dict[str, torch.Tenso
     with loss_context(parallel_dims or ParallelDims(1, 1, 1, 1), cfg):
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-    return {
-        n.replace("._checkpoint_wrapped_module", ""): plain_tensor(p.grad)
-        for n, p in model.named_parameters()
-    }
+    return {clean_fqn(n): plain_tensor(p.grad) for n, p in model.named_parameters()}
 
 
 def _worker() -> None:

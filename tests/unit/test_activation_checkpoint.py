@@ -29,6 +29,7 @@ from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
 from torchtitan.models.rope import precompute_rope_cache
 from torchtitan.protocols.train_spec import _REGISTRY, get_train_spec
 from torchtitan.tools.activation_memory import bytes_held_for_backward
+from torchtitan.tools.fqn import clean_fqn
 
 NONE = ActivationCheckpoint(mode="none")
 FULL = ActivationCheckpoint(mode="full")
@@ -58,7 +59,7 @@ def _loss_and_grads(model):
     logits = model(tokens[:, :-1])
     loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
-    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+    grads = {clean_fqn(n): p.grad for n, p in model.named_parameters()}
     return loss.detach(), grads
 
 
@@ -100,6 +101,18 @@ def test_mode_leaves_loss_and_every_gradient_unchanged(mode, reference):
 )  # fmt: skip
 def test_mode_wraps_the_expected_blocks(mode, wrapped):
     assert _wrapped(_debug_model(MODES[mode])) == wrapped
+
+
+def test_clean_names_of_a_checkpointed_and_compiled_model_are_the_plain_models():
+    plain = [n for n, _ in _debug_model().named_parameters()]
+    wrapped = _debug_model(MODES["full"])
+    for name, block in wrapped.layers.named_children():
+        wrapped.layers.register_module(name, torch.compile(block))  # compiles lazily: nothing runs
+
+    raw = [n for n, _ in wrapped.named_parameters()]
+
+    assert raw[1].startswith("layers.0._orig_mod._checkpoint_wrapped_module.")
+    assert [clean_fqn(n) for n in raw] == plain
 
 
 def test_layer_selective_count_belongs_to_each_model():

@@ -8,7 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from torchtitan.components import checkpoint
+from torchtitan.components import checkpoint, checkpoint_folders
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.config.manager import parse_args
 
@@ -87,7 +87,7 @@ def test_the_stager_and_its_host_buffers_are_reused_by_the_next_save(manager):
     # Before torch 2.13 a used stager cannot copy again; there the second save gets a new one.
     assert (manager.stager is first) == checkpoint.STAGER_REUSABLE
     manager.wait()
-    assert checkpoint.complete_steps(manager.folder) == [1, 2]
+    assert checkpoint_folders.complete_steps(manager.folder) == [1, 2]
 
 
 def test_three_saves_in_a_row_each_hold_their_own_steps_weights(manager):

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan.components.checkpoint import CheckpointManager, TrainState, complete_steps, prune_checkpoints
+from torchtitan.components.checkpoint import CheckpointManager, TrainState
+from torchtitan.components.checkpoint_folders import complete_steps, prune_checkpoints
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 
@@ -209,13 +210,13 @@ def test_a_checkpoint_folder_that_is_a_file_is_refused_before_training(tmp_path)
 
 
 def test_a_save_of_an_existing_step_replaces_the_folder_whole_and_leaves_nothing_aside(tmp_path):
-    from torchtitan.components.checkpoint import _replace_folder
+    from torchtitan.components.checkpoint_folders import replace_folder
 
     _save(tmp_path, 5)
     _save(tmp_path, 6, suffix=".partial")  # the new save's content, written as step-5's
     (tmp_path / "step-6.partial").rename(tmp_path / "step-5.partial")
 
-    _replace_folder(tmp_path / "step-5", tmp_path / "step-5.partial")
+    replace_folder(tmp_path / "step-5", tmp_path / "step-5.partial")
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-5"]
     state = {"model": {"weight": torch.zeros(2)}}

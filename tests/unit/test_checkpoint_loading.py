@@ -75,14 +75,14 @@ def test_a_whole_hf_checkpoint_loads_every_tensor(tmp_path):
 
 
 def test_an_hf_load_reads_one_decoder_layer_at_a_time(tmp_path, monkeypatch):
-    import torchtitan.components.checkpoint as checkpoint
+    import torchtitan.components.hf_load as hf_load
 
     model, adapter = _model()
     _export(model, adapter, tmp_path / "hf")
     reads = []
-    real_read = checkpoint.load_hf_tensors
+    real_read = hf_load.load_hf_tensors
     monkeypatch.setattr(
-        checkpoint, "load_hf_tensors", lambda layout, keys: reads.append(keys) or real_read(layout, keys)
+        hf_load, "load_hf_tensors", lambda layout, keys: reads.append(keys) or real_read(layout, keys)
     )
     target, _ = _model(seed=1)
 

@@ -18,6 +18,7 @@ from torchtitan.models.deepseek_v3.parallelize import DEEPSEEK_V3_SAVE_LIST
 from torchtitan.models.moe import MoE, MoEArgs
 from torchtitan.models.rope import precompute_rope_cache
 from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.tools.fqn import clean_fqn
 
 # Sources of the shapes below (Hugging Face config.json):
 #   671B: deepseek-ai/DeepSeek-V3. Published total: 671B for the main model; the repository's
@@ -282,7 +283,7 @@ def _step(model, tokens):
     logits = model(tokens[:, :-1])
     loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
-    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+    grads = {clean_fqn(n): p.grad for n, p in model.named_parameters()}
     counts = [m.tokens_per_expert.clone() for m in model.modules() if isinstance(m, MoE)]
     return loss.detach(), grads, counts
 

@@ -16,6 +16,7 @@ from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
 from torchtitan.models.qwen3.parallelize import QWEN3_MOE_SAVE_LIST, QWEN3_SAVE_LIST
 from torchtitan.models.rope import YaRNScaling
 from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.tools.fqn import clean_fqn
 from torchtitan.train import main
 
 SEQ_LEN = 32
@@ -74,7 +75,7 @@ def _loss_and_grads(module, tokens: torch.Tensor):
     logits = module(tokens[:, :-1])
     loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
-    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in module.named_parameters()}
+    grads = {clean_fqn(n): p.grad for n, p in module.named_parameters()}
     return loss.detach(), grads
 
 

@@ -169,12 +169,12 @@ def test_an_fp8_qwen3_checkpoint_with_bf16_scales_loads_as_its_dequantized_weigh
 def test_an_fp8_load_logs_the_dequantization_and_never_reads_the_mtp_layer(
     deepseek_fp8, tmp_path, monkeypatch, caplog
 ):
-    import torchtitan.components.checkpoint as checkpoint
+    import torchtitan.components.hf_load as hf_load
 
     _, adapter, folder, _ = deepseek_fp8
-    reads, real_read = [], checkpoint.load_hf_tensors
+    reads, real_read = [], hf_load.load_hf_tensors
     monkeypatch.setattr(
-        checkpoint, "load_hf_tensors", lambda layout, keys: reads.extend(keys) or real_read(layout, keys)
+        hf_load, "load_hf_tensors", lambda layout, keys: reads.extend(keys) or real_read(layout, keys)
     )
     target, _ = _model("deepseek_v3", seed=1)
 

@@ -13,6 +13,7 @@ from torchtitan.models.qwen3.args import Qwen3ModelArgs
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 from torchtitan.models.rope import apply_rope
+from torchtitan.tools.fqn import clean_fqn
 
 # Source: the config.json of each Hugging Face repo Qwen/Qwen3-<size> (hidden_size,
 # num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
@@ -246,7 +247,7 @@ def test_moe_debug_model_ac_keeps_loss_gradients_and_routing_counts(ac_mode, opt
         logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+        grads = {clean_fqn(n): p.grad for n, p in model.named_parameters()}
         counts = [b.moe.tokens_per_expert.clone() for b in model.layers.values() if hasattr(b, "moe")]
         counts = counts or [
             b._checkpoint_wrapped_module.moe.tokens_per_expert.clone() for b in model.layers.values()

@@ -25,7 +25,6 @@ Pitfalls:
 import logging
 import os
 import pickle
-import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -44,33 +43,35 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from torchtitan.components.hf_io import (
-    CONFIG_FILE,
-    FP8_SCALE_SUFFIX,
-    HFQuantizationError,
-    dequantize_fp8,
-    fp8_block_size,
-    keys_by_layer,
-    load_hf_tensors,
-    meta_tensors,
-    read_hf_layout,
-    save_hf,
+from torchtitan.components.checkpoint_folders import (
+    PARTIAL_SUFFIX,
+    SUPERSEDED_SUFFIX,
+    UNREADABLE_CHECKPOINT,
+    complete_steps,
+    hf_export_steps,
+    is_dcp,
+    prune_checkpoints,
+    replace_folder,
+    resumable_steps,
+    saved_keys,
+    unreadable_checkpoint_error,
 )
+from torchtitan.components.hf_io import save_hf
+from torchtitan.components.hf_load import load_hf_checkpoint
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import CHECKPOINT_STATE_KEYS as STATE_KEYS
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.expert_parallel import full_expert_tensor, global_expert_view, is_ep_local
-from torchtitan.protocols.state_dict_adapter import StateDictMismatchError, describe_mismatch
+from torchtitan.distributed.expert_parallel import (
+    expert_parallel_params,
+    full_expert_tensor,
+    global_expert_view,
+)
+from torchtitan.protocols.state_dict_adapter import describe_mismatch
 from torchtitan.tools.dtypes import TORCH_DTYPES
+from torchtitan.tools.fqn import clean_fqn
 
 logger = logging.getLogger(__name__)
 
-STEP_FOLDER = re.compile(r"^step-(\d+)$")
-HF_EXPORT_FOLDER = re.compile(r"^step-(\d+)-hf$")  # last_save_in_hf's final export
-PARTIAL_SUFFIX = ".partial"
-SUPERSEDED_SUFFIX = ".superseded"
-REPLACED_SUFFIX = ".replaced"  # a checkpoint folder being replaced by a newer save of its step
-_HF_LOAD_FIX = "Set model.name and model.flavor to the checkpoint's, or load another checkpoint."
 # Test hook: a rank that reads this step from the environment dies after writing its shards and
 # before the checkpoint becomes visible, as a preempted or crashed save would.
 CRASH_DURING_SAVE_ENV = "TORCHTITAN_TEST_CRASH_DURING_SAVE"
@@ -113,108 +114,9 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
         torch.get_device_module(device.type).set_rng_state(state["device"], device)
 
 
-def _clean_fqn(name: str) -> str:
-    """A parameter or buffer name without the AC and compile wrappers' prefixes."""
-    return name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
-
-
 def _is_moment(value) -> bool:
     """An optimizer state shaped like its parameter (not a scalar such as Adam's step)."""
     return isinstance(value, torch.Tensor) and value.ndim > 0
-
-
-def complete_steps(folder: Path) -> list[int]:
-    """Steps with a complete (visible) checkpoint in `folder`, ascending: `step-N` folders that
-    hold DCP's metadata, which it writes last."""
-    if not folder.is_dir():
-        return []
-    steps = [int(m.group(1)) for p in folder.iterdir() if (m := STEP_FOLDER.match(p.name)) and _is_dcp(p)]
-    return sorted(steps)
-
-
-def _is_dcp(folder: Path) -> bool:
-    return (folder / ".metadata").is_file()
-
-
-def _replace_folder(final: Path, new: Path) -> None:
-    """Rename `new` to `final`, replacing any folder there. The old one is renamed aside first
-    and deleted after: deleting it in place (seconds for a large checkpoint) would leave no
-    `final` at all until the rename, which a kill in between would make permanent."""
-    old = final.with_name(final.name + REPLACED_SUFFIX)
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    new.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-# What reading a damaged DCP checkpoint raises: a shard missing or truncated, metadata emptied.
-UNREADABLE_CHECKPOINT = (OSError, EOFError, pickle.UnpicklingError, dcp.api.CheckpointException)
-
-
-def unreadable_checkpoint_error(folder: Path, error: Exception) -> ConfigError:
-    """The error for a complete-looking checkpoint that cannot be read, naming what to do."""
-    earlier = [s for s in complete_steps(folder.parent) if f"step-{s}" != folder.name]
-    instead = f" (complete: {', '.join(map(str, earlier))})" if earlier else ""
-    detail = f"{type(error).__name__}: {error}"
-    if isinstance(error, dcp.api.CheckpointException) and error.failures:
-        rank, (cause, _) = min(error.failures.items())
-        detail = f"rank {rank}: {type(cause).__name__}: {cause}"
-    detail = detail.strip().splitlines()[0]
-    return ConfigError(
-        f"checkpoint {folder} cannot be read ({detail}; a shard file missing or truncated?). Resume "
-        f"from an earlier step with checkpoint.load_step{instead}, or move the folder aside."
-    )
-
-
-def saved_keys(folder: Path) -> set[str]:
-    """The top-level state keys (model, optimizer, ...) a DCP checkpoint folder holds.
-
-    Raises:
-        ConfigError: when the folder's metadata cannot be read.
-    """
-    try:
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    except UNREADABLE_CHECKPOINT as error:
-        raise unreadable_checkpoint_error(folder, error) from None
-    return {key.split(".")[0] for key in metadata.state_dict_metadata}
-
-
-def hf_export_steps(folder: Path) -> list[int]:
-    """Steps with a Hugging Face export (`step-N-hf`, model weights only) in `folder`, ascending."""
-    if not folder.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := HF_EXPORT_FOLDER.match(p.name)))
-
-
-def resumable_steps(folder: Path) -> list[int]:
-    """Complete checkpoints that hold a training state (not model-only exports), ascending."""
-    return [s for s in complete_steps(folder) if "train_state" in saved_keys(folder / f"step-{s}")]
-
-
-def prune_checkpoints(folder: Path, keep: int) -> None:
-    """Delete all but the `keep` newest complete checkpoints (`keep <= 0` keeps all).
-
-    The newest resumable checkpoint always stays, even when `keep` newer model-only exports
-    (`last_save_model_only`) would push it out: a run extended later resumes from it.
-    """
-    if keep <= 0:
-        return
-    steps = complete_steps(folder)
-    kept = set(steps[-keep:]) | set(resumable_steps(folder)[-1:])
-    for step in steps:
-        if step not in kept:
-            shutil.rmtree(folder / f"step-{step}", ignore_errors=True)
-    _remove_abandoned_partials(folder, steps)
-
-
-def _remove_abandoned_partials(folder: Path, steps: list[int]) -> None:
-    """Delete `step-N.partial` folders older than the newest complete checkpoint: saves that a
-    crash interrupted (a save in flight is always of a newer step)."""
-    for path in folder.glob(f"step-*{PARTIAL_SUFFIX}"):
-        step = path.name.removesuffix(PARTIAL_SUFFIX).removeprefix("step-")
-        if steps and step.isdecimal() and int(step) < steps[-1]:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 class CheckpointManager:
@@ -288,7 +190,7 @@ class CheckpointManager:
                 f"'checkpoint.last_save_in_hf' = true, but this model cannot be exported: {error} "
                 "Set it to false (the final checkpoint is then DCP)."
             ) from None
-        if dropped := self.hf_adapter.left_out_of_hf([_clean_fqn(k) for k in self.model.state_dict()]):
+        if dropped := self.hf_adapter.left_out_of_hf([clean_fqn(k) for k in self.model.state_dict()]):
             logger.warning(
                 f"'checkpoint.last_save_in_hf' = true: the Hugging Face export leaves out {dropped[0]} "
                 f"and {len(dropped) - 1} more like it, which that architecture has no place for. Once "
@@ -304,15 +206,11 @@ class CheckpointManager:
     def _optimizer_state(self) -> dict:
         return get_optimizer_state_dict(self.model, self.optimizer)
 
-    def _ep_params(self) -> dict[str, torch.nn.Parameter]:
-        """The expert-parallel parameters by state-dict FQN, in the same order on every rank."""
-        return {_clean_fqn(n): p for n, p in self.model.named_parameters() if is_ep_local(p)}
-
     def _on_disk(self, state: dict) -> dict:
         """`state` as DCP stores it: expert-parallel tensors (weights and optimizer moments)
         become DTensor views of the whole expert weights. The views share storage, so a DCP
         load into the result fills `state` too, which then goes to set_*_state_dict as is."""
-        ep_params = self._ep_params()
+        ep_params = expert_parallel_params(self.model)
         if not ep_params:
             return state
         out = dict(state)
@@ -448,7 +346,7 @@ class CheckpointManager:
         """Floating parameters in `export_dtype`; buffers (e.g. the fp32 expert bias, whose
         rounding would move routing) keep theirs."""
         dtype = TORCH_DTYPES[self.config.export_dtype]
-        buffers = {_clean_fqn(name) for name, _ in self.model.named_buffers()}
+        buffers = {clean_fqn(name) for name, _ in self.model.named_buffers()}
         return {k: v.to(dtype) if v.is_floating_point() and k not in buffers else v for k, v in state.items()}
 
     def poll(self) -> None:
@@ -484,7 +382,7 @@ class CheckpointManager:
         if collective:
             _barrier()
         if _rank() == 0:
-            _replace_folder(final, partial)
+            replace_folder(final, partial)
             self._after_first_save(int(final.name.removeprefix("step-")))
             self._keep_latest()
         self.set_aside_after_first_save = False
@@ -507,7 +405,7 @@ class CheckpointManager:
         # full_state_dict gathers FSDP and TP shards, not expert-parallel slices: gather those
         # one tensor at a time (every rank takes part), keeping them on rank 0.
         sharded = self._model_state()
-        for fqn, param in self._ep_params().items():
+        for fqn, param in expert_parallel_params(self.model).items():
             whole = full_expert_tensor(sharded[fqn], param)
             if _rank() == 0:
                 full[fqn] = whole.cpu()
@@ -521,7 +419,7 @@ class CheckpointManager:
             save_hf(
                 self.hf_adapter.to_hf(self._in_export_dtype(full)), self.hf_adapter.hf_config(dtype), partial
             )
-            _replace_folder(folder, partial)
+            replace_folder(folder, partial)
             # The abandoned run's step-N folders would otherwise be the next resume's newest.
             self._after_first_save(int(folder.name.removeprefix("step-").removesuffix("-hf")))
             logger.info(f"Saved the model as Hugging Face safetensors in {folder}")
@@ -809,7 +707,8 @@ class CheckpointManager:
         if not path.exists():
             raise ConfigError(f"'checkpoint.initial_load_path' = '{path}' does not exist.")
         if c.initial_load_in_hf:
-            self._load_hf(path)
+            model = self.job_config.model
+            load_hf_checkpoint(self.model, self.hf_adapter, path, f"{model.name} {model.flavor}")
             logger.info(f"Initialized the model from Hugging Face safetensors in {path}")
             return
         self._check_initial_dcp(path)
@@ -829,7 +728,7 @@ class CheckpointManager:
         """Raise ConfigError naming the fix when `path` is no DCP checkpoint, or holds no optimizer
         state that `initial_load_model_only = false` asks for."""
         key = f"'checkpoint.initial_load_path' = '{path}'"
-        if not _is_dcp(path):
+        if not is_dcp(path):
             if any(path.glob("*.safetensors")):
                 fix = "it holds safetensors: set checkpoint.initial_load_in_hf = true"
             elif steps := complete_steps(path):
@@ -842,106 +741,6 @@ class CheckpointManager:
                 f"{key} holds model weights only (an export), but checkpoint.initial_load_model_only = "
                 "false asks for its optimizer state; set initial_load_model_only = true."
             )
-
-    def _load_hf(self, path: Path) -> None:
-        """Load the HF checkpoint in `path` into the model, one decoder layer at a time.
-
-        Each rank reads whole the tensors it needs (keeping its own shards of them); under
-        expert parallelism that is only its own experts' tensors. A layer at a time bounds each
-        rank's host memory by one layer rather than the whole model (140 GB for a 70B model in
-        bf16, per rank). Block-scaled fp8 weights (the published DeepSeek-V3's) are dequantized
-        to float32 as they are read. See `_check_hf_checkpoint` for what is refused up front.
-        """
-        layout, block = self._check_hf_checkpoint(path)
-        if scaled := sum(key.endswith(FP8_SCALE_SUFFIX) for key in layout):
-            logger.info(f"Dequantizing {scaled} fp8 weights ({block[0]} x {block[1]} blocks) to float32")
-        experts = self._owned_experts()
-        if experts is not None:
-            logger.info(
-                f"Reading only this rank's {len(experts)} of {self._num_experts()} experts per MoE layer"
-            )
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-        for keys in keys_by_layer(layout):
-            if state := self._read_hf_layer(layout, keys, block, experts):
-                set_model_state_dict(self.model, state, options=options)
-
-    def _read_hf_layer(self, layout: dict, keys: list[str], fp8_block: tuple, experts: range | None) -> dict:
-        """Our state dict from the HF `keys` of one layer; with `experts`, of those experts only
-        (an fp8 weight's scale is read where its weight is)."""
-        renamed = dict(zip(keys, keys))
-        if experts is not None:
-            weights = self.hf_adapter.experts_to_read(
-                [k for k in keys if not k.endswith(FP8_SCALE_SUFFIX)], experts
-            )
-            scales = {k + FP8_SCALE_SUFFIX: v + FP8_SCALE_SUFFIX for k, v in weights.items()}
-            renamed = {**weights, **{k: v for k, v in scales.items() if k in renamed}}
-        tensors = load_hf_tensors(layout, list(renamed))
-        return self.hf_adapter.from_hf(dequantize_fp8({renamed[k]: t for k, t in tensors.items()}, fp8_block))
-
-    def _check_hf_checkpoint(self, path: Path) -> tuple[dict[str, Path], tuple[int, int]]:
-        """The layout of the HF checkpoint in `path` (without the tensors the adapter ignores,
-        such as DeepSeek-V3's multi-token-prediction layer, which are then never read) and its
-        fp8 block size, once the conversion has been checked on the files' headers.
-
-        Raises:
-            ConfigError: the checkpoint lacks a tensor of this model or holds one of another
-                shape (loading it would silently keep those tensors' random initialization), or
-                holds quantized weights that cannot be dequantized; nothing has been loaded.
-        """
-        try:
-            layout = read_hf_layout(path)
-            layout = {key: file for key, file in layout.items() if not self.hf_adapter.ignores_hf_key(key)}
-            block = fp8_block_size(path)
-            converted = self._own_experts(
-                self.hf_adapter.from_hf(dequantize_fp8(meta_tensors(layout), block))
-            )
-        except (StateDictMismatchError, FileNotFoundError) as error:
-            if _is_dcp(path):
-                raise ConfigError(
-                    f"'checkpoint.initial_load_path' = '{path}' is a DCP checkpoint, not Hugging Face "
-                    "safetensors; set checkpoint.initial_load_in_hf = false."
-                ) from None
-            raise ConfigError(f"{self._not_this_model(path)}: {error}. {_HF_LOAD_FIX}") from None
-        except HFQuantizationError as error:
-            raise ConfigError(f"'checkpoint.initial_load_path' = '{path}': {error}") from None
-        expected = {k: v.shape for k, v in self._model_state().items()}
-        if mismatch := describe_mismatch(expected, {k: v.shape for k, v in converted.items()}):
-            raise ConfigError(f"{self._not_this_model(path)}: {mismatch}. {_HF_LOAD_FIX}")
-        self._warn_on_config_differences(path)
-        return layout, block
-
-    def _warn_on_config_differences(self, path: Path) -> None:
-        """Warn when the checkpoint's config.json sets RoPE, norm, activation or routing
-        constants other than this run's: no shape shows it, and the weights then compute
-        something else (e.g. the published DeepSeek-V3's YaRN scaling, which a run of
-        training.seq_len <= 4096 does not apply)."""
-        from torchtitan.protocols.state_dict_adapter import config_differences_from_folder
-
-        if differences := config_differences_from_folder(self.hf_adapter, path):
-            logger.warning(
-                f"{path / CONFIG_FILE} differs from this run's model in what no tensor shape shows: "
-                f"{'; '.join(differences)}. The weights load, but compute differently than in "
-                "Hugging Face; choose the matching model.flavor if one exists."
-            )
-
-    def _not_this_model(self, path: Path) -> str:
-        model = self.job_config.model
-        return f"'checkpoint.initial_load_path' = '{path}' is not a {model.name} {model.flavor} checkpoint"
-
-    def _owned_experts(self) -> range | None:
-        """The experts this rank holds of each MoE layer under expert parallelism, else None."""
-        slices = {(p._ep_slice.start, p._ep_slice.stop) for p in self._ep_params().values()}
-        return range(*slices.pop()) if len(slices) == 1 else None
-
-    def _num_experts(self) -> int:
-        return next(iter(self._ep_params().values()))._ep_full_shape[0]
-
-    def _own_experts(self, state: dict) -> dict:
-        """`state` with each expert-parallel weight cut to this rank's experts."""
-        for fqn, param in self._ep_params().items():
-            if fqn in state:
-                state[fqn] = state[fqn][param._ep_slice]
-        return state
 
     def _check_fits(self, folder: Path, model_on_disk: dict, key: str) -> None:
         """Raise ConfigError naming the tensors when the DCP checkpoint in `folder` does not hold

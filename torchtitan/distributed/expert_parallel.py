@@ -50,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.distributed.utils import scale_grad
+from torchtitan.tools.fqn import clean_fqn
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
@@ -234,6 +235,12 @@ def apply_expert_parallel(
 
 def is_ep_local(param: torch.Tensor) -> bool:
     return getattr(param, "_ep_local", False)
+
+
+def expert_parallel_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """`model`'s expert-parallel parameters by clean FQN (see `tools.fqn`), in the same order on
+    every rank, which the collectives that gather them one at a time rely on."""
+    return {clean_fqn(n): p for n, p in model.named_parameters() if is_ep_local(p)}
 
 
 def global_expert_view(value: torch.Tensor, param: torch.Tensor) -> DTensor:

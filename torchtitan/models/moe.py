@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.distributed.activation_checkpoint import all_to_all_input
 from torchtitan.distributed.utils import init_param_
 from torchtitan.models.layers import FeedForward, trunc_normal
+from torchtitan.tools.fqn import clean_fqn
 from torchtitan.tools.grouped_mm import grouped_mm_supported
 
 
@@ -379,14 +380,7 @@ class MoE(nn.Module):
 
 
 def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
-    layers = []
-    for name, module in model.named_modules():
-        if isinstance(module, MoE):
-            # Wrapper prefixes would make the names differ with the AC and compile settings.
-            for wrapper in ("._checkpoint_wrapped_module", "._orig_mod"):
-                name = name.replace(wrapper, "")
-            layers.append((name, module))
-    return layers
+    return [(clean_fqn(name), module) for name, module in model.named_modules() if isinstance(module, MoE)]
 
 
 @torch.no_grad()

@@ -1,0 +1,116 @@
+"""The checkpoint folder's layout on disk: which `step-N` folders are complete, resumable or
+Hugging Face exports, and how a finished save replaces one and old ones are pruned.
+
+A save writes `step-N.partial` and renames it to `step-N` once every rank is done, so a complete
+checkpoint is a `step-N` folder holding DCP's `.metadata` (which DCP writes last). Folders with
+any other suffix (`.partial`, `.superseded`, `.replaced`) are never resumed from.
+"""
+
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+
+from torchtitan.config.errors import ConfigError
+
+STEP_FOLDER = re.compile(r"^step-(\d+)$")
+HF_EXPORT_FOLDER = re.compile(r"^step-(\d+)-hf$")  # last_save_in_hf's final export
+PARTIAL_SUFFIX = ".partial"
+SUPERSEDED_SUFFIX = ".superseded"
+REPLACED_SUFFIX = ".replaced"  # a checkpoint folder being replaced by a newer save of its step
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps with a complete (visible) checkpoint in `folder`, ascending: `step-N` folders that
+    hold DCP's metadata, which it writes last."""
+    if not folder.is_dir():
+        return []
+    steps = [int(m.group(1)) for p in folder.iterdir() if (m := STEP_FOLDER.match(p.name)) and is_dcp(p)]
+    return sorted(steps)
+
+
+def is_dcp(folder: Path) -> bool:
+    return (folder / ".metadata").is_file()
+
+
+def replace_folder(final: Path, new: Path) -> None:
+    """Rename `new` to `final`, replacing any folder there. The old one is renamed aside first
+    and deleted after: deleting it in place (seconds for a large checkpoint) would leave no
+    `final` at all until the rename, which a kill in between would make permanent."""
+    old = final.with_name(final.name + REPLACED_SUFFIX)
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    new.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# What reading a damaged DCP checkpoint raises: a shard missing or truncated, metadata emptied.
+UNREADABLE_CHECKPOINT = (OSError, EOFError, pickle.UnpicklingError, dcp.api.CheckpointException)
+
+
+def unreadable_checkpoint_error(folder: Path, error: Exception) -> ConfigError:
+    """The error for a complete-looking checkpoint that cannot be read, naming what to do."""
+    earlier = [s for s in complete_steps(folder.parent) if f"step-{s}" != folder.name]
+    instead = f" (complete: {', '.join(map(str, earlier))})" if earlier else ""
+    detail = f"{type(error).__name__}: {error}"
+    if isinstance(error, dcp.api.CheckpointException) and error.failures:
+        rank, (cause, _) = min(error.failures.items())
+        detail = f"rank {rank}: {type(cause).__name__}: {cause}"
+    detail = detail.strip().splitlines()[0]
+    return ConfigError(
+        f"checkpoint {folder} cannot be read ({detail}; a shard file missing or truncated?). Resume "
+        f"from an earlier step with checkpoint.load_step{instead}, or move the folder aside."
+    )
+
+
+def saved_keys(folder: Path) -> set[str]:
+    """The top-level state keys (model, optimizer, ...) a DCP checkpoint folder holds.
+
+    Raises:
+        ConfigError: when the folder's metadata cannot be read.
+    """
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    except UNREADABLE_CHECKPOINT as error:
+        raise unreadable_checkpoint_error(folder, error) from None
+    return {key.split(".")[0] for key in metadata.state_dict_metadata}
+
+
+def hf_export_steps(folder: Path) -> list[int]:
+    """Steps with a Hugging Face export (`step-N-hf`, model weights only) in `folder`, ascending."""
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := HF_EXPORT_FOLDER.match(p.name)))
+
+
+def resumable_steps(folder: Path) -> list[int]:
+    """Complete checkpoints that hold a training state (not model-only exports), ascending."""
+    return [s for s in complete_steps(folder) if "train_state" in saved_keys(folder / f"step-{s}")]
+
+
+def prune_checkpoints(folder: Path, keep: int) -> None:
+    """Delete all but the `keep` newest complete checkpoints (`keep <= 0` keeps all).
+
+    The newest resumable checkpoint always stays, even when `keep` newer model-only exports
+    (`last_save_model_only`) would push it out: a run extended later resumes from it.
+    """
+    if keep <= 0:
+        return
+    steps = complete_steps(folder)
+    kept = set(steps[-keep:]) | set(resumable_steps(folder)[-1:])
+    for step in steps:
+        if step not in kept:
+            shutil.rmtree(folder / f"step-{step}", ignore_errors=True)
+    _remove_abandoned_partials(folder, steps)
+
+
+def _remove_abandoned_partials(folder: Path, steps: list[int]) -> None:
+    """Delete `step-N.partial` folders older than the newest complete checkpoint: saves that a
+    crash interrupted (a save in flight is always of a newer step)."""
+    for path in folder.glob(f"step-*{PARTIAL_SUFFIX}"):
+        step = path.name.removesuffix(PARTIAL_SUFFIX).removeprefix("step-")
+        if steps and step.isdecimal() and int(step) < steps[-1]:
+            shutil.rmtree(path, ignore_errors=True)
