@@ -32,6 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchtitan.components.hf_io import (
+    CONFIG_FILE,
     HFQuantizationError,
     dequantize_fp8,
     fp8_block_size,
@@ -47,11 +48,11 @@ from torchtitan.protocols.state_dict_adapter import (
 )
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.dtypes import TORCH_DTYPES
+from torchtitan.tools.exit_codes import EXIT_BAD_INPUT
 from torchtitan.tools.folders import check_new_folder, written_whole
 
 logger = logging.getLogger("convert_from_hf")
 
-EXIT_BAD_INPUT = 2
 BAD_INPUT_ERRORS = (
     ConfigError,
     StateDictMismatchError,
@@ -89,7 +90,7 @@ def convert_from_hf(model: str, flavor: str, hf: str | Path, out: str | Path, dt
     # Only for a checkpoint whose tensors fit: another model's would differ in everything.
     if differences := config_differences_from_folder(adapter, hf):
         logger.warning(
-            f"{Path(hf) / 'config.json'} differs from {model} {flavor} in what no tensor shape shows: "
+            f"{Path(hf) / CONFIG_FILE} differs from {model} {flavor} in what no tensor shape shows: "
             f"{'; '.join(differences)}. The weights convert, but compute differently than in Hugging "
             "Face; choose the matching --flavor if one exists."
         )

@@ -33,11 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from torchtitan.components.checkpoint_folders import is_dcp, load_from, saved_shapes
 from torchtitan.components.hf_io import save_hf
 from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.config.errors import ConfigError
@@ -52,11 +49,12 @@ from torchtitan.protocols.state_dict_adapter import (
 )
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.dtypes import TORCH_DTYPES
+from torchtitan.tools.exit_codes import EXIT_BAD_INPUT
 from torchtitan.tools.folders import check_new_folder, written_whole
 
-EXIT_BAD_INPUT = 2
 BAD_INPUT_ERRORS = (ConfigError, HFConfigError, StateDictMismatchError, FileNotFoundError, FileExistsError)
 MODEL_KEY = "model"
+DCP_KEY = "--dcp"  # names the argument in the error for an unreadable checkpoint
 
 
 def convert_to_hf(
@@ -92,19 +90,9 @@ def convert_to_hf(
     with warnings.catch_warnings():
         # One process on purpose; DCP's warning that no process group is set says nothing new.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.load({MODEL_KEY: state_dict}, checkpoint_id=str(dcp_dir))
-        except CheckpointException as error:
-            raise FileNotFoundError(
-                f"'{dcp_dir}' could not be read as a DCP checkpoint (a shard file missing or "
-                f"truncated?): {_first_line(error)}"
-            ) from None
+        load_from(Path(dcp_dir), {MODEL_KEY: state_dict}, DCP_KEY)
     with written_whole(out) as partial:
         save_hf(adapter.to_hf(state_dict), config, partial)
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _run_adapter(run_config: str, model: str | None, flavor: str | None) -> tuple[StateDictAdapter, str, str]:
@@ -129,15 +117,9 @@ def _run_adapter(run_config: str, model: str | None, flavor: str | None) -> tupl
 
 def _stored_model_shapes(dcp_dir: str | Path) -> dict[str, torch.Size]:
     """{FQN: shape} of the tensors the DCP in `dcp_dir` stores under the "model" key."""
-    if not (Path(dcp_dir) / ".metadata").is_file():
+    if not is_dcp(Path(dcp_dir)):
         raise FileNotFoundError(f"'{dcp_dir}' is not a DCP checkpoint folder (it has no .metadata file)")
-    stored = FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
-    prefix = f"{MODEL_KEY}."
-    return {
-        key.removeprefix(prefix): meta.size
-        for key, meta in stored.items()
-        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
-    }
+    return saved_shapes(Path(dcp_dir), MODEL_KEY, DCP_KEY)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

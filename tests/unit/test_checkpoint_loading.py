@@ -4,6 +4,7 @@ keep buffers in their dtype and replace an older export whole."""
 import json
 import logging
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -123,6 +124,22 @@ def test_an_hf_config_matching_the_model_gives_no_warning(tmp_path, caplog):
         _hf_loading_manager(tmp_path, tmp_path / "hf", target, adapter).load(TrainState())
 
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_an_untied_hf_checkpoint_for_a_tied_flavor_is_refused_before_any_weight_loads(tmp_path):
+    untied, adapter = _model()
+    _export(untied, adapter, tmp_path / "hf")
+    tied_args = replace(adapter.model_args, tie_word_embeddings=True)
+    target = get_train_spec("llama3").build_meta_model(tied_args, torch.float32)
+    target.to_empty(device="cpu")
+    target.init_weights(buffer_device=torch.device("cpu"))
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    tied_adapter = get_train_spec("llama3").state_dict_adapter(tied_args)
+    manager = _hf_loading_manager(tmp_path, tmp_path / "hf", target, tied_adapter)
+
+    with pytest.raises(ConfigError, match=r"is not a llama3 debugmodel checkpoint: lm_head.weight differs"):
+        manager.load(TrainState())
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
 
 
 def test_an_hf_checkpoint_of_another_model_is_refused_naming_the_flavor_key(tmp_path):
@@ -358,6 +375,17 @@ def test_a_checkpoint_folder_as_initial_load_is_refused_naming_its_newest_step(t
     message = r"is not a DCP checkpoint.*point it at one of its checkpoints, e.g. '.*checkpoint/step-3'"
     with pytest.raises(ConfigError, match=message):
         _initial_load(tmp_path, tmp_path / "checkpoint")
+
+
+@pytest.mark.parametrize("model_only", [True, False], ids=["model only", "with optimizer"])
+def test_an_initial_load_whose_metadata_is_damaged_is_refused_naming_the_key(tmp_path, model_only):
+    model, _ = _model()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "step-3"))
+    (tmp_path / "step-3" / ".metadata").write_bytes(b"")
+    flag = "--checkpoint.initial_load_model_only" if model_only else "--checkpoint.no_initial_load_model_only"
+    message = r"step-3 cannot be read \(EOFError.*Point checkpoint.initial_load_path at another checkpoint"
+    with pytest.raises(ConfigError, match=message):
+        _initial_load(tmp_path, tmp_path / "step-3", flag)
 
 
 def test_an_export_as_initial_load_with_its_optimizer_asked_for_is_refused_naming_the_key(tmp_path):

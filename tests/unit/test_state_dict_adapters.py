@@ -618,7 +618,9 @@ def test_to_hf_a_dcp_with_a_truncated_shard_exits_2_and_writes_nothing(tmp_path,
     _truncate(next((tmp_path / "dcp").glob("*.distcp")))
     argv = ["--model", "llama3", "--flavor", "debugmodel", "--dcp", str(tmp_path / "dcp")]
     assert to_hf_script.main([*argv, "--out", str(tmp_path / "hf")]) == 2
-    assert "could not be read as a DCP checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"checkpoint {tmp_path / 'dcp'} cannot be read" in err
+    assert "Point --dcp at another checkpoint" in err
     assert not (tmp_path / "hf").exists()
 
 

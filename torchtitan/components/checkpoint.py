@@ -46,15 +46,16 @@ from torch.distributed.checkpoint.state_dict import (
 from torchtitan.components.checkpoint_folders import (
     PARTIAL_SUFFIX,
     SUPERSEDED_SUFFIX,
-    UNREADABLE_CHECKPOINT,
     complete_steps,
     hf_export_steps,
     is_dcp,
+    load_from,
     prune_checkpoints,
+    read_metadata,
     replace_folder,
     resumable_steps,
     saved_keys,
-    unreadable_checkpoint_error,
+    saved_shapes,
 )
 from torchtitan.components.hf_io import save_hf
 from torchtitan.components.hf_load import load_hf_checkpoint
@@ -585,8 +586,8 @@ class CheckpointManager:
 
     def _load_full(self, folder: Path, train_state: TrainState, key: str = "checkpoint.folder") -> None:
         excluded = set(self.config.exclude_from_loading)
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-        saved = saved_keys(folder)
+        metadata = read_metadata(folder, key)
+        saved = {name.split(".")[0] for name in metadata.state_dict_metadata}
         wanted = [k for k in STATE_KEYS if k not in excluded and k in saved]
         if "model" not in saved:
             raise ConfigError(f"checkpoint {folder} holds no model state; it cannot be resumed from.")
@@ -605,10 +606,7 @@ class CheckpointManager:
         on_disk = self._on_disk(state)
         if "model" in on_disk:
             self._check_fits(folder, on_disk["model"], key)
-        try:
-            dcp.load(on_disk, checkpoint_id=str(folder))
-        except UNREADABLE_CHECKPOINT as error:
-            raise unreadable_checkpoint_error(folder, error) from None
+        load_from(folder, on_disk, key)
         if "model" in state:
             set_model_state_dict(self.model, state["model"])
         if "optimizer" in state:
@@ -629,7 +627,7 @@ class CheckpointManager:
         """The data-parallel degree and local batch a checkpoint was saved with, which placing
         its data position needs even when `train_state` itself is excluded from loading."""
         layout = {"train_state": {"dp_degree": 0, "local_batch_size": 0}}
-        dcp.load(layout, checkpoint_id=str(folder))
+        load_from(folder, layout)
         return layout["train_state"]
 
     def _restore_train_state(self, saved: dict, train_state: TrainState) -> None:
@@ -687,9 +685,9 @@ class CheckpointManager:
     def _read_loader_state(self, folder: Path, slot: str, packed: bool) -> dict:
         """The loader state saved under `slot`: pickled whole, or, by checkpoints written before
         that, as DCP's nested keys, which restore a packed dataset's flat state only."""
-        if f"dataloader.{slot}" in dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata:
+        if f"dataloader.{slot}" in read_metadata(folder).state_dict_metadata:
             state = {"dataloader": {slot: b""}}
-            dcp.load(state, checkpoint_id=str(folder))
+            load_from(folder, state)
             return pickle.loads(state["dataloader"][slot])
         if not packed:
             raise ConfigError(
@@ -699,7 +697,7 @@ class CheckpointManager:
             )
         state = {"dataloader": {slot: self.dataloader.state_dict()}}
         # Partial: keys added to the dataset state since then keep this run's values.
-        dcp.load(state, checkpoint_id=str(folder), planner=DefaultLoadPlanner(allow_partial_load=True))
+        load_from(folder, state, planner=DefaultLoadPlanner(allow_partial_load=True))
         return state["dataloader"][slot]
 
     def _load_initial(self, path: Path, train_state: TrainState) -> None:
@@ -720,7 +718,7 @@ class CheckpointManager:
         state = {"model": self._model_state()}
         on_disk = self._on_disk(state)
         self._check_fits(path, on_disk["model"], "checkpoint.initial_load_path")
-        dcp.load(on_disk, checkpoint_id=str(path))
+        load_from(path, on_disk, "checkpoint.initial_load_path")
         set_model_state_dict(self.model, state["model"])
         logger.info(f"Initialized the model from checkpoint {path}")
 
@@ -736,7 +734,8 @@ class CheckpointManager:
             else:
                 fix = "point it at a step-N folder of a checkpoint"
             raise ConfigError(f"{key} is not a DCP checkpoint (it has no .metadata file); {fix}.")
-        if not self.config.initial_load_model_only and "optimizer" not in saved_keys(path):
+        model_only = self.config.initial_load_model_only
+        if not model_only and "optimizer" not in saved_keys(path, "checkpoint.initial_load_path"):
             raise ConfigError(
                 f"{key} holds model weights only (an export), but checkpoint.initial_load_model_only = "
                 "false asks for its optimizer state; set initial_load_model_only = true."
@@ -745,9 +744,8 @@ class CheckpointManager:
     def _check_fits(self, folder: Path, model_on_disk: dict, key: str) -> None:
         """Raise ConfigError naming the tensors when the DCP checkpoint in `folder` does not hold
         this model (another model or flavor), instead of DCP's traceback."""
-        saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-        saved_shapes = {k[len("model.") :]: m.size for k, m in saved.items() if k.startswith("model.")}
-        if mismatch := describe_mismatch({k: v.shape for k, v in model_on_disk.items()}, saved_shapes):
+        stored = saved_shapes(folder, "model", key)
+        if mismatch := describe_mismatch({k: v.shape for k, v in model_on_disk.items()}, stored):
             raise ConfigError(
                 f"{key}: checkpoint {folder} was saved from another model ({mismatch}). Use the "
                 f"model.flavor it was saved with, or point {key} elsewhere."

@@ -11,7 +11,9 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from torchtitan.config.errors import ConfigError
 
@@ -19,6 +21,7 @@ STEP_FOLDER = re.compile(r"^step-(\d+)$")
 HF_EXPORT_FOLDER = re.compile(r"^step-(\d+)-hf$")  # last_save_in_hf's final export
 PARTIAL_SUFFIX = ".partial"
 SUPERSEDED_SUFFIX = ".superseded"
+RESUME_KEY = "checkpoint.folder"  # the setting a resume reads from; others: initial_load_path
 REPLACED_SUFFIX = ".replaced"  # a checkpoint folder being replaced by a newer save of its step
 
 
@@ -51,32 +54,70 @@ def replace_folder(final: Path, new: Path) -> None:
 UNREADABLE_CHECKPOINT = (OSError, EOFError, pickle.UnpicklingError, dcp.api.CheckpointException)
 
 
-def unreadable_checkpoint_error(folder: Path, error: Exception) -> ConfigError:
-    """The error for a complete-looking checkpoint that cannot be read, naming what to do."""
-    earlier = [s for s in complete_steps(folder.parent) if f"step-{s}" != folder.name]
-    instead = f" (complete: {', '.join(map(str, earlier))})" if earlier else ""
+def unreadable_checkpoint_error(folder: Path, error: Exception, key: str = RESUME_KEY) -> ConfigError:
+    """The error for a complete-looking checkpoint that cannot be read, naming what to do; `key`
+    is the setting that chose `folder`."""
     detail = f"{type(error).__name__}: {error}"
     if isinstance(error, dcp.api.CheckpointException) and error.failures:
         rank, (cause, _) = min(error.failures.items())
         detail = f"rank {rank}: {type(cause).__name__}: {cause}"
     detail = detail.strip().splitlines()[0]
+    if key == RESUME_KEY:
+        earlier = [s for s in complete_steps(folder.parent) if f"step-{s}" != folder.name]
+        instead = f" (complete: {', '.join(map(str, earlier))})" if earlier else ""
+        fix = f"Resume from an earlier step with checkpoint.load_step{instead}, or move the folder aside."
+    else:
+        fix = f"Point {key} at another checkpoint."
     return ConfigError(
-        f"checkpoint {folder} cannot be read ({detail}; a shard file missing or truncated?). Resume "
-        f"from an earlier step with checkpoint.load_step{instead}, or move the folder aside."
+        f"checkpoint {folder} cannot be read ({detail}; a shard file missing or truncated?). {fix}"
     )
 
 
-def saved_keys(folder: Path) -> set[str]:
+def read_metadata(folder: Path, key: str = RESUME_KEY) -> Metadata:
+    """DCP's metadata of the checkpoint in `folder`.
+
+    Raises:
+        ConfigError: the metadata cannot be read (see `unreadable_checkpoint_error`).
+    """
+    try:
+        return dcp.FileSystemReader(str(folder)).read_metadata()
+    except UNREADABLE_CHECKPOINT as error:
+        raise unreadable_checkpoint_error(folder, error, key) from None
+
+
+def load_from(folder: Path, state: dict, key: str = RESUME_KEY, **load_kwargs) -> None:
+    """`dcp.load` of `state` from the checkpoint in `folder`, in place.
+
+    Raises:
+        ConfigError: a shard or the metadata cannot be read (see `unreadable_checkpoint_error`).
+    """
+    try:
+        dcp.load(state, checkpoint_id=str(folder), **load_kwargs)
+    except UNREADABLE_CHECKPOINT as error:
+        raise unreadable_checkpoint_error(folder, error, key) from None
+
+
+def saved_keys(folder: Path, key: str = RESUME_KEY) -> set[str]:
     """The top-level state keys (model, optimizer, ...) a DCP checkpoint folder holds.
 
     Raises:
         ConfigError: when the folder's metadata cannot be read.
     """
-    try:
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    except UNREADABLE_CHECKPOINT as error:
-        raise unreadable_checkpoint_error(folder, error) from None
-    return {key.split(".")[0] for key in metadata.state_dict_metadata}
+    return {name.split(".")[0] for name in read_metadata(folder, key).state_dict_metadata}
+
+
+def saved_shapes(folder: Path, state_key: str = "model", key: str = RESUME_KEY) -> dict[str, torch.Size]:
+    """{FQN: shape} of the tensors the checkpoint in `folder` holds under `state_key`.
+
+    Raises:
+        ConfigError: when the folder's metadata cannot be read.
+    """
+    prefix = f"{state_key}."
+    return {
+        name.removeprefix(prefix): meta.size
+        for name, meta in read_metadata(folder, key).state_dict_metadata.items()
+        if name.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
 
 
 def hf_export_steps(folder: Path) -> list[int]:

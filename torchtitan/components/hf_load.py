@@ -57,7 +57,9 @@ def load_hf_checkpoint(model: nn.Module, adapter, path: Path, model_label: str) 
         model_label: "<model.name> <model.flavor>", for the errors.
 
     Raises:
-        ConfigError: see `check_hf_checkpoint`; nothing has been loaded then.
+        ConfigError: see `check_hf_checkpoint`, or the checkpoint stores an output projection of
+            its own (untied) for a flavor that ties it to the embedding; nothing has been
+            loaded then.
     """
     ep_params = expert_parallel_params(model)
     layout, block = check_hf_checkpoint(model, adapter, path, model_label)
@@ -69,7 +71,13 @@ def load_hf_checkpoint(model: nn.Module, adapter, path: Path, model_label: str) 
         logger.info(f"Reading only this rank's {len(experts)} of {total} experts per MoE layer")
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
     for keys in keys_by_layer(layout):
-        if state := _read_layer(adapter, layout, keys, block, experts):
+        try:
+            state = _read_layer(adapter, layout, keys, block, experts)
+        except StateDictMismatchError as error:
+            # What only the values show: an untied lm_head for a tied flavor. It is read with
+            # the embedding, in the first group, before any weight has loaded.
+            raise ConfigError(f"{_not_this_model(path, model_label)}: {error}. {_FIX}") from None
+        if state:
             set_model_state_dict(model, state, options=options)
 
 
@@ -85,7 +93,7 @@ def check_hf_checkpoint(
             (loading it would silently keep those tensors' random initialization), or holds
             quantized weights that cannot be dequantized.
     """
-    not_this_model = f"'{KEY}' = '{path}' is not a {model_label} checkpoint"
+    not_this_model = _not_this_model(path, model_label)
     try:
         layout = read_hf_layout(path)
         layout = {key: file for key, file in layout.items() if not adapter.ignores_hf_key(key)}
@@ -106,6 +114,10 @@ def check_hf_checkpoint(
         raise ConfigError(f"{not_this_model}: {mismatch}. {_FIX}")
     _warn_on_config_differences(adapter, path)
     return layout, block
+
+
+def _not_this_model(path: Path, model_label: str) -> str:
+    return f"'{KEY}' = '{path}' is not a {model_label} checkpoint"
 
 
 def _read_layer(adapter, layout: dict, keys: list[str], fp8_block: tuple, experts: range | None) -> dict:
