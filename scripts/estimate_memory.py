@@ -526,7 +526,9 @@ def _track_gradient(tracker: _FSDPMemTracker, grad: torch.Tensor) -> None:
 # ----- one step ------------------------------------------------------------------------------
 
 
-def train_step(cfg, parallel_dims, model, optimizer, loss_fn, batch, tracker: MemTracker) -> None:
+def train_step(
+    cfg, parallel_dims, model, optimizer, loss_fn, extra_loss_fn, batch, tracker: MemTracker
+) -> None:
     """One trainer step: micro-batches (forward, loss, backward in the loss context), clip, step.
 
     Only the first two micro-batches run: from the second on, each holds the same (the
@@ -538,7 +540,9 @@ def train_step(cfg, parallel_dims, model, optimizer, loss_fn, batch, tracker: Me
     for micro_batch in range(min(accum_steps, 2)):
         if micro_batch:
             tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root otherwise
-        forward_backward(model, loss_fn, inputs, labels, accum_steps, parallel_dims, cfg)
+        forward_backward(
+            model, loss_fn, inputs, labels, accum_steps, parallel_dims, cfg, extra_loss_fn=extra_loss_fn
+        )
     if isinstance(optimizer, OptimizerInBackward):
         return  # each parameter stepped, and its gradient was freed, during backward
     dist_utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
@@ -566,7 +570,8 @@ def tracked_step(
     batch = _batch(cfg, device)
     tracker = make_tracker(model, optimizer, batch)
     with tracking(tracker):
-        train_step(cfg, parallel_dims, model, optimizer, spec.build_loss_fn(cfg), batch, tracker)
+        loss_fn = spec.build_loss_fn(cfg)
+        train_step(cfg, parallel_dims, model, optimizer, loss_fn, spec.extra_loss_fn, batch, tracker)
     return tracker.get_tracker_snapshot("peak").get(device, {})
 
 

@@ -225,7 +225,7 @@ class Trainer:
                 self.accum_steps,
                 self.parallel_dims,
                 self.job_config,
-                self.spec.extra_loss_fn,
+                extra_loss_fn=self.spec.extra_loss_fn,
             )
         if steps_in_backward:
             grad_norm = self.optimizer.grad_norm()

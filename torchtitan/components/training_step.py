@@ -74,12 +74,15 @@ def forward_backward(
     accum_steps: int,
     parallel_dims: ParallelDims,
     job_config: JobConfig,
-    extra_loss_fn=None,
+    *,
+    extra_loss_fn,
 ) -> torch.Tensor:
     """Forward, loss (scaled by 1/accum_steps) and backward of one micro-batch.
 
-    `extra_loss_fn(model)`, when given, returns a loss the model adds (e.g. MoE auxiliary
-    losses) or None; it joins backward but not the returned loss. Returns the detached scaled
+    `extra_loss_fn(model)` returns a loss the model adds (e.g. MoE auxiliary losses) or None; it
+    joins backward but not the returned loss. It is the spec's `extra_loss_fn`, required so that
+    no caller (the trainer, the memory estimator) leaves a model's own losses out of backward;
+    None for a model that adds none. Returns the detached scaled
     loss as a plain tensor on the device (no host sync).
     """
     with loss_context(parallel_dims, job_config):
