@@ -35,6 +35,7 @@ from torchtitan.config.manager import parse_args
 from torchtitan.distributed import activation_checkpoint as ac_module
 from torchtitan.distributed.expert_parallel import is_ep_local
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.moe import GroupedExperts, is_expert_matmul
 from torchtitan.models.qwen3 import qwen3_flavors
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 from torchtitan.models.qwen3.model import Qwen3Model
@@ -57,7 +58,7 @@ EP = 2
 
 class _AllToAllTraffic(TorchDispatchMode):
     """Counts the all-to-alls and the bytes this rank sends through them, and the experts'
-    grouped matmuls that run."""
+    matmuls that run (grouped, or looped where the rows are not 16-byte aligned)."""
 
     def __init__(self):
         super().__init__()
@@ -70,7 +71,7 @@ class _AllToAllTraffic(TorchDispatchMode):
             self.calls += 1
             self.bytes_sent += args[0].numel() * args[0].element_size()
         # With grad mode on: the forward's, or in backward the recompute's (not the gradients').
-        if func is torch.ops.aten._grouped_mm.default and torch.is_grad_enabled():
+        if is_expert_matmul(func, args) and torch.is_grad_enabled():
             self.expert_matmuls += 1
         return func(*args, **(kwargs or {}))
 
@@ -122,7 +123,7 @@ class ModeRun:
 
     def traffic(self) -> tuple[int, int, int, int]:
         """(forward calls, backward calls, backward bytes) of one step's all-to-alls, and the
-        experts' grouped matmuls recomputed in its backward."""
+        experts' matmuls recomputed in its backward."""
         with _AllToAllTraffic() as forward:
             loss = self.loss()
         with _AllToAllTraffic() as whole:
@@ -134,6 +135,14 @@ class ModeRun:
 
     def held_bytes(self) -> int:
         return bytes_held_for_backward(self.model, self.tokens[:, :-1])
+
+
+def _expert_matmuls_counted(cli) -> str:
+    """What one expert matmul is on the path the experts take at this size (fp32, CPU)."""
+    experts = GroupedExperts(cli.dim, cli.moe_hidden_dim, num_experts=1)
+    if experts.uses_grouped_mm(torch.empty(0, cli.dim)):
+        return "grouped mm: one per projection"
+    return "rows not 16-byte aligned, looped: one per projection and expert"
 
 
 def table(cli) -> list[str]:
@@ -160,8 +169,8 @@ def table(cli) -> list[str]:
         f"Qwen3 debugmodel_moe (dim {cli.dim}, moe_hidden_dim {cli.moe_hidden_dim}, {cli.layers} "
         f"layers), EP {EP} on {dist.get_world_size()} CPU processes (gloo), batch "
         f"{cli.batch} x {cli.seq_len} per rank, fp32, median of {cli.rounds * cli.steps_per_round} "
-        f"steps, torch {torch.__version__}; all-to-alls, MiB sent and the experts' grouped "
-        "matmuls recomputed, per rank per step",
+        f"steps, torch {torch.__version__}; all-to-alls, MiB sent and the experts' matmuls "
+        f"recomputed ({_expert_matmuls_counted(cli)}), per rank per step",
         "",
         "| mode | step (ms) | time vs none | held for backward MiB | memory vs none "
         "| a2a fwd | a2a bwd | MiB sent bwd | expert matmuls recomputed |",

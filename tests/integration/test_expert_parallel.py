@@ -22,6 +22,7 @@ from tests.integration.workers import run_worker, shut_down
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.moe import is_expert_matmul
 from torchtitan.models.qwen3 import qwen3_flavors
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
@@ -306,18 +307,9 @@ class _CountOps(TorchDispatchMode):
         if func is torch.ops._c10d_functional.all_to_all_single.default:
             self.a2a += 1
         # Grad mode is on in forward and in recompute, off for the gradients' own matmuls.
-        is_expert_mm = func is torch.ops.aten._grouped_mm.default or _is_expert_weight_mm(func, args)
-        if is_expert_mm and torch.is_grad_enabled():
+        if is_expert_matmul(func, args) and torch.is_grad_enabled():
             self.expert_mm += 1
         return func(*args, **(kwargs or {}))
-
-
-def _is_expert_weight_mm(func, args) -> bool:
-    """A looped expert's matmul: its right operand is one expert's slice of the 3-D weight."""
-    if func is not torch.ops.aten.mm.default:
-        return False
-    base = args[1]._base
-    return base is not None and base.dim() == 3
 
 
 def _build(parallel_dims, ac_argv: list[str], looped: bool = False):

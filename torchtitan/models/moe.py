@@ -260,6 +260,18 @@ class GroupedExperts(nn.Module):
         init_param_(self.w3, trunc_normal(init_std))
 
 
+def is_expert_matmul(func, args) -> bool:
+    """Whether an op seen by a `TorchDispatchMode` is a `GroupedExperts` matmul: a grouped mm,
+    or on the loop path an `mm` whose right operand is a view of one expert's slice of a stacked
+    3-D weight. For instruments that count expert work (tests, benchmarks), on either path."""
+    if func is torch.ops.aten._grouped_mm.default:
+        return True
+    if func is not torch.ops.aten.mm.default:
+        return False
+    base = args[1]._base
+    return base is not None and base.dim() == 3
+
+
 def _aligned_rows(counts: torch.Tensor, num_rows: int, align: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each of `num_rows` expert-grouped rows goes once every group is padded to `align`.
 
