@@ -70,6 +70,20 @@ def read_metrics(dump_folder: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if "loss" in r]
 
 
+MOE_METRICS = ("loss", "grad_norm", "moe_imbalance")  # an MoE run: also the routing balance
+
+
+def assert_metrics_match(got: list[dict], want: list[dict], *, steps: int = 5, keys=("loss", "grad_norm"),
+                         rtol: float | dict[str, float] = 1e-4, context=None) -> None:  # fmt: skip
+    """Both runs logged steps 1..`steps`, and at each step every metric in `keys` of `got` is
+    within `rtol` (relative to `want`'s; one float, or one per key) of `want`'s."""
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, steps + 1)), context
+    rtols = rtol if isinstance(rtol, dict) else dict.fromkeys(keys, rtol)
+    for g, w in zip(got, want):
+        for key in keys:
+            assert abs(g[key] - w[key]) <= rtols[key] * abs(w[key]), (context, key, g["step"], g[key], w[key])
+
+
 def run_trainer(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None):
     """Run `python -m torchtitan.train` on `nproc` ranks (forked from the test launcher's
     pre-imported interpreter; see tests/forked_launcher.py); returns the finished process."""

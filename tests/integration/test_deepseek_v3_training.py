@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.conftest import read_metrics, run_trainer
+from tests.conftest import MOE_METRICS, assert_metrics_match, read_metrics, run_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -24,10 +24,7 @@ def _run(tmp_path, name, nproc, dp) -> list[dict]:
 def test_fsdp_on_two_processes_matches_one_process_with_the_same_global_batch(tmp_path):
     single = _run(tmp_path, "single", 1, 1)
     fsdp = _run(tmp_path, "fsdp2", 2, 2)
-    assert [r["step"] for r in single] == [r["step"] for r in fsdp] == [1, 2, 3]
-    for got, want in zip(fsdp, single):
-        for key in ("loss", "grad_norm", "moe_imbalance"):
-            assert abs(got[key] - want[key]) <= 1e-4 * abs(want[key]), (key, got, want)
+    assert_metrics_match(fsdp, single, steps=3, keys=MOE_METRICS)
 
 
 @pytest.mark.full_matrix  # a 20-step smoke run; the flex config's loss-falls runs cover the model by default

@@ -6,7 +6,7 @@ and runs with `python -m pytest -m full_matrix`.
 
 import pytest
 
-from tests.conftest import read_metrics, run_trainer
+from tests.conftest import assert_metrics_match, read_metrics, run_trainer
 from tests.integration.workers import run_worker
 
 pytestmark = pytest.mark.integration
@@ -29,13 +29,6 @@ def _run(tmp_path, name, nproc, split, extra=()) -> list[dict]:
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("single"), "single", 1, 1)
-
-
-def _assert_matches(records, reference, rtol=1e-4):
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    for got, want in zip(records, reference):
-        for key in ("loss", "grad_norm"):
-            assert abs(got[key] - want[key]) <= rtol * abs(want[key]), (key, got["step"], got[key], want[key])
 
 
 LAYOUTS = {
@@ -68,7 +61,7 @@ LAYOUTS = {
     "layout", [pytest.param(k, marks=pytest.mark.full_matrix) if k == "ddp2" else k for k in LAYOUTS]
 )
 def test_layout_matches_single_process_losses_and_grad_norms(layout, single_process, layout_runs):
-    _assert_matches(layout_runs(layout), single_process)
+    assert_metrics_match(layout_runs(layout), single_process)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +109,7 @@ AC_MODES = {
 @pytest.mark.parametrize("mode", list(AC_MODES))
 def test_fsdp2_tp2_with_each_ac_mode_matches_single_process(mode, single_process, tmp_path):
     tp = ["--parallelism.tensor_parallel_degree", "2"]
-    _assert_matches(_run(tmp_path, mode.replace(" ", "_"), 4, 2, tp + AC_MODES[mode]), single_process)
+    assert_metrics_match(_run(tmp_path, mode.replace(" ", "_"), 4, 2, tp + AC_MODES[mode]), single_process)
 
 
 @pytest.fixture(scope="module")

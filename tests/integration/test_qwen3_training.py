@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.conftest import read_metrics, run_trainer
+from tests.conftest import MOE_METRICS, assert_metrics_match, read_metrics, run_trainer
 from tests.integration.workers import run_worker, shut_down
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -47,21 +47,14 @@ def single_process(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("qwen3_single"), "single", 1, 1)
 
 
-def _assert_matches(records, reference, rtol=1e-4):
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    for got, want in zip(records, reference):
-        for key in ("loss", "grad_norm"):
-            assert abs(got[key] - want[key]) <= rtol * abs(want[key]), (key, got["step"], got[key], want[key])
-
-
 @pytest.mark.full_matrix  # FSDP parity is model-independent: test_training checks it on Llama 3 by default
 def test_fsdp_on_two_processes_matches_one_process_with_the_same_global_batch(single_process, tmp_path):
-    _assert_matches(_run(tmp_path, "fsdp2", 2, 2), single_process)
+    assert_metrics_match(_run(tmp_path, "fsdp2", 2, 2), single_process)
 
 
 def test_tensor_parallel_2_matches_one_process(single_process, tmp_path):
     tp2 = ["--parallelism.tensor_parallel_degree", "2"]
-    _assert_matches(_run(tmp_path, "tp2", 2, 1, tp2), single_process)
+    assert_metrics_match(_run(tmp_path, "tp2", 2, 1, tp2), single_process)
 
 
 def test_tensor_parallel_2_gives_every_gradient_of_one_process():
@@ -128,7 +121,4 @@ def test_moe_debug_model_fsdp_on_two_processes_matches_one_process(tmp_path):
     moe = ["--model.flavor", "debugmodel_moe", "--training.steps", "3"]
     single = _run(tmp_path, "moe_single", 1, 1, moe)
     fsdp = _run(tmp_path, "moe_fsdp", 2, 2, moe)
-    assert [r["step"] for r in fsdp] == [1, 2, 3]
-    for got, want in zip(fsdp, single):
-        for key in ("loss", "grad_norm", "moe_imbalance"):
-            assert abs(got[key] - want[key]) <= 1e-4 * abs(want[key]), (key, got, want)
+    assert_metrics_match(fsdp, single, steps=3, keys=MOE_METRICS)

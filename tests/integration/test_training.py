@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import PROJECT_ROOT, read_metrics, run_trainer
+from tests.conftest import PROJECT_ROOT, assert_metrics_match, read_metrics, run_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -36,10 +36,7 @@ def _losses(dump) -> list[float]:
 def _assert_close(a: list[dict], b: list[dict], rtol: float) -> None:
     """Losses and gradient norms: AdamW is blind to a uniform gradient scale, so equal losses
     alone would pass gradients twice too large."""
-    assert len(a) == len(b) == 5
-    for key in ("loss", "grad_norm"):
-        for x, y in zip(a, b):
-            assert abs(x[key] - y[key]) <= rtol * abs(y[key]), (key, x["step"], x[key], y[key])
+    assert_metrics_match(a, b, rtol=rtol)
 
 
 def _train(tmp_path, name, args, nproc=1) -> list[dict]:

@@ -248,10 +248,8 @@ def test_moe_debug_model_ac_keeps_loss_gradients_and_routing_counts(ac_mode, opt
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         grads = {clean_fqn(n): p.grad for n, p in model.named_parameters()}
+        # A checkpoint wrapper forwards attribute reads to the block it wraps.
         counts = [b.moe.tokens_per_expert.clone() for b in model.layers.values() if hasattr(b, "moe")]
-        counts = counts or [
-            b._checkpoint_wrapped_module.moe.tokens_per_expert.clone() for b in model.layers.values()
-        ]
         return loss.detach(), grads, counts
 
     ref_loss, ref_grads, ref_counts = step(_moe_debug_model("none"))
