@@ -167,7 +167,7 @@ def test_hsdp_with_ep_and_two_micro_batches_matches_one_process(tmp_path):
     [(["--parallelism.data_parallel_shard_degree", "3"], "does not divide data_parallel_shard_degree 3"),
      (["--parallelism.tensor_parallel_degree", "4"], "2 is not a multiple of tensor_parallel_degree 4"),
      (["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4",
-       "--parallelism.data_parallel_shard_degree", "3"], "takes 2 ranks of the FSDP shard group"),
+       "--parallelism.data_parallel_shard_degree", "3"], r"takes 2 \(ep 4 / tp 2\) ranks of the FSDP shard"),
      (["--parallelism.expert_tensor_parallel_degree", "2"], "must be 1 or the tensor_parallel_degree")],
 )  # fmt: skip
 def test_unsupported_ep_combinations_are_refused(argv, match):
@@ -177,9 +177,9 @@ def test_unsupported_ep_combinations_are_refused(argv, match):
 
 @pytest.mark.parametrize(
     "dims, match",
-    [(dict(tp=1, world_size=3, ep=2), "needs 2 ranks of the FSDP shard group, which does not divide "
+    [(dict(tp=1, world_size=3, ep=2), "takes 2 ranks of the FSDP shard group, which does not divide "
                                       "data_parallel_shard_degree 3"),
-     (dict(tp=2, world_size=6, ep=4), r"needs 2 \(ep 4 / tp 2\) ranks of the FSDP shard group"),
+     (dict(tp=2, world_size=6, ep=4), r"takes 2 \(ep 4 / tp 2\) ranks of the FSDP shard group"),
      (dict(tp=4, world_size=8, ep=2), "2 is not a multiple of tensor_parallel_degree 4")],
     ids=["ep from dp_shard", "ep over tp", "ep smaller than tp"],
 )  # fmt: skip

@@ -398,24 +398,36 @@ def _check_expert_parallel(p) -> None:
             f"tensor_parallel_degree ({tp}): under expert parallelism the experts are either spread over "
             "the TP ranks too (1) or sharded over TP."
         )
+    if conflict := expert_parallel_conflict(ep, tp, etp, p.data_parallel_shard_degree):
+        raise ConfigError(conflict)
+
+
+def expert_parallel_conflict(ep: int, tp: int, etp: int, dp_shard: int) -> str | None:
+    """Why an EP group of `ep` ranks cannot be borrowed from the other degrees, or None.
+
+    With `etp` 1 under TP the group spans the TP ranks and takes `ep / tp` ranks of the FSDP
+    shard group, else `ep` of them. Checked on the config (`dp_shard` -1, not resolved yet, is
+    not checked) and again by `ParallelDims` on the resolved degrees.
+    """
     if ep == 1:
-        return
-    shard = p.data_parallel_shard_degree
+        return None
     borrows_tp = tp > 1 and etp == 1
     if borrows_tp and ep % tp:
-        raise ConfigError(
+        return (
             f"'parallelism.expert_parallel_degree' = {ep} is not a multiple of tensor_parallel_degree "
             f"{tp}: with expert_tensor_parallel_degree 1 the EP group takes all the TP ranks and the "
             f"rest from the FSDP shard group. Choose a multiple of {tp}, or set "
             f"parallelism.expert_tensor_parallel_degree = {tp} to shard the experts over TP instead."
         )
     from_shard = ep // tp if borrows_tp else ep
-    if shard != -1 and shard % from_shard:
-        raise ConfigError(
-            f"'parallelism.expert_parallel_degree' = {ep} takes {from_shard} ranks of the FSDP shard "
-            f"group, which does not divide data_parallel_shard_degree {shard}: expert parallelism "
-            "borrows its ranks from that group; choose an expert_parallel_degree that fits it."
+    if dp_shard != -1 and dp_shard % from_shard:
+        borrowed = f" (ep {ep} / tp {tp})" if borrows_tp else ""
+        return (
+            f"'parallelism.expert_parallel_degree' = {ep} takes {from_shard}{borrowed} ranks of the "
+            f"FSDP shard group, which does not divide data_parallel_shard_degree {dp_shard}: expert "
+            "parallelism borrows its ranks from that group; choose an expert_parallel_degree that fits it."
         )
+    return None
 
 
 def validate(config: JobConfig) -> JobConfig:

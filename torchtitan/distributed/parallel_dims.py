@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.config.validation import expert_parallel_conflict
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 # With expert parallelism dp_shard is built from two dims: EP groups are runs of consecutive
@@ -76,21 +77,8 @@ class ParallelDims:
                 f"data_parallel_shard_degree = {self.dp_replicate} with data_parallel_replicate_degree = 1 "
                 "(FSDP), or HSDP with both degrees above 1."
             )
-        if self.ep_borrows_tp and self.ep % self.tp:
-            raise ConfigError(
-                f"expert_parallel_degree {self.ep} is not a multiple of tensor_parallel_degree "
-                f"{self.tp}: with expert_tensor_parallel_degree 1 the EP group takes all the TP ranks "
-                "and the rest from the FSDP shard group; choose a multiple of the TP degree, or set "
-                f"expert_tensor_parallel_degree = {self.tp}."
-            )
-        if self.ep > 1 and self.dp_shard % self.ep_from_dp_shard:
-            borrowed = f" (ep {self.ep} / tp {self.tp})" if self.ep_borrows_tp else ""
-            raise ConfigError(
-                f"expert_parallel_degree {self.ep} needs {self.ep_from_dp_shard}{borrowed} ranks of "
-                f"the FSDP shard group, which does not divide data_parallel_shard_degree "
-                f"{self.dp_shard}: expert parallelism borrows its ranks from that group; choose an "
-                "expert_parallel_degree that fits it."
-            )
+        if conflict := expert_parallel_conflict(self.ep, self.tp, self.etp, self.dp_shard):
+            raise ConfigError(conflict)
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
