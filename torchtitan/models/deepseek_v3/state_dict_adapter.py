@@ -4,7 +4,7 @@ softmax-routed flavors (the 16B, DeepSeek-V2-Lite's shapes) <-> ``DeepseekV2ForC
 import torch
 
 from torchtitan.models.llama3.state_dict_adapter import DECODER_KEY_MAP
-from torchtitan.models.qwen3.state_dict_adapter import (
+from torchtitan.models.moe_state_dict import (
     ROUTED_MOE_KEY_MAP,
     expert_bias_keys,
     with_zero_expert_bias,
