@@ -8,7 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
-from torchtitan.components.checkpoint_folders import complete_steps, prune_checkpoints
+from torchtitan.components.checkpoint_folders import complete_steps, prune_checkpoints, step_folder, step_of
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 
@@ -222,3 +222,16 @@ def test_a_save_of_an_existing_step_replaces_the_folder_whole_and_leaves_nothing
     state = {"model": {"weight": torch.zeros(2)}}
     dcp.load(state, checkpoint_id=str(tmp_path / "step-5"))
     assert state["model"]["weight"].tolist() == [6.0, 6.0]
+
+
+@pytest.mark.parametrize("hf", [False, True], ids=["dcp", "hf export"])
+def test_a_step_folder_name_parses_back_to_its_step(tmp_path, hf):
+    folder = step_folder(tmp_path, 1200, hf=hf)
+
+    assert folder.name == ("step-1200-hf" if hf else "step-1200")
+    assert step_of(folder) == 1200
+
+
+def test_a_folder_that_is_no_step_checkpoint_has_no_step(tmp_path):
+    with pytest.raises(ValueError, match="step-12.partial is not a step-N checkpoint folder"):
+        step_of(tmp_path / "step-12.partial")

@@ -56,6 +56,8 @@ from torchtitan.components.checkpoint_folders import (
     resumable_steps,
     saved_keys,
     saved_shapes,
+    step_folder,
+    step_of,
 )
 from torchtitan.components.hf_io import save_hf
 from torchtitan.components.hf_load import load_hf_checkpoint
@@ -266,14 +268,14 @@ class CheckpointManager:
         self.wait()
         step = train_state.step
         if last and c.last_save_in_hf:
-            self._save_hf(self.folder / f"step-{step}-hf")
+            self._save_hf(step_folder(self.folder, step, hf=True))
             return
         if last and c.last_save_model_only:
             state = self._on_disk({"model": self._export_model_state()})
         else:
             state = self._on_disk(self._full_state(train_state))
             self.resumable_step = step
-        final = self.folder / f"step-{step}"
+        final = step_folder(self.folder, step)
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         if _rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -333,7 +335,7 @@ class CheckpointManager:
 
     def save_seed(self) -> None:
         """Write the freshly initialized weights as `step-0` (model only), for `create_seed_checkpoint`."""
-        final = self.folder / "step-0"
+        final = step_folder(self.folder, 0)
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         shutil.rmtree(partial, ignore_errors=True)
         start = time.perf_counter()
@@ -378,13 +380,13 @@ class CheckpointManager:
         self, partial: Path, final: Path, start: float, collective: bool = True, kind: str = ""
     ) -> None:
         crash_step = os.environ.get(CRASH_DURING_SAVE_ENV)
-        if crash_step is not None and final.name == f"step-{crash_step}":
+        if crash_step is not None and step_of(final) == int(crash_step):
             os._exit(17)
         if collective:
             _barrier()
         if _rank() == 0:
             replace_folder(final, partial)
-            self._after_first_save(int(final.name.removeprefix("step-")))
+            self._after_first_save(step_of(final))
             self._keep_latest()
         self.set_aside_after_first_save = False
         if collective:
@@ -422,7 +424,7 @@ class CheckpointManager:
             )
             replace_folder(folder, partial)
             # The abandoned run's step-N folders would otherwise be the next resume's newest.
-            self._after_first_save(int(folder.name.removeprefix("step-").removesuffix("-hf")))
+            self._after_first_save(step_of(folder))
             logger.info(f"Saved the model as Hugging Face safetensors in {folder}")
         self.set_aside_after_first_save = False
         _barrier()
@@ -485,7 +487,7 @@ class CheckpointManager:
             return False
         step = self.resume_step()
         if step is not None:
-            self._load_full(self.folder / f"step-{step}", train_state)
+            self._load_full(step_folder(self.folder, step), train_state)
             # A rollback, or a load that restarts the step count (a model-only step, or
             # train_state excluded): the checkpoints after it belong to the abandoned run.
             if self.config.load_step >= 0 or train_state.step < step:
@@ -575,7 +577,7 @@ class CheckpointManager:
         """`_set_aside_newer_than`'s renames; rank 0 only, no collective."""
         newer = [s for s in complete_steps(self.folder) if s > step]
         for s in newer:
-            folder = self.folder / f"step-{s}"
+            folder = step_folder(self.folder, s)
             shutil.rmtree(folder.with_name(folder.name + SUPERSEDED_SUFFIX), ignore_errors=True)
             folder.rename(folder.with_name(folder.name + SUPERSEDED_SUFFIX))
         if newer:

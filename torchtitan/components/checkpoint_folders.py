@@ -25,6 +25,20 @@ RESUME_KEY = "checkpoint.folder"  # the setting a resume reads from; others: ini
 REPLACED_SUFFIX = ".replaced"  # a checkpoint folder being replaced by a newer save of its step
 
 
+def step_folder(folder: Path, step: int, hf: bool = False) -> Path:
+    """The checkpoint of `step` in `folder`: `step-N`, or `step-N-hf` for a Hugging Face export
+    (the names `STEP_FOLDER` and `HF_EXPORT_FOLDER` parse)."""
+    return folder / (f"step-{step}-hf" if hf else f"step-{step}")
+
+
+def step_of(path: Path) -> int:
+    """The step a `step-N` or `step-N-hf` folder holds."""
+    match = STEP_FOLDER.match(path.name) or HF_EXPORT_FOLDER.match(path.name)
+    if match is None:
+        raise ValueError(f"{path} is not a step-N checkpoint folder")
+    return int(match.group(1))
+
+
 def complete_steps(folder: Path) -> list[int]:
     """Steps with a complete (visible) checkpoint in `folder`, ascending: `step-N` folders that
     hold DCP's metadata, which it writes last."""
@@ -63,7 +77,7 @@ def unreadable_checkpoint_error(folder: Path, error: Exception, key: str = RESUM
         detail = f"rank {rank}: {type(cause).__name__}: {cause}"
     detail = detail.strip().splitlines()[0]
     if key == RESUME_KEY:
-        earlier = [s for s in complete_steps(folder.parent) if f"step-{s}" != folder.name]
+        earlier = [s for s in complete_steps(folder.parent) if step_folder(folder.parent, s) != folder]
         instead = f" (complete: {', '.join(map(str, earlier))})" if earlier else ""
         fix = f"Resume from an earlier step with checkpoint.load_step{instead}, or move the folder aside."
     else:
@@ -129,7 +143,7 @@ def hf_export_steps(folder: Path) -> list[int]:
 
 def resumable_steps(folder: Path) -> list[int]:
     """Complete checkpoints that hold a training state (not model-only exports), ascending."""
-    return [s for s in complete_steps(folder) if "train_state" in saved_keys(folder / f"step-{s}")]
+    return [s for s in complete_steps(folder) if "train_state" in saved_keys(step_folder(folder, s))]
 
 
 def prune_checkpoints(folder: Path, keep: int) -> None:
@@ -144,7 +158,7 @@ def prune_checkpoints(folder: Path, keep: int) -> None:
     kept = set(steps[-keep:]) | set(resumable_steps(folder)[-1:])
     for step in steps:
         if step not in kept:
-            shutil.rmtree(folder / f"step-{step}", ignore_errors=True)
+            shutil.rmtree(step_folder(folder, step), ignore_errors=True)
     _remove_abandoned_partials(folder, steps)
 
 
