@@ -1,5 +1,6 @@
 """The checkpoint folder's layout on disk: which `step-N` folders are complete, resumable or
-Hugging Face exports, and how a finished save replaces one and old ones are pruned.
+Hugging Face exports, how a finished save replaces one and old ones are pruned, and reading a
+checkpoint's metadata and state with an error that says what to do when it is damaged.
 
 A save writes `step-N.partial` and renames it to `step-N` once every rank is done, so a complete
 checkpoint is a `step-N` folder holding DCP's `.metadata` (which DCP writes last). Folders with
@@ -21,8 +22,8 @@ STEP_FOLDER = re.compile(r"^step-(\d+)$")
 HF_EXPORT_FOLDER = re.compile(r"^step-(\d+)-hf$")  # last_save_in_hf's final export
 PARTIAL_SUFFIX = ".partial"
 SUPERSEDED_SUFFIX = ".superseded"
-RESUME_KEY = "checkpoint.folder"  # the setting a resume reads from; others: initial_load_path
 REPLACED_SUFFIX = ".replaced"  # a checkpoint folder being replaced by a newer save of its step
+RESUME_KEY = "checkpoint.folder"  # the setting a resume reads from; others: initial_load_path
 
 
 def step_folder(folder: Path, step: int, hf: bool = False) -> Path:
