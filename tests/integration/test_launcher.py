@@ -62,8 +62,11 @@ def test_sigterm_to_run_train_sh_saves_and_ends_with_143_and_no_traceback(tmp_pa
     proc = subprocess.Popen(
         argv, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    # The trainer opens metrics.jsonl while it is being built, when a SIGTERM stops it before
+    # training with nothing to save: wait for the first step's record.
+    metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 180
-    while not (tmp_path / "metrics.jsonl").exists() and time.monotonic() < deadline:
+    while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)  # run_train.sh execs the launcher: this is torchrun's process
     output, _ = proc.communicate(timeout=120)
