@@ -29,7 +29,6 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed import activation_checkpoint as ac_module
@@ -41,6 +40,7 @@ from torchtitan.models.qwen3.args import Qwen3ModelArgs
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 from torchtitan.tools.activation_memory import bytes_held_for_backward
+from torchtitan.tools.op_counter import BACKWARD, FORWARD, OpCounter, ops
 
 _MODE = "--activation_checkpoint.mode"
 _OPTION = "--activation_checkpoint.selective_ac_option"
@@ -56,24 +56,8 @@ MODES["selective op, w2 recomputed"] = MODES["selective op"]
 EP = 2
 
 
-class _AllToAllTraffic(TorchDispatchMode):
-    """Counts the all-to-alls and the bytes this rank sends through them, and the experts'
-    matmuls that run (grouped, or looped where the rows are not 16-byte aligned)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-        self.bytes_sent = 0
-        self.expert_matmuls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops._c10d_functional.all_to_all_single.default:
-            self.calls += 1
-            self.bytes_sent += args[0].numel() * args[0].element_size()
-        # With grad mode on: the forward's, or in backward the recompute's (not the gradients').
-        if is_expert_matmul(func, args) and torch.is_grad_enabled():
-            self.expert_matmuls += 1
-        return func(*args, **(kwargs or {}))
+# The experts' matmuls are grouped, or looped where the rows are not 16-byte aligned.
+COUNTED = {"a2a": ops(torch.ops._c10d_functional.all_to_all_single.default), "expert mm": is_expert_matmul}
 
 
 def flavor(cli) -> Qwen3ModelArgs:
@@ -124,14 +108,16 @@ class ModeRun:
     def traffic(self) -> tuple[int, int, int, int]:
         """(forward calls, backward calls, backward bytes) of one step's all-to-alls, and the
         experts' matmuls recomputed in its backward."""
-        with _AllToAllTraffic() as forward:
+        with OpCounter(COUNTED) as counter:
             loss = self.loss()
-        with _AllToAllTraffic() as whole:
-            self.loss().backward()
-        del loss
+            counter.start_backward()
+            loss.backward()
         self.optimizer.zero_grad(set_to_none=True)
-        recomputed = whole.expert_matmuls - forward.expert_matmuls
-        return forward.calls, whole.calls - forward.calls, whole.bytes_sent - forward.bytes_sent, recomputed
+        backward_a2a = counter.matching("a2a", phase=BACKWARD)
+        # With grad mode on in backward: the recompute's matmuls (not the gradients').
+        recomputed = counter.count("expert mm", phase=BACKWARD, grad_enabled=True)
+        return (counter.count("a2a", phase=FORWARD), len(backward_a2a),
+                sum(call.nbytes for call in backward_a2a), recomputed)  # fmt: skip
 
     def held_bytes(self) -> int:
         return bytes_held_for_backward(self.model, self.tokens[:, :-1])

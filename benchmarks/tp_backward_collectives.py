@@ -12,33 +12,19 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
 from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.tools.op_counter import BACKWARD, OpCall, OpCounter, collectives
 
 MODELS = [("llama3", "debugmodel"), ("qwen3", "debugmodel_moe"), ("deepseek_v3", "debugmodel")]
 COUNTED = {"reduce_scatter_tensor": "reduce-scatter", "all_reduce": "all-reduce"}
 
 
-class _BackwardCollectives(TorchDispatchMode):
-    """Counts collectives once `backward` is set (the mode spans forward too: SAC needs that)."""
-
-    def __init__(self):
-        super().__init__()
-        self.backward, self.calls, self.elements = False, Counter(), Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = COUNTED.get(func.overloadpacket.__name__) if func.namespace == "_c10d_functional" else None
-        if self.backward and name:
-            self.calls[name, args[0].numel()] += 1
-            self.elements[name] += args[0].numel()
-        return func(*args, **(kwargs or {}))
-
-
-def _count(name: str, flavor: str, tp: int, seq_len: int, batch: int) -> _BackwardCollectives:
+def _backward_calls(name: str, flavor: str, tp: int, seq_len: int, batch: int) -> list[OpCall]:
+    """The counted collectives that one backward of the model issues."""
     spec = get_train_spec(name)
     cfg = parse_args(["--model.name", name, "--model.flavor", flavor, "--training.seq_len", str(seq_len),
                       "--training.mixed_precision_param", "float32",
@@ -53,11 +39,11 @@ def _count(name: str, flavor: str, tp: int, seq_len: int, batch: int) -> _Backwa
     torch.manual_seed(0)
     model.init_weights()
     tokens = torch.randint(0, 2000, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
-    with _BackwardCollectives() as counter, loss_context(dims, cfg):
+    with OpCounter(collectives) as counter, loss_context(dims, cfg):
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        counter.backward = True
+        counter.start_backward()
         loss.backward()
-    return counter
+    return [call for call in counter.matching(phase=BACKWARD) if call.name in COUNTED]
 
 
 def main() -> None:
@@ -69,14 +55,16 @@ def main() -> None:
     tp = dist.get_world_size()
     rows = []
     for name, flavor in MODELS:
-        counter = _count(name, flavor, tp, cli.seq_len, cli.batch)
-        detail = ", ".join(f"{n} x {size:,}" for (kind, size), n in sorted(counter.calls.items()))
-        calls = {
-            kind: sum(n for (k, _), n in counter.calls.items() if k == kind) for kind in COUNTED.values()
-        }
+        backward = _backward_calls(name, flavor, tp, cli.seq_len, cli.batch)
+        sizes = Counter((COUNTED[call.name], call.numel) for call in backward)
+        calls = Counter(COUNTED[call.name] for call in backward)
+        elements = Counter()
+        for call in backward:
+            elements[COUNTED[call.name]] += call.numel
+        detail = ", ".join(f"{n} x {size:,}" for (_, size), n in sorted(sizes.items()))
         rows.append(
             f"| {name} {flavor} | {calls['reduce-scatter']} | {calls['all-reduce']} | "
-            f"{counter.elements['reduce-scatter']:,} | {counter.elements['all-reduce']:,} | {detail} |"
+            f"{elements['reduce-scatter']:,} | {elements['all-reduce']:,} | {detail} |"
         )
     if dist.get_rank() == 0:
         print(f"TP {tp}, batch {cli.batch} x {cli.seq_len} tokens, one backward (fp32, no AC)\n")

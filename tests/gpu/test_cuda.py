@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import read_metrics, run_trainer
 from torchtitan.components.optimizer import build_optimizer
@@ -31,6 +30,7 @@ from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
 from torchtitan.models.moe import GroupedExperts
 from torchtitan.models.rope import precompute_rope_cache
 from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.tools.op_counter import BACKWARD, OpCounter, ops
 
 pytestmark = [
     pytest.mark.gpu,
@@ -148,22 +148,11 @@ def test_bf16_grouped_mm_experts_equal_the_loop_forward_and_backward():
         assert relative_error < 2e-2, relative_error
 
 
-class _AttentionCallsInBackward(TorchDispatchMode):
-    """Counts SDPA kernel calls after `in_backward` is set; active over forward and backward."""
-
-    KERNELS = {
-        torch.ops.aten._scaled_dot_product_flash_attention.default,
-        torch.ops.aten._scaled_dot_product_efficient_attention.default,
-        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    }
-
-    def __init__(self):
-        super().__init__()
-        self.in_backward, self.backward_calls = False, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.backward_calls += self.in_backward and func in self.KERNELS
-        return func(*args, **(kwargs or {}))
+_ATTENTION_KERNELS = ops(
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+)
 
 
 @pytest.mark.parametrize("mode, option, reruns", [("selective", "op", 0), ("full", "2", 1)])
@@ -178,11 +167,11 @@ def test_gpu_attention_kernel_is_saved_by_op_sac(mode, option, reruns):
     block = holder.layers["0"].to(CUDA, torch.bfloat16)
     x = torch.randn(2, 1024, args.dim, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
     rope = precompute_rope_cache(args.head_dim, 1024, args.rope_theta).to(CUDA)
-    with _AttentionCallsInBackward() as counter:
+    with OpCounter(_ATTENTION_KERNELS) as counter:
         out = block(x, rope)
-        counter.in_backward = True
+        counter.start_backward()
         out.float().sum().backward()
-    assert counter.backward_calls == reruns
+    assert counter.count(phase=BACKWARD) == reruns
 
 
 def test_bf16_training_with_op_sac_and_compile_learns(tmp_path):

@@ -8,26 +8,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.integration.workers import build_debug_model, shut_down
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
 from torchtitan.distributed.utils import GradSquareSums
+from torchtitan.tools.op_counter import OpCounter, ops
 
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
-ALL_REDUCES = (torch.ops._c10d_functional.all_reduce.default, torch.ops.c10d.allreduce_.default)
-
-
-class CountAllReduces(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in ALL_REDUCES
-        return func(*args, **(kwargs or {}))
+# Functional (DTensor's) and in-place (direct process-group) all-reduces.
+ALL_REDUCES = ops(torch.ops._c10d_functional.all_reduce.default, torch.ops.c10d.allreduce_.default)
 
 
 def main():
@@ -42,12 +33,12 @@ def main():
     partial = sum(any(p.is_partial() for p in param.grad.placements) for param in params)
     reference = torch.stack([param.grad.full_tensor().double().norm() for param in params]).norm()
     sums = GradSquareSums()
-    with CountAllReduces() as counter:
+    with OpCounter(ALL_REDUCES) as counter:
         sums.add(params)
         norm = sums.global_norm()
     left_partial = sum(any(p.is_partial() for p in param.grad.placements) for param in params)
     if dist.get_rank() == 0:
-        report = {"partial_grads": partial, "left_partial": left_partial, "all_reduces": counter.count,
+        report = {"partial_grads": partial, "left_partial": left_partial, "all_reduces": counter.count(),
                   "norm": norm.item(), "reference": reference.item(),
                   "all_dtensors": all(isinstance(p.grad, DTensor) for p in params)}  # fmt: skip
         print(json.dumps(report))

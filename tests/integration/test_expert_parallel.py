@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import MOE_METRICS, assert_metrics_match, read_metrics, run_trainer
 from tests.integration.workers import run_worker, shut_down
@@ -26,6 +25,7 @@ from torchtitan.models.moe import is_expert_matmul
 from torchtitan.models.qwen3 import qwen3_flavors
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+from torchtitan.tools.op_counter import BACKWARD, FORWARD, OpCounter, ops
 
 pytestmark = pytest.mark.integration
 
@@ -291,22 +291,8 @@ def test_recompute_under_ep_replays_the_forward_routing(ep_worker_report, ac):
     assert ep_worker_report["modes"][ac]["replayed_grads_equal"], ac
 
 
-class _CountOps(TorchDispatchMode):
-    """Counts all-to-alls, and the routed experts' forward matmuls that run (in backward: those
-    of the recompute). Entered before the step, so checkpoint's modes see every op first, and an
-    op they skip is not counted."""
-
-    def __init__(self):
-        super().__init__()
-        self.a2a = self.expert_mm = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops._c10d_functional.all_to_all_single.default:
-            self.a2a += 1
-        # Grad mode is on in forward and in recompute, off for the gradients' own matmuls.
-        if is_expert_matmul(func, args) and torch.is_grad_enabled():
-            self.expert_mm += 1
-        return func(*args, **(kwargs or {}))
+A2A = ops(torch.ops._c10d_functional.all_to_all_single.default)
+COUNTED = {"a2a": A2A, "expert mm": is_expert_matmul}
 
 
 def _build(parallel_dims, ac_argv: list[str], looped: bool = False):
@@ -354,19 +340,25 @@ def _digest(grads: list[torch.Tensor]) -> list[str]:
 def _report_mode(parallel_dims, ac, tokens, looped: bool = False) -> dict:
     model = _build(parallel_dims, WORKER_AC[ac], looped)
     experts = [m for n, m in model.named_modules() if n.endswith("moe.experts")]
-    # One mode over forward and backward: a mode entered for backward only upsets SAC's recompute.
-    with _CountOps() as mode:
+    # Entered before the step, so checkpoint's modes see every op first, and an op they skip
+    # is not counted.
+    with OpCounter(COUNTED) as counter:
         loss = _loss(model, tokens)
-        forward_a2a, forward_expert_mm = mode.a2a, mode.expert_mm
+        counter.start_backward()
         loss.backward()
-    recomputed_expert_mm = mode.expert_mm - forward_expert_mm
+    forward_a2a = counter.count("a2a", phase=FORWARD)
+    # Grad mode is on in forward and in recompute, off for the gradients' own matmuls.
+    forward_expert_mm = counter.count("expert mm", phase=FORWARD, grad_enabled=True)
+    recomputed_expert_mm = counter.count("expert mm", phase=BACKWARD, grad_enabled=True)
     first_grads = _digest(_grads(model))
     backward_a2a, held = [], []
     for _ in range(LEAK_STEPS):
         model.zero_grad(set_to_none=True)
-        with _CountOps() as mode:
-            _loss(model, tokens).backward()
-        backward_a2a.append(mode.a2a - forward_a2a)
+        with OpCounter(A2A) as counter:
+            loss = _loss(model, tokens)
+            counter.start_backward()
+            loss.backward()
+        backward_a2a.append(counter.count(phase=BACKWARD))
         held.append(_held_tensors())
     reference = _grads(model)
     model.zero_grad(set_to_none=True)

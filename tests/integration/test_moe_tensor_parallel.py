@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import MOE_METRICS, assert_metrics_match, read_metrics, run_trainer
 from tests.integration.workers import run_worker, shut_down
@@ -23,6 +22,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.fqn import clean_fqn
+from torchtitan.tools.op_counter import BACKWARD, OpCounter, collectives
 
 pytestmark = pytest.mark.integration
 
@@ -101,28 +101,17 @@ def _close(grad: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.allclose(grad, want, rtol=0, atol=GRAD_RTOL * want.abs().max().item())
 
 
-class _BackwardCollectives(TorchDispatchMode):
-    """How many reduce-scatters run in backward, and the most elements any all-reduce moves
-    there (active over forward and backward: a backward-only mode breaks SAC recompute)."""
-
-    def __init__(self):
-        super().__init__()
-        self.backward, self.counts = False, {"reduce_scatter_tensor": 0, "largest all_reduce": 0}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.backward and func is torch.ops._c10d_functional.all_reduce.default:
-            self.counts["largest all_reduce"] = max(self.counts["largest all_reduce"], args[0].numel())
-        if self.backward and func is torch.ops._c10d_functional.reduce_scatter_tensor.default:
-            self.counts["reduce_scatter_tensor"] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _backward_collectives(model, parallel_dims, cfg, tokens) -> dict:
-    with _BackwardCollectives() as counter, loss_context(parallel_dims, cfg):
+    """How many reduce-scatters run in backward, and the most elements any all-reduce moves there."""
+    with OpCounter(collectives) as counter, loss_context(parallel_dims, cfg):
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        counter.backward = True
+        counter.start_backward()
         loss.backward()
-    return counter.counts
+    all_reduces = counter.matching("all_reduce", phase=BACKWARD)
+    return {
+        "reduce_scatter_tensor": counter.count("reduce_scatter_tensor", phase=BACKWARD),
+        "largest all_reduce": max((call.numel for call in all_reduces), default=0),
+    }
 
 
 def _worker() -> None:

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtitan.config import ActivationCheckpoint, ConfigError
@@ -30,6 +29,7 @@ from torchtitan.models.rope import precompute_rope_cache
 from torchtitan.protocols.train_spec import _REGISTRY, get_train_spec
 from torchtitan.tools.activation_memory import bytes_held_for_backward
 from torchtitan.tools.fqn import clean_fqn
+from torchtitan.tools.op_counter import BACKWARD, OpCounter, collectives, ops
 
 NONE = ActivationCheckpoint(mode="none")
 FULL = ActivationCheckpoint(mode="full")
@@ -329,26 +329,14 @@ def test_full_ac_with_early_stop_never_recomputes_the_last_matmul():
     assert full - none == forward - 2 * tokens * w2.numel()
 
 
-class _CountInBackward(TorchDispatchMode):
-    """Counts calls of one op after `in_backward` is set; active over forward and backward."""
-
-    def __init__(self, op):
-        super().__init__()
-        self.op, self.in_backward, self.backward_calls = op, False, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.backward_calls += self.in_backward and func == self.op
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("mode, reruns", [("selective op", 0), ("full", 1), ("none", 0)])
 def test_attention_kernel_is_not_rerun_in_backward_under_op_sac(mode, reruns):
     block, (x, rope) = _block(MODES[mode]), _block_inputs()
-    with _CountInBackward(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default) as counter:
+    with OpCounter(ops(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)) as counter:
         out = block(x, rope)
-        counter.in_backward = True
+        counter.start_backward()
         out.sum().backward()
-    assert counter.backward_calls == reruns
+    assert counter.count(phase=BACKWARD) == reruns
 
 
 # ----- memory held for backward ------------------------------------------------------------
@@ -382,20 +370,6 @@ def test_op_sac_keeps_no_output_of_the_blocks_last_matmul_and_never_recomputes_i
     assert _forward_and_backward_flops(saving_w2) == _forward_and_backward_flops(OP_SAC)
 
 
-class _BackwardCollectives(TorchDispatchMode):
-    """Counts the collectives issued while `backward` is True."""
-
-    def __init__(self):
-        super().__init__()
-        self.backward, self.counts = False, {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if self.backward and func.namespace == "_c10d_functional" and name != "wait_tensor":
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def _tp2_held_and_backward_collectives(
     *ac_args: str, model_name: str = "llama3", flavor: str = "debugmodel"
 ) -> tuple[int, dict[str, int]]:
@@ -424,11 +398,11 @@ def _tp2_held_and_backward_collectives(
         model.init_weights()
         tokens = torch.randint(0, 2000, (2, seq), generator=torch.Generator().manual_seed(0))
         held = bytes_held_for_backward(model, tokens)
-        with _BackwardCollectives() as collectives:
+        with OpCounter(collectives) as counter:
             logits = model(tokens)
-            collectives.backward = True
+            counter.start_backward()
             logits.to_local().sum().backward()
-        return held, collectives.counts
+        return held, counter.counts_by_name(phase=BACKWARD)
     finally:
         dist.destroy_process_group()
 
@@ -449,7 +423,7 @@ def test_op_sac_under_tp_holds_no_block_ending_reduce_scatter_and_never_reissues
         "op",
     ]
     model = {"model_name": model_name, "flavor": flavor}
-    held, collectives = _tp2_held_and_backward_collectives(*op_sac, **model)
+    held, issued = _tp2_held_and_backward_collectives(*op_sac, **model)
     held_without_early_stop, _ = _tp2_held_and_backward_collectives(
         *op_sac, "--activation_checkpoint.early_stop", "false", **model
     )
@@ -457,7 +431,7 @@ def test_op_sac_under_tp_holds_no_block_ending_reduce_scatter_and_never_reissues
     dim = get_train_spec(model_name).get_flavor(flavor).dim
     block_output_shard = 2 * (256 // 2) * dim * 4  # batch x seq/tp x dim, fp32
     assert held_without_early_stop - held == 2 * block_output_shard  # one per block
-    assert collectives["reduce_scatter_tensor"] == without_ac["reduce_scatter_tensor"]
+    assert issued["reduce_scatter_tensor"] == without_ac["reduce_scatter_tensor"]
 
 
 def test_forcing_wo_under_tp_keeps_its_reduce_scatter_which_backward_needs():
@@ -465,11 +439,11 @@ def test_forcing_wo_under_tp_keeps_its_reduce_scatter_which_backward_needs():
     ac = "--activation_checkpoint."
     forced = ["moe.router.gate", "feed_forward.w2", "moe.shared_experts.w2", "attention.wo"]
     op_sac = [ac + "mode", "selective", ac + "selective_ac_option", "op"]
-    _, collectives = _tp2_held_and_backward_collectives(
+    _, issued = _tp2_held_and_backward_collectives(
         *op_sac, ac + "per_op_sac_force_recompute_mm_shapes_by_fqns", ",".join(forced)
     )
     _, without_ac = _tp2_held_and_backward_collectives()
-    assert collectives["reduce_scatter_tensor"] == without_ac["reduce_scatter_tensor"]
+    assert issued["reduce_scatter_tensor"] == without_ac["reduce_scatter_tensor"]
 
 
 def test_a_default_force_recompute_entry_never_forces_a_matmul_it_does_not_name():

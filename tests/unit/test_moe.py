@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.config import ActivationCheckpoint
 from torchtitan.distributed import activation_checkpoint as ac_module
@@ -22,6 +21,7 @@ from torchtitan.models.moe import (
 )
 from torchtitan.tools.fqn import clean_fqn
 from torchtitan.tools.grouped_mm import grouped_mm_supported
+from torchtitan.tools.op_counter import OpCounter, ops
 
 DIM, HIDDEN = 16, 32
 OP_SAC = ActivationCheckpoint(mode="selective", selective_ac_option="op")
@@ -311,20 +311,6 @@ def test_checkpointed_moe_gives_the_same_grads_as_no_checkpoint(ac, use_grouped_
         assert torch.equal(grad, grads_c[name]), name
 
 
-class _CountRecomputedGroupedMM(TorchDispatchMode):
-    """Grouped matmuls run with grad mode on: in backward, those of a recompute (the gradients'
-    own run with it off)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._grouped_mm.default and torch.is_grad_enabled():
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _recomputed_grouped_mm(feeds_all_to_all: bool) -> int:
     moe = _moe()
     moe.experts.output_feeds_all_to_all = feeds_all_to_all
@@ -333,9 +319,11 @@ def _recomputed_grouped_mm(feeds_all_to_all: bool) -> int:
     x = _tokens(2, 12, DIM)
     assert holder.layers["0"].moe.experts.uses_grouped_mm(x)
     loss = holder(x).square().mean()
-    with _CountRecomputedGroupedMM() as counter:
+    # Entered for backward alone: the grouped matmuls run there with grad mode on are a
+    # recompute's (the gradients' own run with it off).
+    with OpCounter(ops(torch.ops.aten._grouped_mm.default)) as counter:
         loss.backward()
-    return counter.count
+    return counter.count(grad_enabled=True)
 
 
 def test_without_expert_parallelism_op_sac_recomputes_all_three_expert_matmuls():
