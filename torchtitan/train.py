@@ -81,7 +81,7 @@ class Trainer:
         )
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
-        self.parallel_dims.build_mesh(self.device.type)
+        self.parallel_dims.build_mesh(self.device.type, timeout_seconds=cfg.comm.init_timeout_seconds)
         tag_compile_caches_with_process_groups()
         logger.info(f"Parallelism: {describe_layout(cfg, self.parallel_dims)}")
         # Before anything is allocated, so that the snapshots see every allocation.

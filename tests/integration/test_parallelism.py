@@ -181,6 +181,15 @@ def test_the_training_timeout_reaches_every_mesh_group(group):
     assert report["raised"] and report["seconds"] < 3, report
 
 
+@pytest.mark.parametrize("group", ["tp", "dp"])
+def test_the_startup_timeout_reaches_every_mesh_group(group):
+    """comm.init_timeout_seconds is every mesh group's timeout until the first step ends, not
+    only the default group's: torch gives the groups a mesh creates its own default (10 min on
+    NCCL, 30 on gloo), so a hang in loading or step 1 on a TP or FSDP group waited that long."""
+    report = run_worker("timeout_worker", nproc=4, argv=[group, "startup"])
+    assert report["raised"] and report["seconds"] < 3, report
+
+
 def test_a_group_the_timeout_change_keeps_waits_for_a_late_rank():
     """The checkpointer's async-save group: its background collectives wait for the slowest
     rank's write, which may take longer than the training timeout."""

@@ -1,7 +1,8 @@
 """Run under torchrun (4 processes, mesh dp_shard 2 x tp 2): after `set_collective_timeout`, as
 the trainer calls it when step 1 ends, a collective on each group whose member arrives late
 times out after the training timeout, not the (longer) startup one; a group it is told to
-keep ("kept") waits.
+keep ("kept") waits. With "startup" as the second argument, no training timeout is set: the
+mesh's groups time out after the startup timeout given to `build_mesh`, as the trainer gives it.
 
 Rank 0 prints, per group, as JSON: whether its all-reduce raised, and after how many seconds.
 """
@@ -21,13 +22,16 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 STARTUP_TIMEOUT, TRAIN_TIMEOUT, LATE_BY = 60, 1, 4
 
 
-def main(group_name: str) -> None:
+def main(group_name: str, phase: str) -> None:
     cfg = JobConfig()
     cfg.parallelism.tensor_parallel_degree = 2
-    world = dist_utils.init_distributed(torch.device("cpu"), STARTUP_TIMEOUT, 0)
+    startup_timeout = TRAIN_TIMEOUT if phase == "startup" else STARTUP_TIMEOUT
+    world = dist_utils.init_distributed(torch.device("cpu"), startup_timeout, 0)
     dims = ParallelDims.from_config(cfg.parallelism, world)
-    dims.build_mesh("cpu")
-    if group_name == "kept":  # as the checkpointer's async-save group, which the trainer keeps
+    dims.build_mesh("cpu", timeout_seconds=startup_timeout)
+    if phase == "startup":
+        group = dims.submesh(group_name).get_group()
+    elif group_name == "kept":  # as the checkpointer's async-save group, which the trainer keeps
         group = dist.new_group(backend="gloo")
         dist_utils.set_collective_timeout(TRAIN_TIMEOUT, keep=(group,))
     else:
@@ -49,4 +53,4 @@ def main(group_name: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "train")

@@ -6,6 +6,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.validation import expert_parallel_conflict
+from torchtitan.distributed.utils import set_group_timeouts
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 # With expert parallelism dp_shard is built from two dims: EP groups are runs of consecutive
@@ -130,10 +131,23 @@ class ParallelDims:
         """Ranks holding the same experts (they average the experts' gradients)."""
         return self.dp_replicate * self.dp_shard // self.ep_from_dp_shard
 
-    def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """Create the named mesh (None for a single process) and its flattened "dp"."""
+    def build_mesh(self, device_type: str, timeout_seconds: int | None = None) -> DeviceMesh | None:
+        """Create the named mesh (None for a single process) and its flattened "dp".
+
+        Args:
+            timeout_seconds: the collective timeout of every group the mesh creates (None:
+                torch's default for new groups, 10 min on NCCL and 30 on gloo, whatever the
+                default group's timeout is). The trainer passes `comm.init_timeout_seconds`.
+        """
         if self.world_size == 1:
             return None
+        mesh = self._build_mesh(device_type)
+        if timeout_seconds is not None:
+            groups = {self.submesh(name).get_group() for name in self.mesh_group_names()}
+            set_group_timeouts(timeout_seconds, groups)
+        return mesh
+
+    def _build_mesh(self, device_type: str) -> DeviceMesh:
         if self.ep_enabled:
             in_ep = self.ep_from_dp_shard
             shape = (self.dp_replicate, self.dp_shard // in_ep, in_ep, self.tp)
@@ -154,6 +168,10 @@ class ParallelDims:
             self._derived["hsdp"] = mesh["dp_replicate", "dp_shard"]
         self._mesh = mesh
         return mesh
+
+    def mesh_group_names(self) -> list[str]:
+        """The names `submesh` takes that name a 1-D group of this layout."""
+        return [*self.mesh.mesh_dim_names, *(name for name in self._derived if name != "hsdp")]
 
     def submesh(self, name: str) -> DeviceMesh:
         """The 1-D mesh of one dim ("dp_replicate", "dp_shard", "tp", "ep", ...) or of a

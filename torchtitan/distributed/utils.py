@@ -96,18 +96,25 @@ def set_collective_timeout(timeout_seconds: int, keep: tuple = ()) -> None:
     still in its first step has yet to join.
 
     Args:
-        keep: groups whose timeout stays, e.g. the async checkpoint's, whose background
-            collectives wait for the slowest rank's write, which may take longer.
+        keep: groups whose timeout stays, e.g. the checkpointer's, which wait for rank 0's file
+            work or for the slowest rank's write, either of which may take longer.
     """
     if not dist.is_initialized():
         return
-    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+    from torch.distributed.distributed_c10d import _world
 
     dist.barrier()
+    set_group_timeouts(timeout_seconds, [group for group in list(_world.pg_map) if group not in keep])
+
+
+def set_group_timeouts(timeout_seconds: int, groups) -> None:
+    """Give each of `groups` the collective timeout `timeout_seconds`, from the next collective
+    on. No collective of theirs may be in flight (it could be timed against either value)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
     timeout = datetime.timedelta(seconds=timeout_seconds)
-    for group in list(_world.pg_map):
-        if group not in keep:
-            _set_pg_timeout(timeout, group)
+    for group in groups:
+        _set_pg_timeout(timeout, group)
 
 
 @torch.no_grad()
