@@ -330,8 +330,9 @@ class Trainer:
                 self._log(loss, grad_norm, started)
                 unchecked = None
             if first:
-                keep = (self.checkpointer.async_group,) if self.checkpointer.async_group else ()
-                dist_utils.set_collective_timeout(cfg.comm.train_timeout_seconds, keep=keep)
+                dist_utils.set_collective_timeout(
+                    cfg.comm.train_timeout_seconds, keep=self.checkpointer.own_groups
+                )
             if self.validator and self._validates_at(self.step):
                 with self.metrics.paused():
                     self._validate()

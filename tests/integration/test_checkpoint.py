@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import PROJECT_ROOT, python_path, read_metrics, run_trainer
+from tests.forked_launcher import launch
 from torchtitan.components.hf_io import load_hf
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.config.manager import parse_args
@@ -332,6 +333,20 @@ def test_seed_checkpoint_gives_any_layout_the_same_start(tmp_path):
     _train(from_seed, "FSDP 2", ["--training.steps", "2"])  # seed 0, but the weights come from step-0
     got, want = _losses(from_seed)[1], _losses(reference)[1]
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_the_other_ranks_wait_for_rank_0s_hf_export_longer_than_the_training_timeout(tmp_path):
+    """Rank 0 alone writes the last_save_in_hf export while the others wait in a barrier, which
+    ran under comm.train_timeout_seconds (100 s by default): a large model's export killed the
+    run. The worker makes the export 5 s slower than it is; the timeout here is 2 s."""
+    argv = BASE + ["--training.steps", "2", "--training.local_batch_size", "4",
+                   "--checkpoint.last_save_in_hf", "--comm.train_timeout_seconds", "2",
+                   "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
+    script = PROJECT_ROOT / "tests" / "integration" / "slow_export_worker.py"
+    proc = launch(("script", str(script)), argv, 2, env, PROJECT_ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "checkpoint" / "step-2-hf" / "config.json").is_file()
 
 
 def test_last_save_in_hf_then_initial_load_in_hf_gives_the_dcp_weights(tmp_path):

@@ -8,7 +8,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
-from torchtitan.components.checkpoint_folders import complete_steps, prune_checkpoints, step_folder, step_of
+from torchtitan.components.checkpoint_folders import (
+    complete_steps,
+    delete_folders,
+    prune_checkpoints,
+    step_folder,
+    step_of,
+)
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 
@@ -20,25 +26,50 @@ def _save(folder, step: int, resumable: bool = True, suffix: str = "") -> None:
     dcp.save(state, checkpoint_id=str(folder / f"step-{step}{suffix}"))
 
 
+def _prune(folder, keep: int) -> None:
+    delete_folders(prune_checkpoints(folder, keep))
+
+
 def test_keeps_the_k_newest_checkpoints(tmp_path):
     for step in (2, 4, 6, 8):
         _save(tmp_path, step)
-    prune_checkpoints(tmp_path, keep=2)
+    _prune(tmp_path, keep=2)
     assert complete_steps(tmp_path) == [6, 8]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-6", "step-8"]
+
+
+def test_pruning_only_renames_the_checkpoints_it_drops_leaving_the_deleting_to_the_caller(tmp_path):
+    """Deleting a large checkpoint takes minutes; the rename is instant, and a resume never reads
+    a renamed folder, so a kill before or during the deletion leaves no half checkpoint."""
+    for step in (2, 4, 6):
+        _save(tmp_path, step)
+    doomed = prune_checkpoints(tmp_path, keep=1)
+    assert complete_steps(tmp_path) == [6]
+    assert [p.name.split(".deleting-")[0] for p in sorted(doomed)] == ["step-2", "step-4"]
+    assert all((p / ".metadata").is_file() for p in doomed)  # still there, renamed
+
+
+def test_folders_a_killed_run_left_undeleted_are_deleted_at_the_next_prune(tmp_path):
+    for step in (2, 4):
+        _save(tmp_path, step)
+    prune_checkpoints(tmp_path, keep=1)  # step-2 renamed, then the run is killed
+    _save(tmp_path, 6)
+    _prune(tmp_path, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-6"]
 
 
 def test_a_model_only_final_save_does_not_push_out_the_last_resumable_checkpoint(tmp_path):
     for step in (2, 4):
         _save(tmp_path, step)
     _save(tmp_path, 5, resumable=False)  # last_save_model_only
-    prune_checkpoints(tmp_path, keep=1)
+    _prune(tmp_path, keep=1)
     assert complete_steps(tmp_path) == [4, 5]
 
 
 def test_zero_keeps_every_checkpoint(tmp_path):
     for step in (2, 4, 6):
         _save(tmp_path, step)
-    prune_checkpoints(tmp_path, keep=0)
+    _prune(tmp_path, keep=0)
     assert complete_steps(tmp_path) == [2, 4, 6]
 
 
@@ -46,7 +77,7 @@ def test_an_unfinished_save_is_neither_counted_nor_removed(tmp_path):
     for step in (2, 4):
         _save(tmp_path, step)
     (tmp_path / "step-6.partial").mkdir()
-    prune_checkpoints(tmp_path, keep=1)
+    _prune(tmp_path, keep=1)
     assert complete_steps(tmp_path) == [4]
     assert (tmp_path / "step-6.partial").is_dir()
 
@@ -55,7 +86,7 @@ def test_a_save_a_crash_interrupted_is_removed_once_a_newer_checkpoint_completes
     _save(tmp_path, 2, suffix=".partial")  # the crashed run's save
     for step in (4, 6):
         _save(tmp_path, step)
-    prune_checkpoints(tmp_path, keep=2)
+    _prune(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-6"]
 
 

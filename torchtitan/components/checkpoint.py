@@ -22,11 +22,13 @@ Pitfalls:
       whose position is global; a streaming dataset's position is refused across layouts.
 """
 
+import datetime
 import logging
 import os
 import pickle
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +49,7 @@ from torchtitan.components.checkpoint_folders import (
     PARTIAL_SUFFIX,
     SUPERSEDED_SUFFIX,
     complete_steps,
+    delete_folders,
     hf_export_steps,
     is_dcp,
     load_from,
@@ -99,9 +102,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+# The longest the other ranks wait for rank 0's file work (a Hugging Face export, renames):
+# the training timeout (comm.train_timeout_seconds) is far shorter than writing a large model.
+RANK0_FILE_WORK_TIMEOUT_SECONDS = 3600
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -160,6 +163,27 @@ class CheckpointManager:
             self.async_group = dist.new_group(backend="gloo")
         else:
             self.async_group = None
+        self.wait_group = self._build_wait_group(job_config)
+        self._deleter: ThreadPoolExecutor | None = None  # rank 0's, deletes pruned checkpoints
+
+    def _build_wait_group(self, job_config: JobConfig):
+        """A gloo group for the barriers around rank 0's file work, with a timeout of its own
+        (see `own_groups`); None when not distributed or not checkpointing."""
+        if not (self.config.enable and dist.is_initialized()):
+            return None
+        seconds = max(job_config.comm.init_timeout_seconds, RANK0_FILE_WORK_TIMEOUT_SECONDS)
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+
+    @property
+    def own_groups(self) -> tuple:
+        """The groups whose timeout the trainer must not shorten after step 1: the async save's,
+        whose background collectives wait for the slowest rank's write, and the one the other
+        ranks wait on while rank 0 alone writes (a Hugging Face export) or renames."""
+        return tuple(group for group in (self.async_group, self.wait_group) if group is not None)
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier(group=self.wait_group)
 
     def _check(self, job_config: JobConfig) -> None:
         c = self.config
@@ -279,7 +303,7 @@ class CheckpointManager:
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         if _rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        _barrier()
+        self._barrier()
         start = time.perf_counter()
         if c.async_mode == "async_with_pinned_mem" and not (last or force_sync):
             if self.device.type != "cpu":
@@ -383,14 +407,14 @@ class CheckpointManager:
         if crash_step is not None and step_of(final) == int(crash_step):
             os._exit(17)
         if collective:
-            _barrier()
+            self._barrier()
         if _rank() == 0:
             replace_folder(final, partial)
             self._after_first_save(step_of(final))
             self._keep_latest()
         self.set_aside_after_first_save = False
         if collective:
-            _barrier()
+            self._barrier()
         logger.info(f"Saved checkpoint {final}{kind} in {time.perf_counter() - start:.1f}s")
 
     def _after_first_save(self, step: int) -> None:
@@ -400,7 +424,14 @@ class CheckpointManager:
             self._rename_newer_than(step)
 
     def _keep_latest(self) -> None:
-        prune_checkpoints(self.folder, self.config.keep_latest_k)
+        doomed = prune_checkpoints(self.folder, self.config.keep_latest_k)
+        if doomed:
+            # In the background: in async mode nothing waits for rank 0 here, and deleting a
+            # large checkpoint could outlast the training timeout of the collective the other
+            # ranks wait in meanwhile.
+            if self._deleter is None:
+                self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-prune")
+            self._deleter.submit(delete_folders, doomed)
 
     def _save_hf(self, folder: Path) -> None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -427,7 +458,7 @@ class CheckpointManager:
             self._after_first_save(step_of(folder))
             logger.info(f"Saved the model as Hugging Face safetensors in {folder}")
         self.set_aside_after_first_save = False
-        _barrier()
+        self._barrier()
 
     # ----- loading ----------------------------------------------------------------------
 
@@ -571,7 +602,7 @@ class CheckpointManager:
         Collective: every rank calls it."""
         if _rank() == 0:
             self._rename_newer_than(step)
-        _barrier()
+        self._barrier()
 
     def _rename_newer_than(self, step: int) -> None:
         """`_set_aside_newer_than`'s renames; rank 0 only, no collective."""
@@ -758,6 +789,9 @@ class CheckpointManager:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+        if self._deleter is not None:
+            self._deleter.shutdown(wait=True)
+            self._deleter = None
 
 
 def _plain(value):

@@ -4,12 +4,13 @@ checkpoint's metadata and state with an error that says what to do when it is da
 
 A save writes `step-N.partial` and renames it to `step-N` once every rank is done, so a complete
 checkpoint is a `step-N` folder holding DCP's `.metadata` (which DCP writes last). Folders with
-any other suffix (`.partial`, `.superseded`, `.replaced`) are never resumed from.
+any other suffix (`.partial`, `.superseded`, `.replaced`, `.deleting-*`) are never resumed from.
 """
 
 import pickle
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ HF_EXPORT_FOLDER = re.compile(r"^step-(\d+)-hf$")  # last_save_in_hf's final exp
 PARTIAL_SUFFIX = ".partial"
 SUPERSEDED_SUFFIX = ".superseded"
 REPLACED_SUFFIX = ".replaced"  # a checkpoint folder being replaced by a newer save of its step
+DELETING_SUFFIX = ".deleting"  # set aside by pruning, for a background thread to delete
 RESUME_KEY = "checkpoint.folder"  # the setting a resume reads from; others: initial_load_path
 
 
@@ -147,26 +149,47 @@ def resumable_steps(folder: Path) -> list[int]:
     return [s for s in complete_steps(folder) if "train_state" in saved_keys(step_folder(folder, s))]
 
 
-def prune_checkpoints(folder: Path, keep: int) -> None:
-    """Delete all but the `keep` newest complete checkpoints (`keep <= 0` keeps all).
+def prune_checkpoints(folder: Path, keep: int) -> list[Path]:
+    """Set aside all but the `keep` newest complete checkpoints (`keep <= 0` keeps all), and the
+    saves a crash interrupted, for deletion.
+
+    Each is renamed to a `.deleting` name, which no scan of the folder reads: quick, and a kill
+    at any point leaves every checkpoint whole or invisible. Deleting them is the caller's
+    (`delete_folders`): minutes for a large checkpoint on a parallel file system, which the
+    trainer spends in a background thread rather than with the other ranks waiting.
 
     The newest resumable checkpoint always stays, even when `keep` newer model-only exports
     (`last_save_model_only`) would push it out: a run extended later resumes from it.
+
+    Returns:
+        The folders to delete: those set aside now, and any an earlier run left undeleted.
     """
     if keep <= 0:
-        return
+        return []
+    left_undeleted = list(folder.glob(f"*{DELETING_SUFFIX}-*"))
     steps = complete_steps(folder)
     kept = set(steps[-keep:]) | set(resumable_steps(folder)[-1:])
-    for step in steps:
-        if step not in kept:
-            shutil.rmtree(step_folder(folder, step), ignore_errors=True)
-    _remove_abandoned_partials(folder, steps)
+    pruned = [step_folder(folder, step) for step in steps if step not in kept]
+    return left_undeleted + [_set_aside(path) for path in pruned + _abandoned_partials(folder, steps)]
 
 
-def _remove_abandoned_partials(folder: Path, steps: list[int]) -> None:
-    """Delete `step-N.partial` folders older than the newest complete checkpoint: saves that a
-    crash interrupted (a save in flight is always of a newer step)."""
+def delete_folders(folders: list[Path]) -> None:
+    for path in folders:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _set_aside(path: Path) -> Path:
+    aside = path.with_name(f"{path.name}{DELETING_SUFFIX}-{time.time_ns()}")
+    path.rename(aside)
+    return aside
+
+
+def _abandoned_partials(folder: Path, steps: list[int]) -> list[Path]:
+    """`step-N.partial` folders older than the newest complete checkpoint: saves that a crash
+    interrupted (a save in flight is always of a newer step)."""
+    abandoned = []
     for path in folder.glob(f"step-*{PARTIAL_SUFFIX}"):
         step = path.name.removesuffix(PARTIAL_SUFFIX).removeprefix("step-")
         if steps and step.isdecimal() and int(step) < steps[-1]:
-            shutil.rmtree(path, ignore_errors=True)
+            abandoned.append(path)
+    return abandoned
