@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan.config.manager import parse_args
-from torchtitan.distributed.data_parallel import apply_fsdp
+from torchtitan.distributed.data_parallel import apply_fsdp, cpu_offload_policy
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.llama3 import model as llama3_model
 from torchtitan.protocols.train_spec import get_train_spec
@@ -62,3 +62,18 @@ def test_every_fsdp_unit_reduces_gradients_in_mixed_precision_reduce_not_the_par
     policies = {name: m._get_fsdp_state()._mp_policy for name, m in units.items()}
     assert any("experts" in name for name in units), list(units)
     assert {(p.param_dtype, p.reduce_dtype) for p in policies.values()} == {(torch.bfloat16, torch.float32)}
+
+
+EARLY_STEP = ["--optimizer.early_step_in_backward", "--training.max_norm", "0"]
+
+
+def test_cpu_offload_under_early_step_in_backward_before_torch_2_13_copies_gradients_unpinned():
+    """Torch 2.11 and 2.12 ran FSDP's post-accumulate-grad hooks (the early step) while the
+    gradient's non-blocking copy to pinned host memory was in flight."""
+    policy = cpu_offload_policy(parse_args(EARLY_STEP, env={}), torch_version="2.12.1+cu130")
+    assert policy.pin_memory is False
+
+
+def test_cpu_offload_pins_memory_where_no_hook_reads_gradients_early_or_torch_waits_for_the_copy():
+    assert cpu_offload_policy(parse_args([], env={}), torch_version="2.11.0").pin_memory is True
+    assert cpu_offload_policy(parse_args(EARLY_STEP, env={}), torch_version="2.13.0+cpu").pin_memory is True

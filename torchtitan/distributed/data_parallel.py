@@ -2,18 +2,22 @@
 or DDP (the composable `replicate`) when ranks replicate without sharding."""
 
 import dataclasses
+import logging
 
 import torch
 import torch.nn as nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.torch_version import TorchVersion
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.expert_parallel import mark_expert_params
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.tools.dtypes import TORCH_DTYPES
+
+logger = logging.getLogger(__name__)
 
 
 def _reshard_policy(setting: str) -> tuple[bool, bool, bool]:
@@ -63,7 +67,7 @@ def apply_fsdp(
         ),
     }
     if t.enable_cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        kwargs["offload_policy"] = cpu_offload_policy(job_config)
     policy = job_config.parallelism.fsdp_reshard_after_forward
     reshard_blocks, reshard_last, reshard_root = _reshard_policy(policy)
     blocks = list(model.layers.values())
@@ -135,6 +139,26 @@ def apply_data_parallel(
         apply_fsdp(model, parallel_dims, job_config, device, experts)
     elif parallel_dims.ddp_enabled:
         apply_ddp(model, parallel_dims)
+
+
+def cpu_offload_policy(job_config: JobConfig, torch_version: str = torch.__version__) -> CPUOffloadPolicy:
+    """FSDP's offload policy for `training.enable_cpu_offload`: pinned host memory, except where
+    `optimizer.early_step_in_backward` is on and torch is older than 2.13.
+
+    Pitfall: with pinned memory FSDP copies each reduced gradient to the host without waiting,
+    and before torch 2.13 it ran the post-accumulate-grad hooks, where the early step runs,
+    before that copy was done, so the optimizer stepped on a gradient still being written.
+    Unpinned, the copy finishes first (slower host copies, right updates).
+    """
+    waits_for_hooked_grads = TorchVersion(torch_version) >= (2, 13)
+    if job_config.optimizer.early_step_in_backward and not waits_for_hooked_grads:
+        logger.warning(
+            f"'training.enable_cpu_offload' with 'optimizer.early_step_in_backward' on torch "
+            f"{torch_version}: offloading to unpinned host memory, because this torch's FSDP would "
+            "step on gradients still being copied to pinned memory (fixed in torch 2.13)."
+        )
+        return CPUOffloadPolicy(pin_memory=False)
+    return CPUOffloadPolicy()
 
 
 def _check_cpu_offload(enabled: bool, parallel_dims: ParallelDims, device: torch.device) -> None:
