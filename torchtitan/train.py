@@ -101,7 +101,9 @@ class Trainer:
         self.lr_scheduler = self.spec.build_lr_scheduler_fn(self.optimizer, cfg)
         self.loss_fn = self.spec.build_loss_fn(cfg)
         self.validator = self._build_validator(dp_rank, dp_degree)
-        self.metrics = MetricsProcessor(cfg, self.device, self.flops_per_token, self.rank == 0, self.rank)
+        self.metrics = dist_utils.agree_on_config_errors(  # rank 0's wandb may refuse to start
+            lambda: MetricsProcessor(cfg, self.device, self.flops_per_token, self.rank == 0, self.rank)
+        )
         self.step = 0
         self.first_step = 1  # of this run; later when it resumes from a checkpoint
         self.lr = cfg.optimizer.lr
@@ -131,6 +133,9 @@ class Trainer:
     # ----- construction -------------------------------------------------------------------
 
     def _write_resolved_config(self) -> None:
+        dist_utils.agree_on_config_errors(self._write_config_file)
+
+    def _write_config_file(self) -> None:
         text = to_toml(self.job_config)
         if self.rank == 0:
             dump = Path(self.job_config.job.dump_folder)
@@ -355,16 +360,16 @@ class Trainer:
         self.checkpointer.save(self.train_state, **save_options)
 
     def _build_stop_group(self):
-        """A gloo group for agreeing on a stop (see `_stop_agreed`); None when not needed."""
-        agree = self.job_config.checkpoint.enable or self.stop_file is not None
-        if not (agree and dist.is_initialized()):
+        """A gloo group for agreeing on a stop (see `_stop_agreed`); None for one process."""
+        if not dist.is_initialized():
             return None
         timeout = datetime.timedelta(seconds=self.job_config.comm.init_timeout_seconds)
         return dist.new_group(backend="gloo", timeout=timeout)
 
     def _stop_agreed(self) -> bool:
-        """Whether to stop now. With checkpointing every rank must stop at the same step to save
-        it, so the ranks agree (one tiny all-reduce per step); otherwise each rank's signal.
+        """Whether to stop now. Every rank must stop at the same step, to save it and to exit with
+        the same code (one stopping alone left the others waiting in the next step's collectives
+        until they failed), so the ranks agree: one tiny all-reduce per step.
 
         The flag is a CPU tensor on a gloo group: on the accelerator, reading the result back
         would wait for the whole previous step to finish every step, stalling the host's run-ahead.
@@ -414,8 +419,10 @@ class Trainer:
         logger.warning(f"Received signal {signum}: stopping after the current step")
         self.stop_requested, self.stop_reason = True, signal.Signals(signum).name
 
-    def close(self) -> None:
-        self.checkpointer.close()
+    def close(self, finished: bool = True) -> None:
+        """Release what the run holds; `finished`: it trained to the end (a stop or an error
+        does not wait for the checkpointer's background deleting)."""
+        self.checkpointer.close(finished)
         self.metrics.close()
         gc.enable()
 
@@ -460,6 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     init_logger()
     trainer = None
     exit_code = 0
+    finished = False
     # Until the trainer exists, nothing is trained: a SIGTERM stops building it (token caches
     # being written clean up as on Ctrl-C), where by default it killed the rank.
     signal.signal(signal.SIGTERM, _stop_while_building)
@@ -467,6 +475,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer = Trainer(parse_args(argv))
         signal.signal(signal.SIGTERM, trainer.request_stop)
         trainer.train()
+        finished = True
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         dist_utils.report_to_torchrun(f"error: {e}")
@@ -478,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
         exit_code = EXIT_INTERRUPTED
     finally:
         if trainer is not None:
-            trainer.close()
+            trainer.close(finished)
             # Free the model (a DDP reducer's threads among it) while its process group is
             # alive: destroyed later, at interpreter exit, DDP sometimes aborted the process.
             trainer = None

@@ -14,6 +14,7 @@ import torch
 
 from tests.conftest import PROJECT_ROOT, python_path, read_metrics, run_trainer
 from tests.forked_launcher import launch
+from torchtitan.components.checkpoint_folders import complete_steps
 from torchtitan.components.hf_io import load_hf
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.config.manager import parse_args
@@ -335,18 +336,41 @@ def test_seed_checkpoint_gives_any_layout_the_same_start(tmp_path):
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
 
-def test_the_other_ranks_wait_for_rank_0s_hf_export_longer_than_the_training_timeout(tmp_path):
-    """Rank 0 alone writes the last_save_in_hf export while the others wait in a barrier, which
-    ran under comm.train_timeout_seconds (100 s by default): a large model's export killed the
-    run. The worker makes the export 5 s slower than it is; the timeout here is 2 s."""
-    argv = BASE + ["--training.steps", "2", "--training.local_batch_size", "4",
-                   "--checkpoint.last_save_in_hf", "--comm.train_timeout_seconds", "2",
-                   "--job.dump_folder", str(tmp_path)]  # fmt: skip
+def _uneven_ranks(how: str, folder, *argv: str, nproc: int = 2):
+    """Train with one rank made slower or different (see tests/integration/uneven_ranks_worker.py)."""
+    argv = [how, *BASE, "--training.local_batch_size", "4", *argv, "--job.dump_folder", str(folder)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
-    script = PROJECT_ROOT / "tests" / "integration" / "slow_export_worker.py"
-    proc = launch(("script", str(script)), argv, 2, env, PROJECT_ROOT, timeout=600)
+    script = PROJECT_ROOT / "tests" / "integration" / "uneven_ranks_worker.py"
+    return launch(("script", str(script)), argv, nproc, env, PROJECT_ROOT, timeout=600)
+
+
+SLOW_FILE_WORK = {
+    # Rank 0 alone writes the export while the others wait in a barrier.
+    "rank 0's hf export": ("slow-export", ["--training.steps", "2", "--checkpoint.last_save_in_hf"]),
+    # DCP's ranks wait for the slowest rank's shards before rank 0 writes the metadata.
+    "rank 1's shard writes": ("slow-write", ["--training.steps", "3", "--checkpoint.interval", "2"]),
+    # keep_latest_k's deletions on rank 0, while in async mode the others train on.
+    "rank 0's pruning": ("slow-delete", ["--training.steps", "6", "--checkpoint.interval", "2",
+                                         "--checkpoint.keep_latest_k", "1",
+                                         "--checkpoint.async_mode", "async"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SLOW_FILE_WORK)
+def test_one_ranks_slow_checkpoint_file_work_does_not_time_out_the_others(tmp_path, case):
+    """After step 1 the training collectives time out after comm.train_timeout_seconds (100 s by
+    default, 2 s here); one rank's file work 5 s slower than the others' (as writing or
+    deleting a large model is) killed the run (gloo: 'Timed out waiting 2000ms')."""
+    how, argv = SLOW_FILE_WORK[case]
+    proc = _uneven_ranks(how, tmp_path, *argv, "--comm.train_timeout_seconds", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (tmp_path / "checkpoint" / "step-2-hf" / "config.json").is_file()
+    folder = tmp_path / "checkpoint"
+    if how == "slow-export":
+        assert (folder / "step-2-hf" / "config.json").is_file()
+    elif how == "slow-write":
+        assert complete_steps(folder) == [2, 3]
+    else:  # the final export (step 6, model only) and the newest resumable one; none left aside
+        assert complete_steps(folder) == [4, 6] and not list(folder.glob("*.deleting-*"))
 
 
 def test_last_save_in_hf_then_initial_load_in_hf_gives_the_dcp_weights(tmp_path):
@@ -591,6 +615,26 @@ def test_resuming_from_a_damaged_checkpoint_names_it_and_the_earlier_ones(tmp_pa
     err = capsys.readouterr().err
     assert f"checkpoint {step_4} cannot be read" in err and "checkpoint.load_step (complete: 2)" in err
     assert "Traceback" not in err
+
+
+def test_every_rank_refuses_a_damaged_checkpoint_that_rank_0_chose(tmp_path):
+    """Rank 0 chooses the step to resume; raised there alone, its error left rank 1 waiting for
+    the choice until the connection closed (exit 1, a traceback), or on NCCL until a timeout."""
+    _train(tmp_path, layout="FSDP 2", extra=["--training.steps", "5"])
+    metadata = tmp_path / "checkpoint" / "step-5" / ".metadata"
+    metadata.write_bytes(b"")
+    proc = _train(tmp_path, layout="FSDP 2", extra=["--training.steps", "6"], expect=1)
+    assert proc.stderr.count(f"error: checkpoint {metadata.parent} cannot be read") == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Connection closed" not in proc.stderr
+
+
+def test_a_stop_that_reaches_one_rank_stops_every_rank_after_the_same_step_without_checkpointing(tmp_path):
+    """With checkpointing off the ranks did not agree on a stop: rank 1 stopped alone (exit 3)
+    and rank 0 failed in the next step's collectives (exit 1, a traceback)."""
+    proc = _uneven_ranks("rank-1-stops", tmp_path, "--checkpoint.no_enable")
+    assert "rank1] " in proc.stderr and "Stopped on request (SIGTERM) after step 2" in proc.stderr
+    assert "Stopped on request (another rank's request) after step 2" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Connection closed" not in proc.stderr
 
 
 def test_a_stop_file_left_from_before_the_run_is_ignored_until_touched(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.components.checkpoint_folders import (
+    BackgroundFileWork,
     complete_steps,
     delete_folders,
     prune_checkpoints,
@@ -24,6 +25,18 @@ def _save(folder, step: int, resumable: bool = True, suffix: str = "") -> None:
     if resumable:
         state["train_state"] = {"step": step}
     dcp.save(state, checkpoint_id=str(folder / f"step-{step}{suffix}"))
+
+
+def test_background_file_work_runs_in_order_and_outlives_a_failing_job(tmp_path, caplog):
+    done = []
+    work = BackgroundFileWork()
+    work.submit(lambda: done.append(1))
+    work.submit(lambda: (tmp_path / "missing").rename(tmp_path / "x"))  # raises FileNotFoundError
+    work.submit(lambda: done.append(2))
+    with caplog.at_level(logging.WARNING):
+        work.wait()
+    assert done == [1, 2]
+    assert "background failed: FileNotFoundError" in caplog.text
 
 
 def _prune(folder, keep: int) -> None:
@@ -240,15 +253,17 @@ def test_a_checkpoint_folder_that_is_a_file_is_refused_before_training(tmp_path)
         _manager(tmp_path)
 
 
-def test_a_save_of_an_existing_step_replaces_the_folder_whole_and_leaves_nothing_aside(tmp_path):
+def test_a_save_of_an_existing_step_replaces_the_folder_whole_and_returns_the_old_one_to_delete(tmp_path):
     from torchtitan.components.checkpoint_folders import replace_folder
 
     _save(tmp_path, 5)
     _save(tmp_path, 6, suffix=".partial")  # the new save's content, written as step-5's
     (tmp_path / "step-6.partial").rename(tmp_path / "step-5.partial")
 
-    replace_folder(tmp_path / "step-5", tmp_path / "step-5.partial")
+    (old,) = replace_folder(tmp_path / "step-5", tmp_path / "step-5.partial")
 
+    assert old.name.startswith("step-5.deleting-") and complete_steps(tmp_path) == [5]
+    delete_folders([old])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-5"]
     state = {"model": {"weight": torch.zeros(2)}}
     dcp.load(state, checkpoint_id=str(tmp_path / "step-5"))

@@ -28,7 +28,6 @@ import os
 import pickle
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torchtitan.components.checkpoint_folders import (
     PARTIAL_SUFFIX,
     SUPERSEDED_SUFFIX,
+    BackgroundFileWork,
     complete_steps,
     delete_folders,
     hf_export_steps,
@@ -59,6 +59,7 @@ from torchtitan.components.checkpoint_folders import (
     resumable_steps,
     saved_keys,
     saved_shapes,
+    set_aside,
     step_folder,
     step_of,
 )
@@ -72,6 +73,7 @@ from torchtitan.distributed.expert_parallel import (
     full_expert_tensor,
     global_expert_view,
 )
+from torchtitan.distributed.utils import agree_on_config_errors
 from torchtitan.protocols.state_dict_adapter import describe_mismatch
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.fqn import clean_fqn
@@ -164,7 +166,7 @@ class CheckpointManager:
         else:
             self.async_group = None
         self.wait_group = self._build_wait_group(job_config)
-        self._deleter: ThreadPoolExecutor | None = None  # rank 0's, deletes pruned checkpoints
+        self.file_work = BackgroundFileWork()  # rank 0's deleting and pruning of old folders
 
     def _build_wait_group(self, job_config: JobConfig):
         """A gloo group for the barriers around rank 0's file work, with a timeout of its own
@@ -320,7 +322,9 @@ class CheckpointManager:
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
             self.pending = (future, partial, final, start)
             return
-        dcp.save(state, checkpoint_id=str(partial))
+        # On the checkpointer's group: ranks that finish writing wait for the slowest rank's
+        # write and rank 0's metadata, which may outlast the training timeout.
+        dcp.save(state, checkpoint_id=str(partial), process_group=self.wait_group)
         model_only = last and c.last_save_model_only
         self._publish(
             partial, final, start, kind=" (model only: an export, not resumable)" if model_only else ""
@@ -409,7 +413,10 @@ class CheckpointManager:
         if collective:
             self._barrier()
         if _rank() == 0:
-            replace_folder(final, partial)
+            # Renames only: the deleting, and pruning's reads, go to the background, since in
+            # async mode the other ranks are meanwhile in the next step's collectives, which time
+            # out after comm.train_timeout_seconds.
+            self.file_work.delete(replace_folder(final, partial))
             self._after_first_save(step_of(final))
             self._keep_latest()
         self.set_aside_after_first_save = False
@@ -424,14 +431,9 @@ class CheckpointManager:
             self._rename_newer_than(step)
 
     def _keep_latest(self) -> None:
-        doomed = prune_checkpoints(self.folder, self.config.keep_latest_k)
-        if doomed:
-            # In the background: in async mode nothing waits for rank 0 here, and deleting a
-            # large checkpoint could outlast the training timeout of the collective the other
-            # ranks wait in meanwhile.
-            if self._deleter is None:
-                self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-prune")
-            self._deleter.submit(delete_folders, doomed)
+        folder, keep = self.folder, self.config.keep_latest_k
+        if keep > 0:
+            self.file_work.submit(lambda: delete_folders(prune_checkpoints(folder, keep)))
 
     def _save_hf(self, folder: Path) -> None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -453,7 +455,7 @@ class CheckpointManager:
             save_hf(
                 self.hf_adapter.to_hf(self._in_export_dtype(full)), self.hf_adapter.hf_config(dtype), partial
             )
-            replace_folder(folder, partial)
+            self.file_work.delete(replace_folder(folder, partial))
             # The abandoned run's step-N folders would otherwise be the next resume's newest.
             self._after_first_save(step_of(folder))
             logger.info(f"Saved the model as Hugging Face safetensors in {folder}")
@@ -472,30 +474,29 @@ class CheckpointManager:
         Rank 0 chooses and tells the others, so ranks that list the folder differently (a
         network file system's attribute cache) still load the same step.
         """
-        choice = [self._choose_resume_step() if _rank() == 0 else None]
+        # Agreed first: a folder rank 0 cannot read is every rank's error, not rank 0's alone.
+        choice = [agree_on_config_errors(lambda: self._choose_resume_step() if _rank() == 0 else None)]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(choice, src=0)
-        step, error = choice[0]
-        if error:
-            raise ConfigError(error)
-        return step
+        return choice[0]
 
-    def _choose_resume_step(self) -> tuple[int | None, str | None]:
-        """(step, None), or (None, the message of a ConfigError) for a missing `load_step`."""
+    def _choose_resume_step(self) -> int | None:
+        """See `resume_step`; raises ConfigError for a missing `load_step`, a folder of exports
+        only, or an unreadable checkpoint."""
         c = self.config
         steps = complete_steps(self.folder)
         if c.load_step >= 0:
             if c.load_step not in steps:
-                return None, (
+                raise ConfigError(
                     f"'checkpoint.load_step' = {c.load_step} has no complete checkpoint in {self.folder} "
                     f"(complete: {steps or 'none'}); choose one of those, or -1 for the newest."
                 )
-            return c.load_step, None
+            return c.load_step
         resumable = resumable_steps(self.folder)
         if resumable:
-            return resumable[-1], None
+            return resumable[-1]
         if exports := [s for s in steps if s > 0]:
-            return None, (
+            raise ConfigError(
                 f"{self.folder} holds only model-only checkpoints (steps {exports}: the exports a "
                 "run writes at its end with checkpoint.last_save_model_only), which a run cannot "
                 "resume from. To train on from those weights, start a new job.dump_folder with "
@@ -503,14 +504,14 @@ class CheckpointManager:
                 "resumably, set checkpoint.last_save_model_only = false."
             )
         if hf_exports := hf_export_steps(self.folder):
-            return None, (
+            raise ConfigError(
                 f"{self.folder} holds only Hugging Face exports (steps {hf_exports}: what a run "
                 "writes at its end with checkpoint.last_save_in_hf), which a run cannot resume from. "
                 "To train on from those weights, start a new job.dump_folder with "
                 f"checkpoint.initial_load_path = '{self.folder / f'step-{hf_exports[-1]}-hf'}' and "
                 "checkpoint.initial_load_in_hf = true; to end runs resumably, set last_save_in_hf = false."
             )
-        return (0 if steps else None), None
+        return 0 if steps else None
 
     def load(self, train_state: TrainState) -> bool:
         """Restore the newest checkpoint (or `initial_load_path`) in place; True when one was read."""
@@ -609,8 +610,10 @@ class CheckpointManager:
         newer = [s for s in complete_steps(self.folder) if s > step]
         for s in newer:
             folder = step_folder(self.folder, s)
-            shutil.rmtree(folder.with_name(folder.name + SUPERSEDED_SUFFIX), ignore_errors=True)
-            folder.rename(folder.with_name(folder.name + SUPERSEDED_SUFFIX))
+            superseded = folder.with_name(folder.name + SUPERSEDED_SUFFIX)
+            if superseded.exists():  # an earlier rollback's
+                self.file_work.delete([set_aside(superseded)])
+            folder.rename(superseded)
         if newer:
             logger.warning(
                 f"Set aside the checkpoints of steps {newer}, newer than step {step} of this run, as "
@@ -784,14 +787,15 @@ class CheckpointManager:
                 f"model.flavor it was saved with, or point {key} elsewhere."
             )
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """Finish a pending save; when the run `finished` (not a stop, which has little time
+        left), also wait for the background deleting and pruning."""
         self.wait()
         if self.stager is not None:
             self.stager.close()
             self.stager = None
-        if self._deleter is not None:
-            self._deleter.shutdown(wait=True)
-            self._deleter = None
+        if finished:
+            self.file_work.wait()
 
 
 def _plain(value):

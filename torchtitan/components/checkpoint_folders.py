@@ -4,13 +4,17 @@ checkpoint's metadata and state with an error that says what to do when it is da
 
 A save writes `step-N.partial` and renames it to `step-N` once every rank is done, so a complete
 checkpoint is a `step-N` folder holding DCP's `.metadata` (which DCP writes last). Folders with
-any other suffix (`.partial`, `.superseded`, `.replaced`, `.deleting-*`) are never resumed from.
+any other suffix (`.partial`, `.superseded`, `.deleting-*`) are never resumed from.
 """
 
+import logging
 import pickle
+import queue
 import re
 import shutil
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,12 +23,13 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from torchtitan.config.errors import ConfigError
 
+logger = logging.getLogger(__name__)
+
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 HF_EXPORT_FOLDER = re.compile(r"^step-(\d+)-hf$")  # last_save_in_hf's final export
 PARTIAL_SUFFIX = ".partial"
 SUPERSEDED_SUFFIX = ".superseded"
-REPLACED_SUFFIX = ".replaced"  # a checkpoint folder being replaced by a newer save of its step
-DELETING_SUFFIX = ".deleting"  # set aside by pruning, for a background thread to delete
+DELETING_SUFFIX = ".deleting"  # `step-N.deleting-<ns>`: set aside for a background thread to delete
 RESUME_KEY = "checkpoint.folder"  # the setting a resume reads from; others: initial_load_path
 
 
@@ -55,16 +60,13 @@ def is_dcp(folder: Path) -> bool:
     return (folder / ".metadata").is_file()
 
 
-def replace_folder(final: Path, new: Path) -> None:
-    """Rename `new` to `final`, replacing any folder there. The old one is renamed aside first
-    and deleted after: deleting it in place (seconds for a large checkpoint) would leave no
-    `final` at all until the rename, which a kill in between would make permanent."""
-    old = final.with_name(final.name + REPLACED_SUFFIX)
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
+def replace_folder(final: Path, new: Path) -> list[Path]:
+    """Rename `new` to `final`. A folder already there is renamed aside first (`set_aside`) and
+    returned for the caller to delete: deleting it in place (minutes for a large checkpoint)
+    would leave no `final` at all until the rename, which a kill in between made permanent."""
+    old = [set_aside(final)] if final.exists() else []
     new.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+    return old
 
 
 # What reading a damaged DCP checkpoint raises: a shard missing or truncated, metadata emptied.
@@ -170,7 +172,7 @@ def prune_checkpoints(folder: Path, keep: int) -> list[Path]:
     steps = complete_steps(folder)
     kept = set(steps[-keep:]) | set(resumable_steps(folder)[-1:])
     pruned = [step_folder(folder, step) for step in steps if step not in kept]
-    return left_undeleted + [_set_aside(path) for path in pruned + _abandoned_partials(folder, steps)]
+    return left_undeleted + [set_aside(path) for path in pruned + _abandoned_partials(folder, steps)]
 
 
 def delete_folders(folders: list[Path]) -> None:
@@ -178,10 +180,49 @@ def delete_folders(folders: list[Path]) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _set_aside(path: Path) -> Path:
+def set_aside(path: Path) -> Path:
+    """Rename `path` to `<name>.deleting-<ns>`, which no scan of the folder reads, and return
+    the new path: instant, where deleting it may take minutes."""
     aside = path.with_name(f"{path.name}{DELETING_SUFFIX}-{time.time_ns()}")
     path.rename(aside)
     return aside
+
+
+class BackgroundFileWork:
+    """Runs file work (deleting old checkpoints, pruning) in order on one daemon thread, so that
+    neither rank 0 nor the ranks waiting for it in a collective spend minutes on it.
+
+    `wait()` blocks until all submitted work is done (a run that ends normally waits). A process
+    that exits without waiting (a stop, with little time left) drops the rest: the folders were
+    renamed aside first, so what is left undeleted is never read and the next pruning deletes it.
+    """
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: Callable[[], None]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="checkpoint-files", daemon=True)
+            self._thread.start()
+        self._queue.put(work)
+
+    def delete(self, folders: list[Path]) -> None:
+        if folders:
+            self.submit(lambda: delete_folders(folders))
+
+    def wait(self) -> None:
+        self._queue.join()
+
+    def _run(self) -> None:
+        while True:
+            work = self._queue.get()
+            try:
+                work()
+            except Exception as e:  # an old checkpoint left undeleted must not stop training
+                logger.warning(f"Checkpoint folder work in the background failed: {type(e).__name__}: {e}")
+            finally:
+                self._queue.task_done()
 
 
 def _abandoned_partials(folder: Path, steps: list[int]) -> list[Path]:

@@ -5,10 +5,16 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from torchtitan.config.errors import ConfigError
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -333,6 +339,30 @@ def finite_or_raise(step: int, loss: float, grad_norm: float) -> None:
                 "optimizer.lr or check the data, then resume from the last checkpoint (none was "
                 "written of this step)"
             )
+
+
+def agree_on_config_errors(work: Callable[[], T]) -> T:
+    """Run `work` on every rank and return its result; a ConfigError it raised on any rank is
+    raised on every rank (the lowest such rank's message), so that all exit 2 with it.
+
+    For work that only some ranks do, or whose outcome can differ between ranks (rank 0 writes
+    the resolved config, chooses the checkpoint to resume, starts wandb): raised on one rank
+    alone, the error ended that rank while the others waited in their next collective until it
+    failed or timed out, and the launcher reported exit 1 with a traceback. Collective: every
+    rank calls it. Other exceptions are not shared (they are bugs, not the user's to fix).
+    """
+    result, error = None, None
+    try:
+        result = work()
+    except ConfigError as e:
+        error = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise ConfigError(error)
+    return result
 
 
 def report_to_torchrun(message: str) -> None:
