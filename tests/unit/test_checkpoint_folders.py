@@ -62,6 +62,15 @@ def test_pruning_only_renames_the_checkpoints_it_drops_leaving_the_deleting_to_t
     assert all((p / ".metadata").is_file() for p in doomed)  # still there, renamed
 
 
+def test_a_damaged_old_checkpoint_is_pruned_in_its_turn_not_kept_as_the_newest_resumable(tmp_path):
+    _save(tmp_path, 2)
+    _save(tmp_path, 4)
+    (tmp_path / "step-4" / ".metadata").write_bytes(b"")  # unreadable: neither resumable nor an error
+    _save(tmp_path, 6, resumable=False)
+    _prune(tmp_path, keep=1)
+    assert complete_steps(tmp_path) == [2, 6]
+
+
 def test_folders_a_killed_run_left_undeleted_are_deleted_at_the_next_prune(tmp_path):
     for step in (2, 4):
         _save(tmp_path, step)

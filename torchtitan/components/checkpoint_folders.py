@@ -170,9 +170,18 @@ def prune_checkpoints(folder: Path, keep: int) -> list[Path]:
         return []
     left_undeleted = list(folder.glob(f"*{DELETING_SUFFIX}-*"))
     steps = complete_steps(folder)
-    kept = set(steps[-keep:]) | set(resumable_steps(folder)[-1:])
+    resumable = [step for step in steps if _readable_and_resumable(step_folder(folder, step))]
+    kept = set(steps[-keep:]) | set(resumable[-1:])
     pruned = [step_folder(folder, step) for step in steps if step not in kept]
     return left_undeleted + [set_aside(path) for path in pruned + _abandoned_partials(folder, steps)]
+
+
+def _readable_and_resumable(checkpoint: Path) -> bool:
+    """A damaged checkpoint is not one to keep for a resume (pruning deletes it in its turn)."""
+    try:
+        return "train_state" in saved_keys(checkpoint)
+    except ConfigError:
+        return False
 
 
 def delete_folders(folders: list[Path]) -> None:
