@@ -84,9 +84,17 @@ def assert_metrics_match(got: list[dict], want: list[dict], *, steps: int = 5, k
             assert abs(g[key] - w[key]) <= rtols[key] * abs(w[key]), (context, key, g["step"], g[key], w[key])
 
 
-def run_trainer(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None):
+def run_trainer(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None,
+                uneven: str | None = None):  # fmt: skip
     """Run `python -m torchtitan.train` on `nproc` ranks (forked from the test launcher's
-    pre-imported interpreter; see tests/forked_launcher.py); returns the finished process."""
+    pre-imported interpreter; see tests/forked_launcher.py); returns the finished process.
+
+    `uneven` makes one rank slower or different, as tests/integration/uneven_ranks_worker.py
+    describes for each of its modes."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", "PYTHONPATH": python_path(),
                 **(env or {})}  # fmt: skip
-    return launch(("module", "torchtitan.train"), args, nproc, full_env, PROJECT_ROOT, timeout)
+    target = ("module", "torchtitan.train")
+    if uneven is not None:
+        target = ("script", str(PROJECT_ROOT / "tests" / "integration" / "uneven_ranks_worker.py"))
+        args = [uneven, *args]
+    return launch(target, args, nproc, full_env, PROJECT_ROOT, timeout)

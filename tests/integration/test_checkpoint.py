@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tests.conftest import PROJECT_ROOT, python_path, read_metrics, run_trainer
-from tests.forked_launcher import launch
 from torchtitan.components.checkpoint_folders import complete_steps
 from torchtitan.components.hf_io import load_hf
 from torchtitan.components.lr_scheduler import build_lr_scheduler
@@ -336,12 +335,10 @@ def test_seed_checkpoint_gives_any_layout_the_same_start(tmp_path):
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
 
-def _uneven_ranks(how: str, folder, *argv: str, nproc: int = 2):
-    """Train with one rank made slower or different (see tests/integration/uneven_ranks_worker.py)."""
-    argv = [how, *BASE, "--training.local_batch_size", "4", *argv, "--job.dump_folder", str(folder)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
-    script = PROJECT_ROOT / "tests" / "integration" / "uneven_ranks_worker.py"
-    return launch(("script", str(script)), argv, nproc, env, PROJECT_ROOT, timeout=600)
+def _uneven_ranks(how: str, folder, *argv: str):
+    """Train on 2 ranks, one made slower or different (see tests/integration/uneven_ranks_worker.py)."""
+    argv = [*BASE, "--training.local_batch_size", "4", *argv, "--job.dump_folder", str(folder)]
+    return run_trainer(argv, nproc=2, uneven=how)
 
 
 SLOW_FILE_WORK = {

@@ -276,6 +276,10 @@ class StreamingTokenDataset(IterableDataset):
         self.data = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_degree)
         self.name, self.tokenizer, self.seq_len = name, tokenizer, seq_len
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        # Here rather than at the first batch, where only that rank would see it: the trainer
+        # shares errors raised while building, so that every rank exits with this one.
+        if next(iter(self.data), None) is None:
+            raise self._no_document_error()
         self.buffer: list[int] = []
         self.epoch = 0
         self.resumed = False  # a restored position may sit at the very end of its pass
@@ -293,16 +297,19 @@ class StreamingTokenDataset(IterableDataset):
                     chunk = torch.tensor(self.buffer[: self.seq_len + 1])
                     self.buffer = self.buffer[self.seq_len + 1 :]
                     yield chunk[:-1], chunk[1:]
-            if empty and whole_pass:
-                raise ConfigError(
-                    f"'training.dataset' = '{self.name}' gives data-parallel rank {self.dp_rank} of "
-                    f"{self.dp_degree} no document: it has fewer documents (or file shards) than ranks. "
-                    "Use a larger dataset, or local files (training.dataset_path)."
-                )
+            if empty and whole_pass:  # the stream changed since it was built
+                raise self._no_document_error()
             whole_pass = True
             self.epoch += 1
             self.data.set_epoch(self.epoch)
             logger.info(f"dataset '{self.name}' starts epoch {self.epoch + 1}")
+
+    def _no_document_error(self) -> ConfigError:
+        return ConfigError(
+            f"'training.dataset' = '{self.name}' gives data-parallel rank {self.dp_rank} of "
+            f"{self.dp_degree} no document: it has fewer documents (or file shards) than ranks. "
+            "Use a larger dataset, or local files (training.dataset_path)."
+        )
 
     def state_dict(self) -> dict:
         return {"data": self.data.state_dict(), "buffer": list(self.buffer), "epoch": self.epoch}
