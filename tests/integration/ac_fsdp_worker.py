@@ -11,22 +11,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from tests.integration.workers import AC_MODES, SEQ_LEN, build_debug_model, shut_down
+from tests.model_testing import next_token_loss_and_grads
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.tools.fqn import clean_fqn
-
-
-def loss_and_grads(model, tokens):
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-    loss.backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        grads[clean_fqn(name)] = grad
-    return loss.detach(), grads
 
 
 def main():
@@ -35,11 +23,11 @@ def main():
     parallel_dims = ParallelDims(1, -1, 1, world)
     parallel_dims.build_mesh("cpu")
     tokens = torch.randint(0, 2048, (4, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
-    ref_loss, ref_grads = loss_and_grads(build_debug_model(None, "none"), tokens)
+    ref_loss, ref_grads = next_token_loss_and_grads(build_debug_model(None, "none"), tokens)
     local = tokens.chunk(world)[rank]
     report, fsdp_none = {}, None
     for name in AC_MODES:
-        loss, grads = loss_and_grads(build_debug_model(parallel_dims, name), local)
+        loss, grads = next_token_loss_and_grads(build_debug_model(parallel_dims, name), local)
         dist.all_reduce(loss)
         fsdp_none = fsdp_none or (loss, grads)
         report[name] = {

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from tests.conftest import needs_checkpointed_scalar_capture
+from tests.model_testing import init_on_cpu
 from torchtitan.components.compile import check_compile_supported
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
@@ -45,9 +46,7 @@ def _train(ac: str, compile_argv: list[str]) -> tuple[list[float], list[float]]:
     with torch.device("meta"):
         model = Qwen3Model(_model_args().update_from_config(cfg))
     parallelize_qwen3(model, ParallelDims(1, 1, 1, 1), cfg, torch.device("cpu"))
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
+    init_on_cpu(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 2048, (4, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
     losses, imbalance = [], []

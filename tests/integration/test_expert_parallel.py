@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.conftest import MOE_METRICS, assert_metrics_match, read_metrics, run_trainer
 from tests.integration.workers import run_worker, shut_down
+from tests.model_testing import init_on_cpu
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -304,10 +305,7 @@ def _build(parallel_dims, ac_argv: list[str], looped: bool = False):
         if name.endswith("moe.experts"):
             module.use_grouped_mm = not looped
     parallelize_qwen3(model, parallel_dims, cfg, torch.device("cpu"))
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
-    return model
+    return init_on_cpu(model)
 
 
 def _held_tensors() -> tuple[int, int]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.model_testing import init_on_cpu
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -37,10 +38,7 @@ def _build(model: str, argv: list[str]) -> torch.nn.Module:
     with torch.device("meta"):
         module = spec.model_cls(args)
     spec.parallelize_fn(module, ParallelDims(1, 1, 1, 1), cfg, torch.device("cpu"))
-    module.to_empty(device="cpu")
-    torch.manual_seed(0)
-    module.init_weights()
-    return module
+    return init_on_cpu(module)
 
 
 def _budget_argv(budget: float, backend: str) -> list[str]:

@@ -12,16 +12,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from tests.conftest import MOE_METRICS, assert_metrics_match, read_metrics, run_trainer
 from tests.integration.workers import run_worker, shut_down
+from tests.model_testing import init_on_cpu, next_token_loss_and_grads
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
 from torchtitan.protocols.train_spec import get_train_spec
-from torchtitan.tools.fqn import clean_fqn
 from torchtitan.tools.op_counter import BACKWARD, OpCounter, collectives
 
 pytestmark = pytest.mark.integration
@@ -77,24 +76,14 @@ def _build(name, flavor, overrides, tp, ac):
         parallel_dims = ParallelDims(1, 1, tp, tp)
         parallel_dims.build_mesh("cpu")
         spec.parallelize_fn(model, parallel_dims, cfg, torch.device("cpu"))
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
+    init_on_cpu(model)
     return model, parallel_dims, cfg
 
 
 def _loss_and_grads(model, parallel_dims, cfg, tokens):
-    context = loss_context(parallel_dims, cfg) if parallel_dims else torch.enable_grad()
-    with context:
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-    loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-    grads = {}
-    for name, param in model.named_parameters():
-        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-        grads[clean_fqn(name)] = grad
-    return loss.item(), grads
+    # Takes `_build`'s triple as it is; only TP runs the loss in a loss-parallel context.
+    context = loss_context(parallel_dims, cfg) if parallel_dims else None
+    return next_token_loss_and_grads(model, tokens, context)
 
 
 def _close(grad: torch.Tensor, want: torch.Tensor) -> bool:
@@ -122,12 +111,13 @@ def _worker() -> None:
         ac: _backward_collectives(*built, tokens) for ac, built in moe_tp2.items()
     }}  # fmt: skip
     for label, (name, flavor, overrides) in MODELS.items():
-        reference = _loss_and_grads(*_build(name, flavor, overrides, 1, "none"), tokens)
+        ref_loss, ref_grads = _loss_and_grads(*_build(name, flavor, overrides, 1, "none"), tokens)
         report[label] = {}
         for ac in AC_MODES:
             loss, grads = _loss_and_grads(*_build(name, flavor, overrides, 2, ac), tokens)
-            worst = [param for param, grad in grads.items() if not _close(grad, reference[1][param])]
-            report[label][ac] = {"loss_error": abs(loss - reference[0]), "params": len(grads), "worst": worst}
+            worst = [param for param, grad in grads.items() if not _close(grad, ref_grads[param])]
+            loss_error = abs(loss.item() - ref_loss.item())
+            report[label][ac] = {"loss_error": loss_error, "params": len(grads), "worst": worst}
     if dist.get_rank() == 0:
         print(json.dumps(report))
     shut_down()

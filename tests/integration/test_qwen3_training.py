@@ -9,18 +9,16 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from tests.conftest import MOE_METRICS, assert_metrics_match, read_metrics, run_trainer
 from tests.integration.workers import run_worker, shut_down
+from tests.model_testing import init_on_cpu, next_token_loss_and_grads
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
-from torchtitan.distributed.utils import plain_tensor
 from torchtitan.models.qwen3 import qwen3_flavors
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
-from torchtitan.tools.fqn import clean_fqn
 
 pytestmark = pytest.mark.integration
 
@@ -87,14 +85,10 @@ def _gradients(parallel_dims: ParallelDims | None, cfg) -> dict[str, torch.Tenso
         model = Qwen3Model(qwen3_flavors["debugmodel"].update_from_config(cfg))
     if parallel_dims is not None:
         parallelize_qwen3(model, parallel_dims, cfg, torch.device("cpu"))
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
+    init_on_cpu(model)
     tokens = torch.randint(0, 2048, (2, 65), generator=torch.Generator().manual_seed(0))
-    with loss_context(parallel_dims or ParallelDims(1, 1, 1, 1), cfg):
-        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-    return {clean_fqn(n): plain_tensor(p.grad) for n, p in model.named_parameters()}
+    context = loss_context(parallel_dims or ParallelDims(1, 1, 1, 1), cfg)
+    return next_token_loss_and_grads(model, tokens, context)[1]
 
 
 def _worker() -> None:

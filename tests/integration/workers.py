@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from tests.conftest import PROJECT_ROOT, python_path
 from tests.forked_launcher import launch
+from tests.model_testing import init_on_cpu
 from torchtitan.config.manager import parse_args
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
@@ -37,10 +38,7 @@ def build_debug_model(parallel_dims, ac_mode: str, extra_args: tuple = ()) -> to
         model = Transformer(llama3_flavors["debugmodel"])
     if parallel_dims is not None:
         parallelize_llama(model, parallel_dims, cfg, torch.device("cpu"))
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
-    return model
+    return init_on_cpu(model)
 
 
 def shut_down() -> None:

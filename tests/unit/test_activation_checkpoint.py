@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from tests.model_testing import init_on_cpu, next_token_loss_and_grads
 from torchtitan.config import ActivationCheckpoint, ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed import activation_checkpoint as ac_module
@@ -48,19 +49,12 @@ def _debug_model(ac: ActivationCheckpoint = NONE) -> Transformer:
     with torch.device("meta"):
         model = Transformer(DEBUG_ARGS)
     apply_ac(model, ac, op_sac_save_list=LLAMA3_SAVE_LIST)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
-    return model
+    return init_on_cpu(model)
 
 
 def _loss_and_grads(model):
     tokens = torch.randint(0, DEBUG_ARGS.vocab_size, (2, 65), generator=torch.Generator().manual_seed(1))
-    logits = model(tokens[:, :-1])
-    loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-    loss.backward()
-    grads = {clean_fqn(n): p.grad for n, p in model.named_parameters()}
-    return loss.detach(), grads
+    return next_token_loss_and_grads(model, tokens)
 
 
 def _is_checkpointed(module) -> bool:
@@ -393,9 +387,7 @@ def _tp2_held_and_backward_collectives(
         with torch.device("meta"):
             model = spec.model_cls(replace(spec.get_flavor(flavor).update_from_config(cfg), n_layers=2))
         spec.parallelize_fn(model, dims, cfg, torch.device("cpu"))
-        model.to_empty(device="cpu")
-        torch.manual_seed(0)
-        model.init_weights()
+        init_on_cpu(model)
         tokens = torch.randint(0, 2000, (2, seq), generator=torch.Generator().manual_seed(0))
         held = bytes_held_for_backward(model, tokens)
         with OpCounter(collectives) as counter:
@@ -698,9 +690,7 @@ def _qwen3_moe_held_under_op_sac(grouped_experts: bool) -> int:
     with torch.device("meta"):
         model = spec.model_cls(args)
     spec.parallelize_fn(model, ParallelDims(1, 1, 1, 1), cfg, torch.device("cpu"))
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
+    init_on_cpu(model)
     tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
     return bytes_held_for_backward(model, tokens)
 

@@ -1,13 +1,19 @@
 """DeepSeek-V3: published sizes, MLA with and without the query bottleneck, dense-then-MoE
-blocks, causality, activation checkpointing, FLOPs and refused settings."""
+blocks, activation checkpointing, FLOPs and refused settings (init and causality:
+test_model_families.py)."""
 
 import math
 from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from tests.model_testing import (
+    init_on_cpu,
+    next_token_loss_and_grads,
+    tiny_deepseek_v3,
+    tiny_deepseek_v3_args,
+)
 from torchtitan.config import ActivationCheckpoint, ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
@@ -15,10 +21,9 @@ from torchtitan.models.deepseek_v3 import deepseek_v3_flavors
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model, MultiHeadLatentAttention
 from torchtitan.models.deepseek_v3.parallelize import DEEPSEEK_V3_SAVE_LIST
-from torchtitan.models.moe import MoE, MoEArgs
+from torchtitan.models.moe import MoE
 from torchtitan.models.rope import precompute_rope_cache
 from torchtitan.protocols.train_spec import get_train_spec
-from torchtitan.tools.fqn import clean_fqn
 
 # Sources of the shapes below (Hugging Face config.json):
 #   671B: deepseek-ai/DeepSeek-V3. Published total: 671B for the main model; the repository's
@@ -109,50 +114,16 @@ def test_mla_projection_shapes_with_and_without_query_bottleneck():
     assert lite.wq.weight.shape == (16 * 192, 2048)
 
 
-def _tiny_args(**overrides) -> DeepSeekV3ModelArgs:
-    # v_head_dim (12) differs from the q/k head width (8 + 8): SDPA takes that.
-    moe = MoEArgs(
-        num_experts=4, num_shared_experts=1, top_k=2, score_func="sigmoid", route_norm=True,
-        num_expert_groups=2, num_limited_groups=1, load_balance_coeff=1e-3,
-    )  # fmt: skip
-    base = dict(
-        vocab_size=64, dim=32, inter_dim=64, moe_inter_dim=16, n_layers=3, n_dense_layers=1, n_heads=4,
-        q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
-        moe_args=moe, max_seq_len=16,
-    )  # fmt: skip
-    return DeepSeekV3ModelArgs(**{**base, **overrides})
-
-
-def _init(model: DeepSeekV3Model, seed: int = 0) -> DeepSeekV3Model:
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    model.init_weights()
-    return model
-
-
-@pytest.mark.parametrize("q_lora_rank", [0, 24])
-def test_model_runs_and_is_causal(q_lora_rank):
-    model = _init(_meta_model(_tiny_args(q_lora_rank=q_lora_rank)))
-    assert all(torch.isfinite(p).all() for p in model.parameters())
-    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    changed = tokens.clone()
-    changed[:, 10:] = (changed[:, 10:] + 1) % 64
-    out, out_changed = model(tokens), model(changed)
-    assert out.shape == (2, 16, 64) and torch.isfinite(out).all()
-    assert torch.allclose(out[:, :10], out_changed[:, :10], atol=1e-6)
-    assert not torch.allclose(out[:, 10:], out_changed[:, 10:], atol=1e-6)
-
-
 def test_query_bottleneck_changes_the_parameters_as_expected():
-    plain = _num_params(_meta_model(_tiny_args()))
-    lora = _num_params(_meta_model(_tiny_args(q_lora_rank=24)))
+    plain = _num_params(_meta_model(tiny_deepseek_v3_args()))
+    lora = _num_params(_meta_model(tiny_deepseek_v3_args(q_lora_rank=24)))
     q_out = 4 * 16
     per_layer = (32 * 24 + 24 + 24 * q_out) - 32 * q_out
     assert lora - plain == 3 * per_layer
 
 
 def test_mla_scores_use_the_qk_head_width_and_one_shared_rotary_key_head():
-    model = _init(_meta_model(_tiny_args()))
+    model = tiny_deepseek_v3()
     seen = {}
     hook = lambda m, args, out: seen.update(qkv=args, out=out)  # noqa: E731
     model.layers["0"].attention.sdpa.register_forward_hook(hook)
@@ -168,16 +139,6 @@ def test_mla_scores_use_the_qk_head_width_and_one_shared_rotary_key_head():
     assert torch.allclose(seen["out"], scores.softmax(-1) @ v, atol=1e-5)
 
 
-def test_init_is_a_function_of_the_seed_and_wo_shrinks_with_depth():
-    a, b = _init(_meta_model(_tiny_args())), _init(_meta_model(_tiny_args()))
-    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
-        assert torch.equal(pa, pb), name
-    other = _init(_meta_model(_tiny_args()), seed=1)
-    assert not torch.equal(a.tok_embeddings.weight, other.tok_embeddings.weight)
-    assert a.layers["2"].attention.wo.weight.std() < a.layers["0"].attention.wo.weight.std()
-    assert torch.equal(a.layers["0"].attention.kv_norm.weight, torch.ones(16))
-
-
 def test_671b_flops_count_the_37b_activated_parameters():
     args = deepseek_v3_flavors["671B"]
     model = _meta_model(args)
@@ -188,7 +149,7 @@ def test_671b_flops_count_the_37b_activated_parameters():
 
 
 def test_attention_flops_run_scores_at_the_qk_width_and_values_at_the_v_width():
-    model = _meta_model(_tiny_args())
+    model = _meta_model(tiny_deepseek_v3_args())
     params, flops = model.args.num_flops_per_token(model, seq_len=16)
     assert params == _num_params(model) - 64 * 32
     idle_experts = 2 * (4 - 2) * 3 * 32 * 16  # 2 MoE layers, 2 of 4 experts idle, w1/w2/w3 of 32 x 16
@@ -271,7 +232,7 @@ def _debug_model(ac_mode: str, option: str = "op") -> DeepSeekV3Model:
         ActivationCheckpoint(mode=ac_mode, selective_ac_option=option),
         op_sac_save_list=DEEPSEEK_V3_SAVE_LIST,
     )
-    return _init(model)
+    return init_on_cpu(model)
 
 
 @pytest.fixture(scope="module")
@@ -280,12 +241,9 @@ def ac_tokens():
 
 
 def _step(model, tokens):
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-    loss.backward()
-    grads = {clean_fqn(n): p.grad for n, p in model.named_parameters()}
+    loss, grads = next_token_loss_and_grads(model, tokens)
     counts = [m.tokens_per_expert.clone() for m in model.modules() if isinstance(m, MoE)]
-    return loss.detach(), grads, counts
+    return loss, grads, counts
 
 
 @pytest.fixture(scope="module")

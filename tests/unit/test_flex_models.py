@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from tests.model_testing import init_on_cpu, next_token_loss_and_grads
 from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.config import ActivationCheckpoint, ConfigError, parse_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
@@ -16,7 +16,6 @@ from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
 from torchtitan.models.qwen3.parallelize import QWEN3_MOE_SAVE_LIST, QWEN3_SAVE_LIST
 from torchtitan.models.rope import YaRNScaling
 from torchtitan.protocols.train_spec import get_train_spec
-from torchtitan.tools.fqn import clean_fqn
 from torchtitan.train import main
 
 SEQ_LEN = 32
@@ -56,10 +55,7 @@ def _build(model: str, args, ac: ActivationCheckpoint = AC_MODES["none"]):
     spec = get_train_spec(_config(model).model.name)
     module = spec.build_meta_model(args, torch.float32)
     apply_ac(module, ac, use_flex_attn=args.attn_backend == "flex", op_sac_save_list=MODELS[model][2])
-    module.to_empty(device="cpu")
-    torch.manual_seed(0)
-    module.init_weights()
-    return module
+    return init_on_cpu(module)
 
 
 def _documents(eos_id: int, seed: int = 1) -> torch.Tensor:
@@ -69,14 +65,6 @@ def _documents(eos_id: int, seed: int = 1) -> torch.Tensor:
     tokens[:, 9] = eos_id
     tokens[1, 20] = eos_id
     return tokens
-
-
-def _loss_and_grads(module, tokens: torch.Tensor):
-    logits = module(tokens[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-    loss.backward()
-    grads = {clean_fqn(n): p.grad for n, p in module.named_parameters()}
-    return loss.detach(), grads
 
 
 # ----- config keys -> model args -----------------------------------------------------------
@@ -242,8 +230,8 @@ def test_flex_with_a_causal_mask_gives_the_sdpa_loss(model):
     sdpa = _args(model)
     flex = _args(model, "--model.attn_backend", "flex", "--model.attn_mask_type", "causal")
     tokens = _documents(eos_id=1)
-    sdpa_loss, _ = _loss_and_grads(_build(model, sdpa), tokens)
-    flex_loss, _ = _loss_and_grads(_build(model, flex), tokens)
+    sdpa_loss, _ = next_token_loss_and_grads(_build(model, sdpa), tokens)
+    flex_loss, _ = next_token_loss_and_grads(_build(model, flex), tokens)
     torch.testing.assert_close(flex_loss, sdpa_loss, atol=1e-5, rtol=0)
 
 
@@ -273,9 +261,9 @@ def test_a_window_or_chunk_covering_the_sequence_is_causal(mask_type):
     wide = _args("llama3", "--model.attn_backend", "flex", "--model.attn_mask_type", mask_type, *covering)
     narrow = replace(wide, sliding_window=4, attn_chunk_size=4)
     tokens = _documents(eos_id=1)
-    causal_loss, _ = _loss_and_grads(_build("llama3", causal), tokens)
-    assert torch.equal(_loss_and_grads(_build("llama3", wide), tokens)[0], causal_loss)
-    assert not torch.allclose(_loss_and_grads(_build("llama3", narrow), tokens)[0], causal_loss)
+    causal_loss, _ = next_token_loss_and_grads(_build("llama3", causal), tokens)
+    assert torch.equal(next_token_loss_and_grads(_build("llama3", wide), tokens)[0], causal_loss)
+    assert not torch.allclose(next_token_loss_and_grads(_build("llama3", narrow), tokens)[0], causal_loss)
 
 
 @pytest.mark.parametrize("model", ["llama3", "qwen3_moe", "deepseek_v3"])
@@ -353,7 +341,7 @@ def flex_reference():
         if model not in cache:
             args = _args(model, "--model.attn_backend", "flex", "--model.attn_mask_type", "block_causal")
             tokens = _documents(args.eos_id)
-            cache[model] = args, tokens, _loss_and_grads(_build(model, args), tokens)
+            cache[model] = args, tokens, next_token_loss_and_grads(_build(model, args), tokens)
         return cache[model]
 
     return get
@@ -367,7 +355,7 @@ def test_every_ac_mode_under_flex_keeps_loss_and_gradients(model, mode, flex_ref
     if mode == "selective op":
         # flex without compile: the attention branch under full AC, the MLP branch under op-SAC.
         assert all("attention_branch" in vars(b) for b in module.layers.values())
-    loss, grads = _loss_and_grads(module, tokens)
+    loss, grads = next_token_loss_and_grads(module, tokens)
     assert torch.equal(loss, ref_loss)
     assert grads.keys() == ref_grads.keys()
     for name, grad in ref_grads.items():

@@ -1,10 +1,10 @@
-"""Llama 3: published sizes, meta-device construction, layout-independent init, RoPE."""
+"""Llama 3: published sizes, RoPE and FLOPs (init and causality: test_model_families.py)."""
 
 import pytest
 import torch
 
+from tests.model_testing import tiny_llama3
 from torchtitan.models.llama3 import llama3_flavors
-from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.rope import apply_rope, precompute_rope_cache
 
@@ -25,53 +25,6 @@ def test_parameter_count_matches_published_total(flavor, published):
 )
 def test_ffn_hidden_dim_matches_published_intermediate_size(flavor, hidden):
     assert llama3_flavors[flavor].ffn_hidden_dim == hidden
-
-
-def test_tied_flavors_have_no_output_projection():
-    model = _meta_model("1B")
-    assert model.output is None
-    assert sum(p.numel() for p in model.parameters()) == pytest.approx(1.236e9, rel=0.005)
-
-
-def _tiny(seed: int = 0, **overrides) -> Transformer:
-    args = TransformerModelArgs(
-        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16, **overrides
-    )
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    model.init_weights()
-    return model
-
-
-def test_meta_model_initializes_in_place_to_finite_weights():
-    model = _tiny()
-    assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert torch.equal(model.layers["0"].attention_norm.weight, torch.ones(32))
-    logits = model(torch.randint(0, 64, (2, 16)))
-    assert logits.shape == (2, 16, 64) and torch.isfinite(logits).all()
-
-
-def test_init_is_a_function_of_the_seed():
-    a, b, other = _tiny(), _tiny(), _tiny(seed=1)
-    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
-        assert torch.equal(pa, pb), name
-    assert not torch.equal(a.tok_embeddings.weight, other.tok_embeddings.weight)
-
-
-def test_output_projection_init_shrinks_with_depth():
-    model = _tiny()
-    assert model.layers["1"].attention.wo.weight.std() < model.layers["0"].attention.wo.weight.std()
-
-
-def test_model_is_causal():
-    model = _tiny()
-    tokens = torch.randint(0, 64, (1, 16))
-    changed = tokens.clone()
-    changed[0, 10:] = (changed[0, 10:] + 1) % 64
-    assert torch.allclose(model(tokens)[0, :10], model(changed)[0, :10], atol=1e-6)
-    assert not torch.allclose(model(tokens)[0, 10:], model(changed)[0, 10:], atol=1e-6)
 
 
 def test_rope_preserves_norm_and_is_identity_at_position_zero():
@@ -104,7 +57,7 @@ def test_compiled_rope_takes_its_real_form_and_gives_the_eager_complex_forms_bit
 
 
 def test_flops_per_token_counts_six_per_parameter_plus_attention():
-    model = _tiny()
+    model = tiny_llama3()
     params, flops = model.args.num_flops_per_token(model, seq_len=16)
     assert params == sum(p.numel() for p in model.parameters()) - 64 * 32
     assert flops == 6 * params + 12 * 2 * 4 * 8 * 16

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+from tests.model_testing import init_on_cpu
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.optimizer import OptimizerInBackward, build_optimizer, check_early_step_in_backward
 from torchtitan.config.errors import ConfigError
@@ -37,10 +38,7 @@ def _model() -> torch.nn.Module:
     with torch.device("meta"):
         model = spec.model_cls(replace(spec.flavors[cfg.model.flavor], n_layers=2))
     spec.parallelize_fn(model, ParallelDims(1, 1, 1, 1), cfg, CPU)
-    model.to_empty(device=CPU)
-    torch.manual_seed(0)
-    model.init_weights()
-    return model
+    return init_on_cpu(model)
 
 
 def _batch(step: int) -> torch.Tensor:

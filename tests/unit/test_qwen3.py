@@ -1,10 +1,12 @@
-"""Qwen3 (dense): published sizes, qk-norm, causality, init, FLOPs, and refused TP settings."""
+"""Qwen3: published sizes, qk-norm, FLOPs, refused TP settings, and AC on the MoE flavor (init and
+causality: test_model_families.py)."""
 
 from dataclasses import replace
 
 import pytest
 import torch
 
+from tests.model_testing import init_on_cpu, next_token_loss_and_grads, tiny_qwen3
 from torchtitan.config import ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -13,7 +15,6 @@ from torchtitan.models.qwen3.args import Qwen3ModelArgs
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 from torchtitan.models.rope import apply_rope
-from torchtitan.tools.fqn import clean_fqn
 
 # Source: the config.json of each Hugging Face repo Qwen/Qwen3-<size> (hidden_size,
 # num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
@@ -80,11 +81,6 @@ def test_parameter_count_matches_published_total(flavor):
     assert abs((count - vocab_matrices) / 1e9 - card_non_embedding) <= non_embedding_tolerance
 
 
-def test_tied_flavors_have_no_output_projection():
-    assert _meta_model(qwen3_flavors["0.6B"]).output is None
-    assert _meta_model(qwen3_flavors["8B"]).output.weight.shape == (VOCAB, 4096)
-
-
 def test_head_dim_is_independent_of_dim_over_heads():
     attention = _meta_model(qwen3_flavors["0.6B"]).layers["0"].attention
     assert qwen3_flavors["0.6B"].dim // qwen3_flavors["0.6B"].n_heads == 64
@@ -105,20 +101,8 @@ def test_qk_norm_is_one_rmsnorm_over_head_dim_per_block():
     assert dropped == 36 * 2 * 128
 
 
-def _tiny(seed: int = 0, **overrides) -> Qwen3Model:
-    args = Qwen3ModelArgs(
-        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=64, vocab_size=64,
-        max_seq_len=16, **overrides,
-    )  # fmt: skip
-    model = _meta_model(args)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    model.init_weights()
-    return model
-
-
 def test_qk_norm_normalizes_every_query_and_key_head_before_rope():
-    model = _tiny()
+    model = tiny_qwen3()
     seen = {}
     attention = model.layers["0"].attention
     for name in ("q_norm", "k_norm"):
@@ -135,47 +119,12 @@ def test_qk_norm_normalizes_every_query_and_key_head_before_rope():
         torch.testing.assert_close(seen[name], apply_rope(normed, seen["rope"]).transpose(1, 2))
 
 
-def test_meta_model_initializes_in_place_to_finite_weights():
-    model = _tiny()
-    assert all(torch.isfinite(p).all() for p in model.parameters())
-    attention = model.layers["0"].attention
-    for norm in (model.layers["0"].attention_norm, attention.q_norm, attention.k_norm):
-        assert torch.equal(norm.weight, torch.ones_like(norm.weight))
-    logits = model(torch.randint(0, 64, (2, 16)))
-    assert logits.shape == (2, 16, 64) and torch.isfinite(logits).all()
-
-
-@pytest.mark.parametrize("tied", [False, True])
-def test_init_is_a_function_of_the_seed(tied):
-    a, b = _tiny(tie_word_embeddings=tied), _tiny(tie_word_embeddings=tied)
-    assert [n for n, _ in a.named_parameters()] == [n for n, _ in b.named_parameters()]
-    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
-        assert torch.equal(pa, pb), name
-    other = _tiny(seed=1, tie_word_embeddings=tied)
-    assert not torch.equal(a.tok_embeddings.weight, other.tok_embeddings.weight)
-
-
-def test_output_projection_init_shrinks_with_depth():
-    model = _tiny()
-    assert model.layers["1"].attention.wo.weight.std() < model.layers["0"].attention.wo.weight.std()
-
-
-@pytest.mark.parametrize("tied", [False, True])
-def test_model_is_causal(tied):
-    model = _tiny(tie_word_embeddings=tied)
-    tokens = torch.randint(0, 64, (1, 16))
-    changed = tokens.clone()
-    changed[0, 10:] = (changed[0, 10:] + 1) % 64
-    assert torch.allclose(model(tokens)[0, :10], model(changed)[0, :10], atol=1e-6)
-    assert not torch.allclose(model(tokens)[0, 10:], model(changed)[0, 10:], atol=1e-6)
-
-
 def test_flops_per_token_use_qwen3_head_dim_and_count_tied_logits():
-    model = _tiny()
+    model = tiny_qwen3()
     params, flops = model.args.num_flops_per_token(model, seq_len=16)
     assert params == sum(p.numel() for p in model.parameters()) - 64 * 32
     assert flops == 6 * params + 12 * 2 * 4 * 16 * 16  # head_dim 16, not dim / heads = 8
-    tied = _tiny(tie_word_embeddings=True)
+    tied = tiny_qwen3(tie_word_embeddings=True)
     tied_params, tied_flops = tied.args.num_flops_per_token(tied, seq_len=16)
     assert tied_params == params - 64 * 32  # no output projection
     assert tied_flops == flops  # but the logits matmul costs the same
@@ -233,10 +182,7 @@ def _moe_debug_model(ac_mode: str, option: str = "op"):
         ActivationCheckpoint(mode=ac_mode, selective_ac_option=option),
         op_sac_save_list=QWEN3_MOE_SAVE_LIST,
     )
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
-    return model
+    return init_on_cpu(model)
 
 
 @pytest.mark.parametrize("ac_mode, option", [("full", "op"), ("selective", "op"), ("selective", "2")])
@@ -244,13 +190,10 @@ def test_moe_debug_model_ac_keeps_loss_gradients_and_routing_counts(ac_mode, opt
     tokens = torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(1))
 
     def step(model):
-        logits = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        grads = {clean_fqn(n): p.grad for n, p in model.named_parameters()}
+        loss, grads = next_token_loss_and_grads(model, tokens)
         # A checkpoint wrapper forwards attribute reads to the block it wraps.
         counts = [b.moe.tokens_per_expert.clone() for b in model.layers.values() if hasattr(b, "moe")]
-        return loss.detach(), grads, counts
+        return loss, grads, counts
 
     ref_loss, ref_grads, ref_counts = step(_moe_debug_model("none"))
     loss, grads, counts = step(_moe_debug_model(ac_mode, option))

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from tests.conftest import load_script, python_path
 from tests.forked_launcher import launch
+from tests.model_testing import init_on_cpu
 from torchtitan.components.hf_io import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, load_hf, save_hf
 from torchtitan.config.manager import parse_args
 from torchtitan.config.toml_writer import to_toml
@@ -95,9 +96,7 @@ def _initialized_model(case: str) -> torch.nn.Module:
     """Our model after the trainer's init, with the norm weights (all ones after init, so blind to
     their order) and DeepSeek's expert bias (which HF adds too) made random."""
     model = _meta_model(case)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
+    init_on_cpu(model)
     for name, tensor in model.state_dict().items():
         if name.endswith("norm.weight"):
             tensor.mul_(1 + 0.3 * torch.randn_like(tensor))
