@@ -455,7 +455,8 @@ def main(argv: list[str] | None = None) -> None:
     stderr, no traceback), 143 stopped by SIGTERM or the stop file (`TORCHTITAN_STOP_FILE`)
     with what was trained saved (or nothing trained yet), 3 stopped so with steps trained and
     checkpointing off, 130 interrupted. A SIGTERM while the trainer is still being built
-    stops the build at once.
+    stops the build at once. A rank of a process group leaves without the interpreter's final
+    teardown (`exit_skipping_interpreter_teardown` says why).
     """
     argv = sys.argv[1:] if argv is None else argv
     if wants_help(argv):
@@ -468,6 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = None
     exit_code = 0
     finished = False
+    joined_process_group = False
     # Until the trainer exists, nothing is trained: a SIGTERM stops building it (token caches
     # being written clean up as on Ctrl-C), where by default it killed the rank.
     signal.signal(signal.SIGTERM, _stop_while_building)
@@ -493,7 +495,10 @@ def main(argv: list[str] | None = None) -> None:
             trainer = None
             gc.collect()
         if dist.is_initialized():
+            joined_process_group = True
             dist.destroy_process_group()
+    if joined_process_group:
+        dist_utils.exit_skipping_interpreter_teardown(exit_code)
     if exit_code:
         sys.exit(exit_code)
 
