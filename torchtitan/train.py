@@ -94,7 +94,9 @@ class Trainer:
         self.accum_steps = gradient_accumulation_steps(cfg, self.parallel_dims.dp_degree)
         check_early_step_in_backward(cfg, self.parallel_dims, self.accum_steps)
         dp_rank, dp_degree = self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
-        self.dataloader = self.spec.build_dataloader_fn(cfg, self.tokenizer, dp_rank, dp_degree)
+        self.dataloader = dist_utils.agree_on_config_errors(  # a hub stream may leave one rank empty
+            lambda: self.spec.build_dataloader_fn(cfg, self.tokenizer, dp_rank, dp_degree)
+        )
 
         self.model = self._build_model()
         self.optimizer = self.spec.build_optimizer_fn(self.model, cfg, self.device)

@@ -92,6 +92,18 @@ def _validation_losses(tmp_path, name, nproc, local_batch, extra=()) -> list[flo
     return [r["validation/loss"] for r in records if "validation/loss" in r]
 
 
+def test_a_hub_dataset_with_too_few_documents_for_the_ranks_ends_every_rank_with_its_error(tmp_path):
+    """Only rank 1's share of the stream is empty. Raised there alone, in step 1, the error ended
+    rank 1 while rank 0 waited in the step's collectives until the connection closed (exit 1
+    and a traceback), or on NCCL until the timeout."""
+    args = [*SMALL, "--training.dataset", "some/hub-set", "--job.dump_folder", str(tmp_path)]
+    proc = run_trainer(args, nproc=2, uneven="hub-with-one-document")
+    assert proc.returncode == 1, proc.stderr[-3000:]  # torchrun's code for a failed rank
+    error = "error: 'training.dataset' = 'some/hub-set' gives data-parallel rank 1 of 2 no document"
+    assert proc.stderr.count(error) == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Connection closed" not in proc.stderr
+
+
 def test_validation_loss_is_the_same_on_one_process_fsdp_and_tensor_parallel(tmp_path):
     """The mean over every data-parallel rank's batches (FSDP 2 splits the global batch) and the
     loss-parallel loss (TP 2) give the single process's value."""

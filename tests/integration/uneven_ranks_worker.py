@@ -6,15 +6,20 @@ argument says how:
 - `slow-write`: rank 1's writes of its checkpoint shards.
 - `slow-delete`: rank 0's folder deletions (pruning old checkpoints, replacing a folder).
 - `rank-1-stops`: rank 1 alone is asked to stop before step 3, as by a SIGTERM only it got.
+- `hub-with-one-document`: `training.dataset` streams, as from the hub, one document, which
+  only rank 0's share of the stream holds.
 
 Each slowness is `SLOW_SECONDS`; the tests set a shorter training timeout.
 """
 
+import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 
+import datasets
 from torch.distributed.checkpoint import FileSystemWriter
 
 from torchtitan import train
@@ -40,6 +45,16 @@ def _stop_before_step_3(check_stop_file):
     return check
 
 
+def _hub_with_one_document(*args, split=None, streaming=False, **kwargs):
+    data = os.path.join(tempfile.mkdtemp(), "hub.jsonl")
+    with open(data, "w") as f:
+        f.write(json.dumps({"text": "the only document of this stream " * 20}) + "\n")
+    return _load_dataset("json", data_files=data, split=split, streaming=streaming)
+
+
+_load_dataset = datasets.load_dataset
+
+
 def main(how: str, argv: list[str]) -> None:
     rank = int(os.environ["RANK"])
     if how == "slow-export":
@@ -50,6 +65,8 @@ def main(how: str, argv: list[str]) -> None:
         shutil.rmtree = _slowed(shutil.rmtree)
     elif how == "rank-1-stops" and rank == 1:
         train.Trainer._check_stop_file = _stop_before_step_3(train.Trainer._check_stop_file)
+    elif how == "hub-with-one-document":
+        datasets.load_dataset = _hub_with_one_document
     train.main(argv)
 
 

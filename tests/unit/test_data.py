@@ -448,7 +448,8 @@ def test_hub_dataset_resumed_after_a_full_pass_continues_the_second_pass(monkeyp
 def test_a_hub_dataset_that_gives_a_rank_no_document_is_refused_when_built_not_looped_on(
     monkeypatch, tmp_path, tokenizer
 ):
-    """At build time, before the model is built, rather than at the first batch of step 1."""
+    """At build time, where the trainer shares the error with the other ranks; at the first
+    batch only this rank would have seen it."""
     _fake_hub(monkeypatch, tmp_path, ["the only document " * 5])
     build_text_dataset("some/hub-set", None, tokenizer, 8, 0, 2, 1, infinite=True)
     with pytest.raises(ConfigError, match="gives data-parallel rank 1 of 2 no document"):

@@ -276,7 +276,8 @@ class StreamingTokenDataset(IterableDataset):
         self.data = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_degree)
         self.name, self.tokenizer, self.seq_len = name, tokenizer, seq_len
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        # Here, before the model is built, rather than at the first batch in step 1.
+        # Here rather than at the first batch, where only that rank would see it: the trainer
+        # shares errors raised while building, so that every rank exits with this one.
         if next(iter(self.data), None) is None:
             raise self._no_document_error()
         self.buffer: list[int] = []
