@@ -43,9 +43,10 @@ def build_debug_model(parallel_dims, ac_mode: str, extra_args: tuple = ()) -> to
 
 def shut_down() -> None:
     """End a worker's distributed work: free what still refers to collective work (models,
-    autograd graphs), wait for every rank, then destroy the process groups. Objects left for
-    interpreter exit sometimes made gloo abort the process ('terminate called without an
-    active exception'), after the worker had printed its report."""
+    autograd graphs), wait for every rank, then destroy the process groups. Collective work
+    freed during interpreter teardown can abort the process ('terminate called without an active
+    exception'; `torchtitan.distributed.utils.exit_skipping_interpreter_teardown` says why);
+    the forked ranks skip that teardown, and under plain torchrun this makes it rarer."""
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
