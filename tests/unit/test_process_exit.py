@@ -11,7 +11,7 @@ import pytest
 
 EXITING_PROGRAM = textwrap.dedent(
     """
-    import atexit, pathlib, sys, threading, time
+    import atexit, concurrent.futures, pathlib, sys, threading, time
     from torchtitan.distributed.utils import exit_skipping_interpreter_teardown
 
     out = pathlib.Path(sys.argv[1])
@@ -28,6 +28,8 @@ EXITING_PROGRAM = textwrap.dedent(
         (out / "thread").write_text("joined")
 
     threading.Thread(target=slow_writer).start()
+    idle_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    idle_pool.submit(lambda: None).result()  # leaves a worker waiting for more
     sys.stdout.write("unflushed stdout")
     sys.stderr.write("unflushed stderr")
     exit_skipping_interpreter_teardown(5)
@@ -40,13 +42,19 @@ def exited(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """The program above, run once; its process and the folder it wrote to."""
     out = tmp_path_factory.mktemp("exit")
     proc = subprocess.run([sys.executable, "-c", EXITING_PROGRAM, str(out)], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+                          text=True, timeout=60)  # fmt: skip
     return proc, out
 
 
 def test_the_exit_code_is_the_one_given(exited):
     proc, _ = exited
     assert proc.returncode == 5, proc.stderr
+
+
+def test_an_idle_thread_pool_does_not_keep_the_process_alive(exited):
+    """Its worker is a non-daemon thread waiting for work: joined without being told to stop,
+    it kept a finished run from exiting."""
+    assert exited[0].returncode == 5
 
 
 def test_non_daemon_threads_finish_before_the_exit(exited):

@@ -371,7 +371,7 @@ def agree_on_config_errors(work: Callable[[], T]) -> T:
 def exit_skipping_interpreter_teardown(code: int) -> NoReturn:
     """End the process with `code` the way the interpreter would, less its final teardown:
     non-daemon threads are joined, atexit handlers run (logging flushes its handlers), the
-    standard streams are flushed, and then `os._exit(code)`.
+    standard streams are flushed, and then `os._exit(code)`. Call it from the main thread.
 
     For a rank that ran collectives, after `destroy_process_group`. A gloo worker thread frees
     a finished collective's tensors a moment after the collective has returned to Python; when
@@ -382,9 +382,10 @@ def exit_skipping_interpreter_teardown(code: int) -> NoReturn:
     reported the abort rather than the error. Pitfall: objects still alive are not finalized,
     so whatever must reach disk is closed before this (the trainer's writers and checkpointer).
     """
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # The interpreter's own first two exit steps, in its order. `_shutdown` also wakes idle
+    # thread-pool workers (its registered callbacks) before it joins them; joining threads
+    # directly waited forever on a finished run's idle ThreadPoolExecutor.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
