@@ -1,4 +1,5 @@
-"""Device and process-group setup, layout-independent init, and global-norm clipping."""
+"""Device and process-group setup, layout-independent init, global-norm clipping, and how the
+ranks agree on a config error and how each one exits."""
 
 import atexit
 import datetime
