@@ -1,9 +1,10 @@
 """What only a CUDA GPU can check: flex_attention's compiled BlockMask path against the exact
 dense path (every mask type; GQA and MLA heads in bf16), the CUDA gradient norm, the bf16
 grouped-matmul experts against the loop, the GPU attention kernel under op-SAC, short bf16
-and float8 training runs, the CUDA memory snapshots, a resume from a pinned-memory async save,
-and the memory the optimizer saves by stepping in backward. Marked `gpu`; skipped without
-CUDA. `scripts/gpu_check.sh` runs them with `python -m pytest -m gpu tests/gpu`.
+(sdpa, and flex with chunked and global layers) and float8 training runs, the CUDA memory
+snapshots, a resume from a pinned-memory async save, and the memory the optimizer saves by
+stepping in backward. Marked `gpu`; skipped without CUDA. `scripts/gpu_check.sh` runs them with
+`python -m pytest -m gpu tests/gpu`.
 """
 
 import os
@@ -174,11 +175,18 @@ def test_gpu_attention_kernel_is_saved_by_op_sac(mode, option, reruns):
     assert counter.count(phase=BACKWARD) == reruns
 
 
-def test_bf16_training_with_op_sac_and_compile_learns(tmp_path):
+@pytest.mark.parametrize(
+    "attention",
+    [[], ["--model.attn_backend", "flex", "--model.attn_mask_type", "chunked",
+          "--model.attn_chunk_size", "64", "--model.attn_global_every_n_layers", "2"]],
+    ids=["sdpa", "chunked with global layers"],
+)  # fmt: skip
+def test_bf16_training_with_op_sac_and_compile_learns(tmp_path, attention):
+    """The flex case runs two BlockMasks (chunked, causal) through the same compiled blocks."""
     argv = ["--config", "debug_model.toml", "--training.steps", "30", "--metrics.log_freq", "1",
             "--training.mixed_precision_param", "bfloat16",
             "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
-            "--compile.enable", "--job.dump_folder", str(tmp_path)]  # fmt: skip
+            "--compile.enable", "--job.dump_folder", str(tmp_path), *attention]  # fmt: skip
     proc = run_trainer(argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(tmp_path)

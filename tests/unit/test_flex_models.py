@@ -10,6 +10,7 @@ from tests.model_testing import init_on_cpu, next_token_loss_and_grads
 from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.config import ActivationCheckpoint, ConfigError, parse_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models import layers
 from torchtitan.models.deepseek_v3.parallelize import DEEPSEEK_V3_SAVE_LIST
 from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
@@ -140,9 +141,39 @@ def test_the_startup_log_names_the_backend_the_mask_its_size_and_the_document_sp
         (*flex, "chunked", "--model.attn_chunk_size", "16"): "flex, chunked of 16",
         (*flex, "sliding_window", "--model.sliding_window", "8", "--model.attn_split_documents"):
             f"flex, sliding_window of 8, split at EOS id {eos}",
+        (*flex, "chunked", "--model.attn_chunk_size", "16", "--model.attn_global_every_n_layers", "2"):
+            "flex, chunked of 16; causal on every 2nd layer",
+        (*flex, "sliding_window", "--model.attn_split_documents", "--model.attn_global_every_n_layers", "4"):
+            f"flex, sliding_window of 4096, split at EOS id {eos}; block_causal on every 4th layer",
     }  # fmt: skip
     for overrides, line in described.items():
         assert _args("qwen3", *overrides).describe_attention() == line
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [(["--model.attn_mask_type", "causal"], "is 'causal': global layers interleave with local ones"),
+     (["--model.attn_mask_type", "block_causal"], "set model.attn_mask_type = \"sliding_window\" or"),
+     (["--model.attn_mask_type", "chunked", "--model.attn_global_every_n_layers", "1"],
+      "makes every layer global, which is causal attention"),
+     (["--model.attn_global_every_n_layers", "-1"], "attn_global_every_n_layers")],
+    ids=["causal", "block_causal", "every layer", "negative"],
+)  # fmt: skip
+def test_global_layers_without_local_ones_to_interleave_are_refused_when_the_config_is_parsed(
+    overrides, message
+):
+    argv = ["--model.attn_backend", "flex", "--model.attn_global_every_n_layers", "2", *overrides]
+    with pytest.raises(ConfigError, match=message):
+        parse_args(argv, env={})
+
+
+def test_global_layers_with_the_flavors_mask_or_more_than_its_layers_are_refused():
+    with pytest.raises(ConfigError, match="is 'block_causal' \\(the flavor's when unset\\): global layers"):
+        _args("llama3", "--model.flavor", "debugmodel_flex_attn", "--model.attn_global_every_n_layers", "2")
+    chunked = ["--model.attn_backend", "flex", "--model.attn_mask_type", "chunked"]
+    with pytest.raises(ConfigError, match="= 7 leaves all 6 layers of this flavor local .* at most 6"):
+        _args("llama3", *chunked, "--model.attn_global_every_n_layers", "7")
+    assert _args("llama3", *chunked, "--model.attn_global_every_n_layers", "6").is_global_layer(5)
 
 
 def test_flex_flavor_exists_for_every_model_and_its_config_selects_it():
@@ -208,6 +239,32 @@ def test_masks_are_built_once_per_forward_and_every_layer_gets_the_same(model, m
     module(_documents(args.eos_id)[:, :-1])
     assert len(built) == 1
     assert len(seen) == args.n_layers and all(masks is built[0] for masks in seen)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["causal", "split documents"])
+def test_the_last_of_every_n_layers_gets_the_one_global_mask_and_the_rest_the_local_one(split, monkeypatch):
+    split_flag = ["--model.attn_split_documents"] if split else []
+    args = _args("llama3", "--model.attn_backend", "flex", "--model.attn_mask_type", "chunked",
+                 "--model.attn_chunk_size", "8", "--model.attn_global_every_n_layers", "3",
+                 *split_flag)  # fmt: skip
+    module = _build("llama3", args)
+    build, built = layers.build_attention_masks, []
+
+    def counting(*a, **kw):
+        built.append(build(*a, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(layers, "build_attention_masks", counting)
+    seen = {}
+    for layer_id, block in module.layers.items():
+        block.attention.sdpa.register_forward_pre_hook(
+            lambda m, a, kw, layer_id=int(layer_id): seen.update({layer_id: kw["masks"]}), with_kwargs=True
+        )
+    module(_documents(args.eos_id or 1)[:, :-1])
+    local, whole = built
+    assert [seen[i] is whole for i in range(6)] == [False, False, True, False, False, True]
+    assert all(seen[i] is local for i in (0, 1, 3, 4))
+    assert (local.mask_type, whole.mask_type) == ("chunked", "block_causal" if split else "causal")
 
 
 def test_sdpa_builds_no_masks(monkeypatch):
@@ -297,6 +354,32 @@ def test_every_mask_is_counted_at_the_share_of_pairs_it_allows_as_causal_is(mask
         assert args.attention_span(SEQ_LEN) == SEQ_LEN
 
 
+def test_global_layers_are_counted_at_causal_pairs_and_local_ones_at_their_own():
+    args = _args("llama3", "--model.attn_backend", "flex", "--model.attn_mask_type", "sliding_window",
+                 "--model.sliding_window", "5", "--model.attn_global_every_n_layers", "2")  # fmt: skip
+    tokens = torch.ones(1, SEQ_LEN, dtype=torch.long)
+    pairs = sum(masks.dense_mask.sum().item() for masks in args.build_layer_masks(tokens))
+    mean_span = 2 * pairs / args.n_layers / (SEQ_LEN + 1)
+    assert args.attention_span(SEQ_LEN) == pytest.approx(mean_span, rel=1e-12)
+    assert _args("llama3", "--model.attn_backend", "flex", "--model.attn_mask_type", "sliding_window",
+                 "--model.sliding_window", "5").attention_span(SEQ_LEN) < mean_span < SEQ_LEN  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["llama3", "qwen3", "deepseek_v3"])
+def test_global_layers_let_a_later_chunk_see_an_earlier_one_that_chunked_alone_hides(model):
+    chunked = _args(model, "--model.attn_backend", "flex", "--model.attn_mask_type", "chunked",
+                    "--model.attn_chunk_size", "8")  # fmt: skip
+    with_global = replace(chunked, attn_global_every_n_layers=2)
+    tokens = _documents(eos_id=1)[:, :-1]
+    edited = tokens.clone()
+    edited[:, :8] = torch.randint(2, 2048, (2, 8), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        local_only, interleaved = _build(model, chunked), _build(model, with_global)
+        torch.testing.assert_close(local_only(edited)[:, 8:], local_only(tokens)[:, 8:], atol=1e-5, rtol=0)
+        changed = (interleaved(edited)[:, 8:] - interleaved(tokens)[:, 8:]).abs().amax(dim=-1)
+        assert (changed > 1e-3).all()  # every later position, in every later chunk
+
+
 @pytest.mark.parametrize("model", ["llama3", "qwen3", "deepseek_v3"])
 def test_block_causal_keeps_a_later_document_blind_to_an_earlier_one(model):
     # Causality alone already hides later documents from earlier ones; block_causal must also
@@ -360,3 +443,35 @@ def test_every_ac_mode_under_flex_keeps_loss_and_gradients(model, mode, flex_ref
     assert grads.keys() == ref_grads.keys()
     for name, grad in ref_grads.items():
         assert torch.equal(grads[name], grad), name  # CPU kernels are deterministic: bit for bit
+
+
+def _train_interleaved_chunked(compiled: bool) -> list[float]:
+    """Losses of 3 AdamW steps on one batch: Llama 3 debug, 4 layers, chunks of 8 with every 2nd
+    layer global, op-SAC, parallelized as the trainer does (compiled blocks or eager)."""
+    argv = ["--model.attn_backend", "flex", "--model.attn_mask_type", "chunked",
+            "--model.attn_chunk_size", "8", "--model.attn_global_every_n_layers", "2",
+            "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
+            *(["--compile.enable"] if compiled else [])]  # fmt: skip
+    cfg = _config("llama3", *argv)
+    spec = get_train_spec("llama3")
+    args = replace(spec.get_flavor(cfg.model.flavor).update_from_config(cfg), n_layers=4)
+    model = spec.build_meta_model(args, torch.float32)
+    spec.parallelize_fn(model, ParallelDims(1, 1, 1, 1), cfg, torch.device("cpu"))
+    init_on_cpu(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = _documents(eos_id=1)
+    losses = []
+    for _ in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = next_token_loss_and_grads(model, tokens)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_compiled_blocks_with_local_and_global_layers_train_as_eager_ones():
+    """Each compiled block must take its own layer's mask: a compiled graph that kept the mask
+    it was traced with would give the other layers the wrong one and change the loss."""
+    eager = _train_interleaved_chunked(compiled=False)
+    assert eager[-1] < eager[0]
+    torch.testing.assert_close(_train_interleaved_chunked(compiled=True), eager, rtol=1e-4, atol=0)

@@ -52,8 +52,9 @@ class Model:
     )
     attn_mask_type: Literal["causal", "block_causal", "sliding_window", "chunked"] | None = opt(
         None,
-        "attention mask of every layer; unset = the flavor's; all but causal need flex (block_causal: "
-        "documents split at EOS; sliding_window and chunked go by position unless attn_split_documents)",
+        "attention mask of every layer (see attn_global_every_n_layers); unset = the flavor's; all but "
+        "causal need flex (block_causal: documents split at EOS; sliding_window and chunked go by "
+        "position unless attn_split_documents)",
     )
     attn_split_documents: bool = opt(
         False,
@@ -64,7 +65,14 @@ class Model:
         4096, "keys a query sees (itself included) under attn_mask_type sliding_window", min=1
     )
     attn_chunk_size: int = opt(
-        8192, "chunk length under attn_mask_type chunked (Llama 4's chunked mask, on every layer)", min=1
+        8192, "chunk length under attn_mask_type chunked (Llama 4's chunked mask)", min=1
+    )
+    attn_global_every_n_layers: int = opt(
+        0,
+        "with attn_mask_type sliding_window or chunked: every n-th layer (layers n-1, 2n-1, ...) sees every "
+        "earlier token instead (causal; block_causal with attn_split_documents), as Llama 4's and gpt-oss' "
+        "global layers do; 0 = none",
+        min=0,
     )
     always_apply_yarn: bool = opt(
         False,

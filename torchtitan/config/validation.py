@@ -151,6 +151,26 @@ def split_documents_conflict(mask_type: str, backend: str | None, whose: str = "
     )
 
 
+def global_layers_conflict(every: int, mask_type: str | None, whose: str = "") -> ConfigError | None:
+    """The error for `model.attn_global_every_n_layers` = `every` with `mask_type` (None: not
+    known yet, the flavor's), or None when they go together; `whose` says where the mask type
+    came from when the config may not have set it. Global layers interleave with local ones
+    (sliding_window, chunked), and a global layer on every layer is causal attention."""
+    key = f"'model.attn_global_every_n_layers' = {every}"
+    if every and mask_type not in (None, "sliding_window", "chunked"):
+        return ConfigError(
+            f"{key}, but 'model.attn_mask_type' is '{mask_type}'{whose}: global layers interleave "
+            "with local ones, which only sliding_window and chunked make; set model.attn_mask_type = "
+            '"sliding_window" or "chunked", or drop the key.'
+        )
+    if every == 1:
+        return ConfigError(
+            f"{key} makes every layer global, which is causal attention (block_causal with "
+            "attn_split_documents); set model.attn_mask_type to that and drop the key, or use 2 or more."
+        )
+    return None
+
+
 def ac_debug_conflict(conflict: str) -> ConfigError:
     """The error for `activation_checkpoint.debug` with `conflict`, something torch's checkpoint
     debug mode cannot trace: it replaces a checkpoint's `context_fn` with its own tracer and
@@ -277,6 +297,8 @@ def _check_consistency(config: JobConfig) -> None:
         raise attention_backend_conflict(m.attn_mask_type)
     if m.attn_split_documents and m.attn_mask_type in ("causal", "block_causal"):
         raise split_documents_conflict(m.attn_mask_type, m.attn_backend)
+    if error := global_layers_conflict(m.attn_global_every_n_layers, m.attn_mask_type):
+        raise error
     _check_expert_parallel(p)
     _check_sequence_shards(config)
     _check_converters(config)

@@ -11,7 +11,11 @@ from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.job_config import Model as ModelConfig
-from torchtitan.config.validation import attention_backend_conflict, split_documents_conflict
+from torchtitan.config.validation import (
+    attention_backend_conflict,
+    global_layers_conflict,
+    split_documents_conflict,
+)
 from torchtitan.distributed.utils import init_param_
 from torchtitan.models.attention import (
     ATTENTION_BACKENDS,
@@ -35,11 +39,15 @@ class AttentionArgs:
         sliding_window: keys a query sees, itself included, under ``sliding_window``.
         attn_chunk_size: chunk length under ``chunked``.
         split_documents: also split ``sliding_window`` or ``chunked`` at document ends.
+        attn_global_every_n_layers: n > 1 makes layers n-1, 2n-1, ... global (`is_global_layer`):
+            they attend to every earlier token, of their document under ``split_documents``,
+            while the others keep ``sliding_window`` or ``chunked``; 0: no global layer.
 
     Raises:
         ConfigError: (at construction) for an unknown backend or mask type, a mask type other
-            than ``causal`` with the ``sdpa`` backend, or ``split_documents`` with a mask type
-            other than ``sliding_window`` and ``chunked``.
+            than ``causal`` with the ``sdpa`` backend, ``split_documents`` or global layers with
+            a mask type other than ``sliding_window`` and ``chunked``, or a global-layer
+            interval of 1 or above ``n_layers`` (models whose args have it).
     """
 
     attn_backend: str = "sdpa"
@@ -49,6 +57,7 @@ class AttentionArgs:
     sliding_window: int = ModelConfig.sliding_window
     attn_chunk_size: int = ModelConfig.attn_chunk_size
     split_documents: bool = ModelConfig.attn_split_documents
+    attn_global_every_n_layers: int = ModelConfig.attn_global_every_n_layers
 
     def __post_init__(self):
         if self.attn_backend not in ATTENTION_BACKENDS:
@@ -67,6 +76,16 @@ class AttentionArgs:
         if self.split_documents and self.attn_mask_type not in ("sliding_window", "chunked"):
             raise split_documents_conflict(
                 self.attn_mask_type, self.attn_backend, whose=" (the flavor's when unset)"
+            )
+        every = self.attn_global_every_n_layers
+        if error := global_layers_conflict(every, self.attn_mask_type, whose=" (the flavor's when unset)"):
+            raise error
+        n_layers = getattr(self, "n_layers", every)
+        if every > n_layers:
+            raise ConfigError(
+                f"'model.attn_global_every_n_layers' = {every} leaves all {n_layers} layers of this "
+                f"flavor local (the first global layer would be layer {every - 1}); choose at most "
+                f"{n_layers}, or 0 for none."
             )
 
     def update_from_config(self, job_config: JobConfig):
@@ -92,13 +111,15 @@ class AttentionArgs:
         """A copy with ``[model]``'s attention keys applied.
 
         The backend and mask type are overridden only when set (unset keeps the flavor's);
-        the window, chunk size and document split always come from the config. For a mask that
+        the window, chunk size, document split and global-layer interval always come from the
+        config. For a mask that
         splits documents the EOS id is read from the tokenizer in ``model.hf_assets_path``, the
         one the run trains with.
 
         Raises:
-            ConfigError: for a mask type the backend cannot run or ``attn_split_documents`` does
-                not apply to (checked before the tokenizer is read), or a mask that splits
+            ConfigError: for a mask type the backend cannot run or ``attn_split_documents`` or
+                ``attn_global_every_n_layers`` does not apply to, or an interval the flavor's
+                layers cannot hold (checked before the tokenizer is read), or a mask that splits
                 documents with a tokenizer that has no EOS token.
         """
         m = job_config.model
@@ -109,6 +130,7 @@ class AttentionArgs:
             sliding_window=m.sliding_window,
             attn_chunk_size=m.attn_chunk_size,
             split_documents=m.attn_split_documents,
+            attn_global_every_n_layers=m.attn_global_every_n_layers,
         )
         if not reads_tokens(args.attn_mask_type, args.split_documents):
             return args
@@ -123,14 +145,34 @@ class AttentionArgs:
         return replace(args, eos_id=eos_id)
 
     def describe_attention(self) -> str:
-        """The attention every layer runs, for the startup log: backend, mask type and its size,
-        and where documents split (e.g. ``flex, sliding_window of 4096, split at EOS id 2``)."""
+        """The attention the layers run, for the startup log: backend, mask type and its size,
+        where documents split, and which layers are global (e.g. ``flex, sliding_window of
+        4096, split at EOS id 2; block_causal on every 4th layer``)."""
         if self.attn_backend == "sdpa":
             return "sdpa, causal"
         sizes = {"sliding_window": self.sliding_window, "chunked": self.attn_chunk_size}
         size = f" of {sizes[self.attn_mask_type]}" if self.attn_mask_type in sizes else ""
         splits = reads_tokens(self.attn_mask_type, self.split_documents)
-        return f"flex, {self.attn_mask_type}{size}" + (f", split at EOS id {self.eos_id}" if splits else "")
+        split = f", split at EOS id {self.eos_id}" if splits else ""
+        described = f"flex, {self.attn_mask_type}{size}{split}"
+        every = self.attn_global_every_n_layers
+        if not every:
+            return described
+        nth = {2: "2nd", 3: "3rd"}.get(every, f"{every}th")
+        return f"{described}; {self.global_mask_type} on every {nth} layer"
+
+    @property
+    def global_mask_type(self) -> str:
+        """The mask of global layers: every earlier token, of the same document when local
+        layers split documents."""
+        return "block_causal" if self.split_documents else "causal"
+
+    def is_global_layer(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` (0-based) attends globally: the last of every
+        ``attn_global_every_n_layers`` layers, as Llama 4's NoPE layers and gpt-oss' full
+        attention layers are placed."""
+        every = self.attn_global_every_n_layers
+        return every > 0 and (layer_id + 1) % every == 0
 
     def attention_span(self, seq_len: int) -> float:
         """Keys each query is counted against in the FLOP count: ``2 x pairs / (seq_len + 1)``,
@@ -138,14 +180,19 @@ class AttentionArgs:
         (torchtitan's MFU counts the full square, causality not discounted, and so does
         ``block_causal``, whose documents vary by batch), and the same share of the pairs for
         ``sliding_window`` and ``chunked`` (split at documents or not, as ``block_causal``), so
-        that MFU compares across mask types."""
-        return 2 * self._allowed_pairs(seq_len) / (seq_len + 1)
+        that MFU compares across mask types. With global layers it is the mean over the layers
+        (``n_layers``, or 1 for args without it)."""
+        n_layers = getattr(self, "n_layers", 1)
+        n_global = sum(self.is_global_layer(layer_id) for layer_id in range(n_layers))
+        local, whole = (self._allowed_pairs(seq_len, mask) for mask in (self.attn_mask_type, "causal"))
+        mean_pairs = ((n_layers - n_global) * local + n_global * whole) / n_layers
+        return 2 * mean_pairs / (seq_len + 1)
 
-    def _allowed_pairs(self, seq_len: int) -> int:
-        if self.attn_mask_type == "sliding_window":
+    def _allowed_pairs(self, seq_len: int, mask_type: str) -> int:
+        if mask_type == "sliding_window":
             window = min(seq_len, self.sliding_window)
             return window * (window + 1) // 2 + (seq_len - window) * window
-        if self.attn_mask_type == "chunked":
+        if mask_type == "chunked":
             chunk = min(seq_len, self.attn_chunk_size)
             chunks, rest = divmod(seq_len, chunk)
             return chunks * chunk * (chunk + 1) // 2 + rest * (rest + 1) // 2
@@ -170,6 +217,16 @@ class AttentionArgs:
             chunk_size=self.attn_chunk_size,
             split_documents=self.split_documents,
         )
+
+    def build_layer_masks(self, tokens: torch.Tensor) -> list[AttentionMasks | None]:
+        """Every layer's attention masks for one batch, indexed by layer id (``n_layers`` of
+        them): `build_masks` for the local layers and one global mask for the global layers
+        (`is_global_layer`), each built once and shared. All None for ``sdpa``."""
+        local = self.build_masks(tokens)
+        if not self.attn_global_every_n_layers:
+            return [local] * self.n_layers
+        whole = build_attention_masks(tokens, self.global_mask_type, eos_id=self.eos_id)
+        return [whole if self.is_global_layer(i) else local for i in range(self.n_layers)]
 
 
 def trunc_normal(std: float):

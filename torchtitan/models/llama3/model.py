@@ -92,10 +92,10 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # Once per batch, not per layer: block_causal's mask depends on where this batch's EOS are.
-        masks = self.args.build_masks(tokens)
+        masks = self.args.build_layer_masks(tokens)
         h = self.tok_embeddings(tokens)
-        for block in self.layers.values():
-            h = block(h, self.rope_cache, masks)
+        for layer_id, block in self.layers.items():
+            h = block(h, self.rope_cache, masks[int(layer_id)])
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
