@@ -112,9 +112,8 @@ class AttentionArgs:
 
         The backend and mask type are overridden only when set (unset keeps the flavor's);
         the window, chunk size, document split and global-layer interval always come from the
-        config. For a mask that
-        splits documents the EOS id is read from the tokenizer in ``model.hf_assets_path``, the
-        one the run trains with.
+        config. For a mask that splits documents the EOS id is read from the tokenizer in
+        ``model.hf_assets_path``, the one the run trains with.
 
         Raises:
             ConfigError: for a mask type the backend cannot run or ``attn_split_documents`` or
@@ -158,8 +157,7 @@ class AttentionArgs:
         every = self.attn_global_every_n_layers
         if not every:
             return described
-        nth = {2: "2nd", 3: "3rd"}.get(every, f"{every}th")
-        return f"{described}; {self.global_mask_type} on every {nth} layer"
+        return f"{described}; {self.global_mask_type} on every {_ordinal(every)} layer"
 
     @property
     def global_mask_type(self) -> str:
@@ -227,6 +225,11 @@ class AttentionArgs:
             return [local] * self.n_layers
         whole = build_attention_masks(tokens, self.global_mask_type, eos_id=self.eos_id)
         return [whole if self.is_global_layer(i) else local for i in range(self.n_layers)]
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def trunc_normal(std: float):
