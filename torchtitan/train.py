@@ -86,7 +86,9 @@ class Trainer:
         logger.info(f"Parallelism: {describe_layout(cfg, self.parallel_dims)}")
         # Before anything is allocated, so that the snapshots see every allocation.
         self.memory_snapshotter = MemorySnapshotter(cfg, self.rank, self.device)
-        dist_utils.set_determinism(cfg.training.seed, cfg.training.deterministic)
+        dist_utils.set_determinism(
+            cfg.training.seed, cfg.training.deterministic, cfg.training.deterministic_warn_only
+        )
         self._write_resolved_config()
 
         self.tokenizer = self.spec.build_tokenizer_fn(cfg)

@@ -156,9 +156,10 @@ def test_an_empty_config_value_is_refused_rather_than_training_the_default(argv)
         (["--checkpoint.enable", "--checkpoint.initial_load_in_hf"], "needs 'checkpoint.initial_load_path'"),
         (["--checkpoint.load_step", "-5"], "'checkpoint.load_step' = -5 is out of range: it must be >= -1"),
         (["--optimizer.beta2", "1.0"], "'optimizer.beta2' = 1.0 is out of range: it must be >= 0.0 and < 1"),
+        (["--training.deterministic_warn_only"], "acts only with training.deterministic = true"),
     ],
     ids=["ac-option", "memory-budget-uncompiled", "profile-window", "load-path-disabled",
-         "exclude-unknown", "hf-without-path", "load-step", "beta2"],
+         "exclude-unknown", "hf-without-path", "load-step", "beta2", "warn-only-alone"],
 )  # fmt: skip
 def test_mistakes_that_need_no_model_are_refused_when_the_config_is_parsed(argv, named):
     """So that the launchers' `config.check` stops them before torchrun starts the ranks."""

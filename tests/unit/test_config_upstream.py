@@ -172,8 +172,9 @@ def test_upstreams_last_toml_era_config_with_every_key_at_its_default_loads(capl
 
 
 def test_upstreams_debug_section_sets_the_seed_and_determinism_here(tmp_path):
-    cfg = _load(tmp_path, "[debug]\nseed = 7\ndeterministic = true\n")
-    assert (cfg.training.seed, cfg.training.deterministic) == (7, True)
+    cfg = _load(tmp_path, "[debug]\nseed = 7\ndeterministic = true\ndeterministic_warn_only = true\n")
+    t = cfg.training
+    assert (t.seed, t.deterministic, t.deterministic_warn_only) == (7, True, True)
 
 
 def test_an_unknown_key_of_upstreams_debug_section_lists_the_ones_read_here(tmp_path):

@@ -161,6 +161,11 @@ class Training:
         None, "random seed; unset = 0 for weights, fixed data order", min=-(2**63), max=2**64 - 1
     )  # the range torch.manual_seed takes
     deterministic: bool = opt(False, "use deterministic algorithms (slower)")
+    deterministic_warn_only: bool = opt(
+        False,
+        "with deterministic: warn once for an op that has no deterministic kernel instead of failing "
+        "(that op then runs its nondeterministic kernel)",
+    )
     enable_cpu_offload: bool = opt(
         False, "FSDP CPU offload of parameters and optimizer state (accelerator and FSDP only)"
     )

@@ -36,6 +36,7 @@ RENAMED_KEYS = {
     "job.print_config": "job.print_args",
     "debug.seed": "training.seed",
     "debug.deterministic": "training.deterministic",
+    "debug.deterministic_warn_only": "training.deterministic_warn_only",
 }
 # Earlier names read as the new key only when the value names a folder, as the new key does:
 # upstream's tokenizer_path held either such a folder or a tokenizer.model file (see below).
@@ -98,7 +99,6 @@ UNBUILT_KEYS = {
         fix="the resolved config is always written to <job.dump_folder>/config.toml; remove the key",
     ),
     "comm.mode": UnbuiltKey("dry runs on a fake or local-tensor backend", "default"),
-    "debug.deterministic_warn_only": UnbuiltKey("warning, not failing, on nondeterministic ops", False),
     "debug.moe_force_load_balance": UnbuiltKey("round-robin expert routing for debugging", False),
     "parallelism.pipeline_parallel_first_stage_less_layers": UnbuiltKey("pipeline parallelism", ANY),
     "parallelism.pipeline_parallel_last_stage_less_layers": UnbuiltKey("pipeline parallelism", ANY),

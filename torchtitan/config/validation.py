@@ -286,6 +286,11 @@ def _check_consistency(config: JobConfig) -> None:
             "'training.dtype' = 'bfloat16' with 'training.mixed_precision_param' = 'float32' "
             "would upcast bf16 weights; set mixed_precision_param to 'bfloat16'."
         )
+    if t.deterministic_warn_only and not t.deterministic:
+        raise ConfigError(
+            "'training.deterministic_warn_only' = true acts only with training.deterministic = true; "
+            "set deterministic = true too, or remove the key."
+        )
     if config.optimizer.early_step_in_backward and t.max_norm > 0:
         raise ConfigError(
             f"'training.max_norm' = {t.max_norm} clips by the norm of all gradients, which "
