@@ -177,6 +177,12 @@ class Trainer:
             f"({self.num_params:,} without embeddings) on {device_name(self.device)}; "
             f"attention {self.model_args.describe_attention()}"
         )
+        if cfg.model.moe_force_load_balance:
+            logger.warning(
+                "MoE routing is forced round-robin (model.moe_force_load_balance = true): every "
+                "expert gets the same number of tokens whatever the router scores; for benchmarks, "
+                "not for training a model"
+            )
         model = self.spec.parallelize_fn(model, self.parallel_dims, cfg, self.device)
         model.to_empty(device=self.device)
         # Re-seed so the weights do not depend on any RNG use during construction.

@@ -171,10 +171,17 @@ def test_upstreams_last_toml_era_config_with_every_key_at_its_default_loads(capl
     assert any("Ignoring 'fault_tolerance.enable'" in w for w in _warnings(caplog))
 
 
-def test_upstreams_debug_section_sets_the_seed_and_determinism_here(tmp_path):
-    cfg = _load(tmp_path, "[debug]\nseed = 7\ndeterministic = true\ndeterministic_warn_only = true\n")
+def test_upstreams_debug_section_sets_its_keys_here(tmp_path):
+    keys = (
+        "seed = 7",
+        "deterministic = true",
+        "deterministic_warn_only = true",
+        "moe_force_load_balance = true",
+    )
+    cfg = _load(tmp_path, "\n".join(["[debug]", *keys]))
     t = cfg.training
     assert (t.seed, t.deterministic, t.deterministic_warn_only) == (7, True, True)
+    assert cfg.model.moe_force_load_balance is True
 
 
 def test_an_unknown_key_of_upstreams_debug_section_lists_the_ones_read_here(tmp_path):
@@ -188,9 +195,10 @@ def test_an_unknown_key_of_upstreams_debug_section_lists_the_ones_read_here(tmp_
     [("[training.dataloader]\nnum_workers = 4\n", "'training.dataloader.num_workers' = 4"),
      ("[validation.dataloader]\npin_memory = true\n", "'validation.dataloader.pin_memory' = True"),
      ("[fault_tolerance]\nenable = true\nreplica_id = 1\n", "'fault_tolerance.enable' = True"),
-     ("[debug]\nmoe_force_load_balance = true\n", "'debug.moe_force_load_balance' = True"),
+     ("[parallelism]\nexpert_parallel_comm_backend = \"deepep\"\n",
+      "'parallelism.expert_parallel_comm_backend' = 'deepep'"),
      ("[comm]\nmode = \"fake_backend\"\n", "'comm.mode' = 'fake_backend'")],
-    ids=["dataloader workers", "pinned memory", "fault tolerance", "forced balance", "fake backend"],
+    ids=["dataloader workers", "pinned memory", "fault tolerance", "deepep", "fake backend"],
 )  # fmt: skip
 def test_an_upstream_table_of_an_unbuilt_feature_switched_on_is_refused_naming_it(tmp_path, text, refused):
     message = _error(tmp_path, text)

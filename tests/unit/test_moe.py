@@ -1,13 +1,15 @@
 """MoE layer: routing, expert paths, naive-reference numerics, load balancing, AC and meta init."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torchtitan.config import ActivationCheckpoint
+from tests.model_testing import init_on_cpu
+from torchtitan.config import ActivationCheckpoint, ConfigError, parse_args
 from torchtitan.distributed import activation_checkpoint as ac_module
 from torchtitan.distributed.activation_checkpoint import DEFAULT_SAVE_LIST, apply_ac
 from torchtitan.models.moe import (
@@ -19,6 +21,7 @@ from torchtitan.models.moe import (
     pop_aux_loss,
     update_expert_bias,
 )
+from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.fqn import clean_fqn
 from torchtitan.tools.grouped_mm import grouped_mm_supported
 from torchtitan.tools.op_counter import OpCounter, ops
@@ -94,6 +97,54 @@ def test_token_counts_equal_bincount_of_selections_and_sum_to_tokens_times_k():
     assert counts.sum().item() == 40 * 3
     moe(_tokens(2, 20, DIM, seed=2))
     assert moe.tokens_per_expert.sum().item() == 40 * 3
+
+
+def test_forced_balance_deals_experts_round_robin_and_weights_them_by_their_scores():
+    router = _router_with_identity_gate(8, top_k=3, force_load_balance=True, route_norm=True)
+    logits = _tokens(16, 8)
+    bias_against_expert_0 = torch.tensor([-9.0] + [9.0] * 7)
+    top_scores, selected, counts = router(logits, expert_bias=bias_against_expert_0)
+    assert selected[:3].tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 0]]
+    assert counts.tolist() == [16 * 3 // 8] * 8
+    assert all(len(set(row)) == 3 for row in selected.tolist())
+    chosen = F.softmax(logits, -1).gather(-1, selected)
+    torch.testing.assert_close(top_scores, chosen / chosen.sum(dim=-1, keepdim=True))
+
+
+def test_forced_balance_ignores_the_group_limit_and_keeps_the_gates_gradient():
+    router = _router_with_identity_gate(
+        16, top_k=4, num_expert_groups=4, num_limited_groups=1, force_load_balance=True
+    )
+    top_scores, selected, counts = router(_tokens(8, 16))
+    assert torch.equal(selected.flatten(), torch.arange(32) % 16) and counts.tolist() == [2] * 16
+    top_scores.sum().backward()
+    assert router.gate.weight.grad.abs().sum() > 0
+
+
+def _run_args(model: str, flavor: str, *argv: str):
+    cfg = parse_args(
+        ["--model.name", model, "--model.flavor", flavor, "--training.seq_len", "64", *argv], env={}
+    )
+    return get_train_spec(model).get_flavor(flavor).update_from_config(cfg)
+
+
+@pytest.mark.parametrize("model, flavor", [("qwen3", "debugmodel_moe"), ("deepseek_v3", "debugmodel")])
+def test_moe_force_load_balance_gives_every_expert_of_every_layer_the_same_tokens(model, flavor):
+    args = _run_args(model, flavor, "--model.moe_force_load_balance")
+    assert args.moe_args == replace(_run_args(model, flavor).moe_args, force_load_balance=True)
+    with torch.device("meta"):
+        built = get_train_spec(model).model_cls(args)
+    init_on_cpu(built)(torch.randint(0, args.vocab_size, (2, 64)))
+    loads = [m.tokens_per_expert for m in built.modules() if isinstance(m, MoE)]
+    per_expert = 2 * 64 * args.moe_args.top_k // args.moe_args.num_experts
+    assert loads and all(load.tolist() == [per_expert] * args.moe_args.num_experts for load in loads)
+
+
+def test_moe_force_load_balance_on_a_dense_flavor_is_refused_naming_the_key():
+    with pytest.raises(
+        ConfigError, match=r"'model.moe_force_load_balance' = true, but llama3 flavor 'debugmodel'"
+    ):
+        _run_args("llama3", "debugmodel", "--model.moe_force_load_balance")
 
 
 def _loss_and_grads(module: nn.Module, x: torch.Tensor):

@@ -79,6 +79,12 @@ class Model:
         "DeepSeek flavors: apply their YaRN at any training.seq_len, as Hugging Face runs the published "
         "weights (continuing from them); default: only past the original 4096 positions (pre-training)",
     )
+    moe_force_load_balance: bool = opt(
+        False,
+        "MoE flavors: deal each token's top-k experts round-robin instead of by router score, so that "
+        "every expert gets the same tokens (to benchmark MoE at perfect balance, not to train a "
+        "model)",
+    )
     converters: list[str] = opt(
         [], "model converters applied before parallelizing: float8 (torchao Float8Linear; see [float8])"
     )

@@ -37,6 +37,7 @@ RENAMED_KEYS = {
     "debug.seed": "training.seed",
     "debug.deterministic": "training.deterministic",
     "debug.deterministic_warn_only": "training.deterministic_warn_only",
+    "debug.moe_force_load_balance": "model.moe_force_load_balance",
 }
 # Earlier names read as the new key only when the value names a folder, as the new key does:
 # upstream's tokenizer_path held either such a folder or a tokenizer.model file (see below).
@@ -99,7 +100,6 @@ UNBUILT_KEYS = {
         fix="the resolved config is always written to <job.dump_folder>/config.toml; remove the key",
     ),
     "comm.mode": UnbuiltKey("dry runs on a fake or local-tensor backend", "default"),
-    "debug.moe_force_load_balance": UnbuiltKey("round-robin expert routing for debugging", False),
     "parallelism.pipeline_parallel_first_stage_less_layers": UnbuiltKey("pipeline parallelism", ANY),
     "parallelism.pipeline_parallel_last_stage_less_layers": UnbuiltKey("pipeline parallelism", ANY),
     "parallelism.pipeline_parallel_expert_parallel_overlap": UnbuiltKey("pipeline parallelism", ANY),

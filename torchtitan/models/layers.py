@@ -90,11 +90,13 @@ class AttentionArgs:
 
     def update_from_config(self, job_config: JobConfig):
         """A copy for the run: its RoPE table covers `training.seq_len`, with `[model]`'s attention
-        keys (`with_attention_config`) and `model.always_apply_yarn` applied. Every model's args
-        inherit it; they have a `max_seq_len`, and those with YaRN an `always_apply_yarn` field.
+        keys (`with_attention_config`), `model.always_apply_yarn` and `model.moe_force_load_balance`
+        applied. Every model's args inherit it; they have a `max_seq_len`, those with YaRN an
+        `always_apply_yarn` field, and those with MoE layers a `moe_args` field.
 
         Raises:
-            ConfigError: also for `model.always_apply_yarn` on a flavor without YaRN.
+            ConfigError: also for `model.always_apply_yarn` on a flavor without YaRN, or
+                `model.moe_force_load_balance` on one without MoE layers.
         """
         m = job_config.model
         overrides = {"max_seq_len": job_config.training.seq_len}
@@ -105,7 +107,19 @@ class AttentionArgs:
                     "scaling to apply; remove the key (it is for DeepSeek flavors with YaRN)."
                 )
             overrides["always_apply_yarn"] = True
+        if m.moe_force_load_balance:
+            overrides["moe_args"] = self._forced_balance_moe_args(job_config)
         return replace(self, **overrides).with_attention_config(job_config)
+
+    def _forced_balance_moe_args(self, job_config: JobConfig):
+        moe_args = getattr(self, "moe_args", None)
+        if moe_args is None:
+            m = job_config.model
+            raise ConfigError(
+                f"'model.moe_force_load_balance' = true, but {m.name} flavor '{m.flavor}' has no MoE "
+                "layers to balance; remove the key (it is for MoE flavors)."
+            )
+        return replace(moe_args, force_load_balance=True)
 
     def with_attention_config(self, job_config: JobConfig):
         """A copy with ``[model]``'s attention keys applied.

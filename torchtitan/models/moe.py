@@ -45,6 +45,10 @@ class MoEArgs:
             None disables it.
         seq_aux_loss_coeff: weight of the sequence-level balance loss; 0 disables it.
         use_grouped_mm: run the experts with `torch._grouped_mm` where it is supported.
+        force_load_balance: a benchmarking aid (`model.moe_force_load_balance`): route token t
+            to experts t*k, ..., t*k + k-1 (mod num_experts) whatever the scores, so that every
+            expert gets the same number of tokens; the combine weights are still the scores of
+            those experts, so the router keeps its gradient.
     """
 
     num_experts: int = 8
@@ -58,6 +62,7 @@ class MoEArgs:
     load_balance_coeff: float | None = None
     seq_aux_loss_coeff: float = 0.0
     use_grouped_mm: bool = True
+    force_load_balance: bool = False
 
     def __post_init__(self):
         if self.score_func not in ("softmax", "sigmoid"):
@@ -122,19 +127,31 @@ class TokenChoiceTopKRouter(nn.Module):
 
         Pitfall: selection goes through `torch.topk` and the counts through `scatter_add`, whose
         outputs every AC mode saves for MoE blocks, so a recompute replays the forward's routing
-        even where scores tie or the expert bias changed in between.
+        even where scores tie or the expert bias changed in between. With `force_load_balance`
+        the expert bias and the group limit play no part in the choice.
         """
         scores = self._score(self.gate(x).float())
-        choice = scores if expert_bias is None else scores + expert_bias
-        if self.args.num_expert_groups is not None:
-            choice = self._mask_unpicked_groups(choice)
-        selected = torch.topk(choice, self.args.top_k, dim=-1).indices
+        if self.args.force_load_balance:
+            selected = self._round_robin(scores.shape[0], scores.device)
+        else:
+            selected = self._top_k(scores, expert_bias)
         top_scores = scores.gather(-1, selected)
         if self.args.route_norm:
             top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
         top_scores = top_scores * self.args.route_scale
         counts = _count_per_expert(selected, self.args.num_experts)
         return (top_scores, selected, counts, scores) if return_scores else (top_scores, selected, counts)
+
+    def _top_k(self, scores: torch.Tensor, expert_bias: torch.Tensor | None) -> torch.Tensor:
+        choice = scores if expert_bias is None else scores + expert_bias
+        if self.args.num_expert_groups is not None:
+            choice = self._mask_unpicked_groups(choice)
+        return torch.topk(choice, self.args.top_k, dim=-1).indices
+
+    def _round_robin(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        """[T, k] experts dealt in turn: k consecutive slots, distinct experts since k <= E."""
+        slots = torch.arange(num_tokens * self.args.top_k, device=device).view(num_tokens, -1)
+        return slots % self.args.num_experts
 
     def _score(self, logits: torch.Tensor) -> torch.Tensor:
         if self.args.score_func == "softmax":
