@@ -251,13 +251,19 @@ def simulated_expert_routing(imbalance: float = 1.0):
 
 
 def _refuse_impossible_imbalance(cfg: JobConfig, imbalance: float) -> None:
-    """`imbalance` must lie in [1, ep], and means nothing without expert parallelism."""
+    """`imbalance` must lie in [1, ep], and means nothing without expert parallelism or with
+    forced balanced routing."""
     ep = cfg.parallelism.expert_parallel_degree
     if imbalance != 1.0 and ep <= 1:
         raise ConfigError(
             f"--ep-imbalance {imbalance:g} needs expert parallelism, but "
             f"'parallelism.expert_parallel_degree' = {ep}; without it every rank runs its own rows "
             "through all experts. Drop --ep-imbalance, or set --parallelism.expert_parallel_degree."
+        )
+    if imbalance != 1.0 and cfg.model.moe_force_load_balance:
+        raise ConfigError(
+            f"--ep-imbalance {imbalance:g} contradicts 'model.moe_force_load_balance' = true, which "
+            "gives every EP rank its balanced share. Drop --ep-imbalance."
         )
     if imbalance > ep:
         raise ConfigError(

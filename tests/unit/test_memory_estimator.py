@@ -197,9 +197,11 @@ def test_config_refused_after_parsing_exits_2_with_its_message(argv, expected, c
     [
         (["--config", "debug_model.toml", "--ngpu", "1", "--ep-imbalance", "2"], "needs expert parallelism"),
         ([*MOE, *EP2, "--ngpu", "2", "--ep-imbalance", "2.5"], "Use a value in [1, 2]"),
+        ([*MOE, *EP2, "--ngpu", "2", "--ep-imbalance", "2", "--model.moe_force_load_balance"],
+         "contradicts 'model.moe_force_load_balance' = true"),
     ],
-    ids=["without-expert-parallelism", "above-the-ep-degree"],
-)
+    ids=["without-expert-parallelism", "above-the-ep-degree", "with-forced-balance"],
+)  # fmt: skip
 def test_ep_imbalance_the_layout_cannot_have_exits_2_with_its_message(argv, expected, capsys):
     with pytest.raises(SystemExit) as info:
         em.main(argv)
