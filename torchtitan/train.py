@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from torchtitan.components.checkpoint import CheckpointManager, TrainState
+from torchtitan.components.checkpoint import CheckpointManager, TrainState, why_nothing_is_saved
 from torchtitan.components.compile import tag_compile_caches_with_process_groups
 from torchtitan.components.dataloader import build_validation_dataloader
 from torchtitan.components.metrics import MetricsProcessor
@@ -115,10 +115,10 @@ class Trainer:
         self.stop_requested = False
         self.stop_reason = "another rank's request"
         self.stop_file = os.environ.get(STOP_FILE_ENV) or None
-        if self.stop_file and not cfg.checkpoint.enable and self.rank == 0:
+        if self.stop_file and (unsaved := why_nothing_is_saved(cfg)) and self.rank == 0:
             logger.warning(
-                f"${STOP_FILE_ENV} is set, but 'checkpoint.enable' = false: a stop before the end "
-                "saves nothing to resume from. Set checkpoint.enable = true to resume after a stop."
+                f"${STOP_FILE_ENV} is set, but {unsaved}: a stop before the end saves nothing to "
+                "resume from. Set checkpoint.enable = true and load_only = false to resume after a stop."
             )
         self.stale_stop_file = self._stale_stop_file()
         self.stop_group = self._build_stop_group()
@@ -331,7 +331,8 @@ class Trainer:
             if self._stop_agreed():
                 # Not before the first step (nothing trained), nor again right after a save
                 # (or resume) of this step: during the rewrite the grace period could run out.
-                if cfg.checkpoint.enable and self.step > 0 and not self.checkpointer.holds(self.step):
+                saves = not why_nothing_is_saved(cfg)
+                if saves and self.step > 0 and not self.checkpointer.holds(self.step):
                     self._save_finite(unchecked, force_sync=True)
                 raise StopRequested
             self.step += 1
@@ -444,14 +445,15 @@ def _stop_while_building(signum, frame) -> None:
 
 def _stopped(trainer: "Trainer | None") -> int:
     """Log a requested stop and return its exit code: resumable unless steps were trained with
-    checkpointing off."""
+    saving off (checkpointing off, or load_only)."""
     if trainer is None:
         logger.warning("Stopped on request (SIGTERM) before training")
         return EXIT_STOPPED
     logger.warning(f"Stopped on request ({trainer.stop_reason}) after step {trainer.step}")
-    if trainer.step >= trainer.first_step and not trainer.job_config.checkpoint.enable:
+    unsaved = why_nothing_is_saved(trainer.job_config)
+    if trainer.step >= trainer.first_step and unsaved:
         logger.warning(
-            f"Nothing was saved ('checkpoint.enable' = false): steps {trainer.first_step} to "
+            f"Nothing was saved ({unsaved}): steps {trainer.first_step} to "
             f"{trainer.step} are lost, and the same command starts over."
         )
         return EXIT_STOPPED_UNSAVED

@@ -184,6 +184,19 @@ def test_a_load_that_restarts_the_step_count_on_two_ranks_sets_the_loaded_step_a
     assert sorted(_losses(tmp_path)) == [1, 2, 3, 4]
 
 
+def test_load_only_rolls_back_like_load_step_but_writes_and_renames_nothing(uninterrupted, tmp_path):
+    """Without load_only, loading step 5 below step-10 sets step-10 aside and saves 10 again."""
+    shutil.copytree(uninterrupted / "checkpoint", tmp_path / "checkpoint")
+    before = {p.relative_to(tmp_path): p.stat().st_mtime_ns for p in (tmp_path / "checkpoint").rglob("*")}
+    proc = _train(tmp_path, extra=["--checkpoint.load_only", "--checkpoint.load_step", "5"])
+    assert "Resumed from checkpoint" in proc.stderr and "saving none (load_only)" in proc.stderr
+    resumed, original = _losses(tmp_path), _losses(uninterrupted)
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
+    assert all(resumed[s] == original[s] for s in resumed), (resumed, original)
+    after = {p.relative_to(tmp_path): p.stat().st_mtime_ns for p in (tmp_path / "checkpoint").rglob("*")}
+    assert after == before
+
+
 def test_a_resume_with_more_steps_runs_its_first_step_at_the_new_schedules_lr(uninterrupted, tmp_path):
     """The checkpoint holds the 10-step schedule's lr for step 6; a 20-step run decays later."""
     _resume_from_step_5(uninterrupted, tmp_path, extra=["--training.steps", "20"])
@@ -571,16 +584,23 @@ def test_a_stop_before_a_fresh_runs_first_step_writes_no_checkpoint(tmp_path, mo
     assert not (tmp_path / "checkpoint").exists() or _steps(tmp_path) == []
 
 
-def test_a_stop_after_steps_with_checkpointing_off_exits_3_not_resumable_143(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize(
+    "flag, named", [("--checkpoint.no_enable", "'checkpoint.enable' = false"),
+                    ("--checkpoint.load_only", "'checkpoint.load_only' = true")],
+)  # fmt: skip
+def test_a_stop_after_steps_with_saving_off_exits_3_not_resumable_143(
+    tmp_path, monkeypatch, caplog, flag, named
+):
     """143 tells a job script to resubmit and resume; with nothing saved there is nothing to resume."""
 
     def stop_after_step_2(trainer):
         trainer.stop_requested = trainer.stop_requested or trainer.step == 2
 
     monkeypatch.setattr(Trainer, "_check_stop_file", stop_after_step_2)
-    assert _train_in_process(tmp_path, "--checkpoint.no_enable") == 3
+    assert _train_in_process(tmp_path, flag) == 3
     assert sorted(_losses(tmp_path)) == [1, 2]
-    assert "Nothing was saved ('checkpoint.enable' = false): steps 1 to 2 are lost" in caplog.text
+    assert f"Nothing was saved ({named}): steps 1 to 2 are lost" in caplog.text
+    assert not (tmp_path / "checkpoint").exists() or _steps(tmp_path) == []
 
 
 def test_a_sigterm_while_the_trainer_is_built_stops_it_with_143(tmp_path, monkeypatch):

@@ -157,9 +157,16 @@ def test_an_empty_config_value_is_refused_rather_than_training_the_default(argv)
         (["--checkpoint.load_step", "-5"], "'checkpoint.load_step' = -5 is out of range: it must be >= -1"),
         (["--optimizer.beta2", "1.0"], "'optimizer.beta2' = 1.0 is out of range: it must be >= 0.0 and < 1"),
         (["--training.deterministic_warn_only"], "acts only with training.deterministic = true"),
+        (["--checkpoint.load_only"], "'checkpoint.load_only' = true acts only with checkpoint.enable = true"),
+        (["--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.last_save_in_hf"],
+         "'checkpoint.last_save_in_hf' = true asks for a checkpoint to be written, but "
+         "checkpoint.load_only = true saves none"),
+        (["--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.async_mode", "async"],
+         "'checkpoint.async_mode' = 'async' asks for a checkpoint to be written"),
     ],
     ids=["ac-option", "memory-budget-uncompiled", "profile-window", "load-path-disabled",
-         "exclude-unknown", "hf-without-path", "load-step", "beta2", "warn-only-alone"],
+         "exclude-unknown", "hf-without-path", "load-step", "beta2", "warn-only-alone",
+         "load-only-disabled", "load-only-hf-export", "load-only-async"],
 )  # fmt: skip
 def test_mistakes_that_need_no_model_are_refused_when_the_config_is_parsed(argv, named):
     """So that the launchers' `config.check` stops them before torchrun starts the ranks."""

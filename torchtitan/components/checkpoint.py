@@ -89,6 +89,16 @@ CRASH_DURING_SAVE_ENV = "TORCHTITAN_TEST_CRASH_DURING_SAVE"
 STAGER_REUSABLE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
 
 
+def why_nothing_is_saved(config: JobConfig) -> str | None:
+    """The key that keeps this run from saving checkpoints, as a log message names it; None
+    when it saves them."""
+    if not config.checkpoint.enable:
+        return "'checkpoint.enable' = false"
+    if config.checkpoint.load_only:
+        return "'checkpoint.load_only' = true"
+    return None
+
+
 @dataclass
 class TrainState:
     """What the trainer needs besides model, optimizer, scheduler and data to continue exactly."""
@@ -154,7 +164,9 @@ class CheckpointManager:
         self.stager: DefaultStager | None = None  # async_with_pinned_mem's, built at its first save
         self.staging = None  # future of the pending save's copy to host memory
         self._check(job_config)
-        if c.enable:
+        if c.enable and c.load_only:
+            logger.info(f"Checkpoints: loading from {self.folder} as on a resume, saving none (load_only)")
+        elif c.enable:
             keep = f"the newest {c.keep_latest_k} kept" if c.keep_latest_k > 0 else "all kept"
             logger.info(
                 f"Checkpointing to {self.folder}: every {c.interval} steps and at the last, {keep}, "
@@ -279,7 +291,7 @@ class CheckpointManager:
 
     def should_save(self, step: int, last_step: int) -> bool:
         c = self.config
-        if not c.enable:
+        if why_nothing_is_saved(self.job_config):
             return False
         return step % c.interval == 0 or step == last_step or (step == 1 and c.enable_first_step_checkpoint)
 
@@ -520,15 +532,8 @@ class CheckpointManager:
         step = self.resume_step()
         if step is not None:
             self._load_full(step_folder(self.folder, step), train_state)
-            # A rollback, or a load that restarts the step count (a model-only step, or
-            # train_state excluded): the checkpoints after it belong to the abandoned run.
-            if self.config.load_step >= 0 or train_state.step < step:
-                self._set_aside_newer_than(step)
-            # Those from the restart point up to the loaded step too, but only once this run has
-            # a checkpoint of its own: set aside now, a crash before that would leave nothing
-            # to resume from, and the relaunch would train from random weights.
-            if train_state.step < step:
-                self.set_aside_after_first_save = True
+            if not self.config.load_only:  # which leaves the folder as it is
+                self._set_aside_for_a_restart(step, train_state.step)
             if train_state.step == step > 0:
                 self.resumable_step = step
             if self.config.load_step < 0 and (
@@ -546,6 +551,12 @@ class CheckpointManager:
         elif self.config.initial_load_path:
             self._load_initial(Path(self.config.initial_load_path), train_state)
         else:
+            if self.config.load_only:
+                logger.warning(
+                    f"'checkpoint.load_only' = true, but {self.folder} holds no checkpoint and "
+                    "checkpoint.initial_load_path is unset: training from the initial weights, saving "
+                    "nothing. Point job.dump_folder or initial_load_path at the checkpoint to load."
+                )
             return False
         self._use_the_schedulers_lr()
         if train_state.step >= (steps := self.job_config.training.steps):
@@ -554,6 +565,18 @@ class CheckpointManager:
                 "nothing is left to train. Raise training.steps to train on."
             )
         return True
+
+    def _set_aside_for_a_restart(self, loaded_step: int, restart_step: int) -> None:
+        """After loading `loaded_step` into a run that continues from `restart_step`."""
+        # A rollback, or a load that restarts the step count (a model-only step, or
+        # train_state excluded): the checkpoints after it belong to the abandoned run.
+        if self.config.load_step >= 0 or restart_step < loaded_step:
+            self._set_aside_newer_than(loaded_step)
+        # Those from the restart point up to the loaded step too, but only once this run has
+        # a checkpoint of its own: set aside now, a crash before that would leave nothing
+        # to resume from, and the relaunch would train from random weights.
+        if restart_step < loaded_step:
+            self.set_aside_after_first_save = True
 
     def _use_the_schedulers_lr(self) -> None:
         """Set the optimizer's lr to the one this run's schedule gives the next step.

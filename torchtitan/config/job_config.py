@@ -311,6 +311,11 @@ class Checkpoint:
     )
     enable_first_step_checkpoint: bool = opt(False, "save right after step 1")
     create_seed_checkpoint: bool = opt(False, "write initial weights and exit (one process)")
+    load_only: bool = opt(
+        False,
+        "resume (or read initial_load_path) as usual but save nothing, and leave the checkpoint "
+        "folder as it is: for evaluation and debugging runs",
+    )
     initial_load_path: str | None = opt(None, "checkpoint to start from when the folder is empty")
     initial_load_model_only: bool = opt(
         True,

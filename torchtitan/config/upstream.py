@@ -112,7 +112,6 @@ UNBUILT_KEYS = {
         "initial_load_in_hf alone here)",
         ANY,
     ),
-    "checkpoint.load_only": UnbuiltKey("loading checkpoints without saving any", False),
     **{
         f"{split}.dataloader.{key}": UnbuiltKey(
             "data-loading worker processes (data loads in the training process here)", default

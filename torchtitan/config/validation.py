@@ -192,6 +192,8 @@ def _check_checkpoint(config: JobConfig) -> None:
         )
     if not c.enable:
         _refuse_checkpoint_keys_without_enable(config)
+    if c.load_only:
+        _refuse_saving_keys_with_load_only(c)
     if c.initial_load_in_hf and not c.initial_load_model_only:
         raise ConfigError(
             "'checkpoint.initial_load_model_only' = false asks for the optimizer and training state, "
@@ -218,7 +220,7 @@ def _refuse_checkpoint_keys_without_enable(config: JobConfig) -> None:
     c, defaults = config.checkpoint, type(config.checkpoint)()
     set_keys = [
         f"'checkpoint.{key}' = {as_written(getattr(c, key))}"
-        for key in ("initial_load_path", "load_step", "exclude_from_loading", "last_save_in_hf")
+        for key in ("initial_load_path", "load_step", "exclude_from_loading", "last_save_in_hf", "load_only")
         if getattr(c, key) != getattr(defaults, key)
     ]
     if set_keys:
@@ -226,6 +228,21 @@ def _refuse_checkpoint_keys_without_enable(config: JobConfig) -> None:
         raise ConfigError(
             f"{set_keys[0]} acts only with checkpoint.enable = true; set it (this run's checkpoints "
             f"then go to '{folder}'), or remove the key."
+        )
+
+
+def _refuse_saving_keys_with_load_only(c) -> None:
+    """Keys that ask for a save, which checkpoint.load_only rules out."""
+    defaults = type(c)()
+    set_keys = [
+        f"'checkpoint.{key}' = {as_written(getattr(c, key))}"
+        for key in ("create_seed_checkpoint", "enable_first_step_checkpoint", "last_save_in_hf", "async_mode")
+        if getattr(c, key) != getattr(defaults, key)
+    ]
+    if set_keys:
+        raise ConfigError(
+            f"{set_keys[0]} asks for a checkpoint to be written, but checkpoint.load_only = true saves "
+            "none; remove the key, or set load_only = false."
         )
 
 
