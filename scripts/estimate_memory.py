@@ -77,7 +77,7 @@ from torchtitan.distributed.expert_parallel import _ExpertParallelHooks, is_ep_l
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models import attention
 from torchtitan.models.moe import MoE
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
 from torchtitan.tools.dtypes import TORCH_DTYPES
 
 GiB = 2**30
@@ -678,6 +678,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args, cfg = parse_cli(argv)
+        import_custom_module(cfg.job.custom_import)
         modes = list(AC_MODES) if args.all_ac_modes else None
         results = estimate(cfg, args.ngpu, modes, ep_imbalance=args.ep_imbalance)
         title = describe(cfg, args.ngpu, args.ep_imbalance)

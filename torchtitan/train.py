@@ -41,7 +41,7 @@ from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
 from torchtitan.protocols.state_dict_adapter import build_run_state_dict_adapter
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
 from torchtitan.tools.device_info import device_name
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED
@@ -67,6 +67,7 @@ class Trainer:
     def __init__(self, job_config: JobConfig):
         self.job_config = cfg = job_config
         # First, so that a misspelt model or flavor fails before any process group or log output.
+        import_custom_module(cfg.job.custom_import)
         self.spec = get_train_spec(cfg.model.name)
         self.model_args = self.spec.get_flavor(cfg.model.flavor).update_from_config(cfg)
         self.device = dist_utils.local_device()

@@ -163,10 +163,14 @@ def test_an_empty_config_value_is_refused_rather_than_training_the_default(argv)
          "checkpoint.load_only = true saves none"),
         (["--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.async_mode", "async"],
          "'checkpoint.async_mode' = 'async' asks for a checkpoint to be written"),
+        (["--job.custom_import", "my_project.models"],
+         "'job.custom_import' = 'my_project.models' cannot be imported: no module named 'my_project'"),
+        (["--job.custom_import", "my_project/models.py"], "is not a module name; give the dotted name"),
     ],
     ids=["ac-option", "memory-budget-uncompiled", "profile-window", "load-path-disabled",
          "exclude-unknown", "hf-without-path", "load-step", "beta2", "warn-only-alone",
-         "load-only-disabled", "load-only-hf-export", "load-only-async"],
+         "load-only-disabled", "load-only-hf-export", "load-only-async", "custom-import-missing",
+         "custom-import-path"],
 )  # fmt: skip
 def test_mistakes_that_need_no_model_are_refused_when_the_config_is_parsed(argv, named):
     """So that the launchers' `config.check` stops them before torchrun starts the ranks."""

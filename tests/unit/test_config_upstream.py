@@ -184,6 +184,12 @@ def test_upstreams_debug_section_sets_its_keys_here(tmp_path):
     assert cfg.model.moe_force_load_balance is True
 
 
+def test_upstreams_experimental_custom_import_is_read_as_job_custom_import(tmp_path, caplog):
+    cfg = _load(tmp_path, '[experimental]\ncustom_import = "tests.unit.custom_model_registration"\n')
+    assert cfg.job.custom_import == "tests.unit.custom_model_registration"
+    assert "as 'job.custom_import'" in _warnings(caplog)[0]
+
+
 def test_an_unknown_key_of_upstreams_debug_section_lists_the_ones_read_here(tmp_path):
     message = _error(tmp_path, "[debug]\nsed = 7\n")
     assert "unknown key 'debug.sed'" in message and "understood here only for seed, deterministic" in message

@@ -38,6 +38,11 @@ class Job:
     print_args: bool = opt(
         False, "log the whole resolved config at start (it is always written to dump_folder/config.toml)"
     )
+    custom_import: str = opt(
+        "",
+        "module every rank imports first, e.g. one that registers a model of your own with "
+        "torchtitan.protocols.register_train_spec; it must be importable there (installed, or on PYTHONPATH)",
+    )
 
 
 @dataclass

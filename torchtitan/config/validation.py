@@ -5,6 +5,7 @@ and the launchers' pre-flight check (`torchtitan.config.check`) runs the loader.
 """
 
 import dataclasses
+import importlib.util
 import logging
 import math
 import os
@@ -246,6 +247,31 @@ def _refuse_saving_keys_with_load_only(c) -> None:
         )
 
 
+def custom_import_error(name: str, missing: str) -> ConfigError:
+    """The message for a `job.custom_import` module that cannot be found (`missing`: the first
+    package of `name` that is not there)."""
+    return ConfigError(
+        f"'job.custom_import' = '{name}' cannot be imported: no module named '{missing}'. Install the "
+        "package that holds it on every node, or add the folder above it to PYTHONPATH "
+        "(run_train.sh passes the environment on to every rank)."
+    )
+
+
+def _check_custom_import(name: str) -> None:
+    """Before the ranks start: a module name, whose top-level package can be found (finding
+    more would import that package)."""
+    if not name:
+        return
+    if not all(part.isidentifier() for part in name.split(".")):
+        raise ConfigError(
+            f"'job.custom_import' = '{name}' is not a module name; give the dotted name Python "
+            "imports it by (my_project.models for my_project/models.py, its folder on PYTHONPATH)."
+        )
+    top = name.partition(".")[0]
+    if importlib.util.find_spec(top) is None:
+        raise custom_import_error(name, top)
+
+
 def _check_profiling(p) -> None:
     if p.enable_profiling and p.profile_freq < p.profiler_warmup + p.profiler_active:
         raise ConfigError(
@@ -288,6 +314,7 @@ def dump_folder_error(dump_folder: str, problem: str) -> str:
 def _check_consistency(config: JobConfig) -> None:
     t, p = config.training, config.parallelism
     _check_folders(config)
+    _check_custom_import(config.job.custom_import)
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError(
             f"'parallelism.data_parallel_shard_degree' = {p.data_parallel_shard_degree} is "

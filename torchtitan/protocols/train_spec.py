@@ -1,5 +1,6 @@
 """TrainSpec: the one registration that ties a model name to everything the trainer builds."""
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -7,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan.config.errors import ConfigError, did_you_mean
+from torchtitan.config.validation import custom_import_error
 from torchtitan.protocols.model_args import BaseModelArgs
 
 
@@ -93,3 +95,23 @@ def get_train_spec(name: str, key: str = "model.name") -> TrainSpec:
             f"unknown model {_given(key, name)}.{hint} Registered models: {', '.join(sorted(_REGISTRY))}."
         )
     return _REGISTRY[name]
+
+
+def import_custom_module(name: str) -> None:
+    """Import module `name` (dotted) for its side effects, typically `register_train_spec`
+    calls for models of one's own; an empty `name` imports nothing.
+
+    Raises:
+        ConfigError: when `name`, or a package above it, cannot be found, naming
+            `job.custom_import` and how to make it importable. An error inside the module,
+            including a failed import of something it needs, propagates with its traceback:
+            it is a bug there.
+    """
+    if not name:
+        return
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name is None or not (name == error.name or name.startswith(f"{error.name}.")):
+            raise
+        raise custom_import_error(name, error.name) from None
