@@ -174,7 +174,7 @@ class Training:
     deterministic: bool = opt(False, "use deterministic algorithms (slower)")
     deterministic_warn_only: bool = opt(
         False,
-        "with deterministic: warn once for an op that has no deterministic kernel instead of failing "
+        "with deterministic: warn about an op that has no deterministic kernel instead of failing "
         "(that op then runs its nondeterministic kernel)",
     )
     enable_cpu_offload: bool = opt(
