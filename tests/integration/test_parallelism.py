@@ -56,9 +56,15 @@ LAYOUTS = {
 }  # fmt: skip
 
 
-# Plain DDP 2 runs under full_matrix: ddp2_accumulating takes the same path, plus accumulation.
+# Under full_matrix: plain DDP 2 (ddp2_accumulating takes the same path, plus accumulation), and
+# the two compiled TP variants (17-20 s each on 2 cores; tp2_compiled covers compiled TP blocks, and
+# tests/integration/test_memory_budget.py the budgeted partitioner without TP).
+FULL_MATRIX_LAYOUTS = ("ddp2", "tp2_compiled_without_loss_parallel", "tp2_compiled_memory_budget")
+
+
 @pytest.mark.parametrize(
-    "layout", [pytest.param(k, marks=pytest.mark.full_matrix) if k == "ddp2" else k for k in LAYOUTS]
+    "layout",
+    [pytest.param(k, marks=pytest.mark.full_matrix) if k in FULL_MATRIX_LAYOUTS else k for k in LAYOUTS],
 )
 def test_layout_matches_single_process_losses_and_grad_norms(layout, single_process, layout_runs):
     assert_metrics_match(layout_runs(layout), single_process)
@@ -173,7 +179,8 @@ def test_the_gradient_norm_sums_tensor_parallel_partial_gradients_in_one_all_red
     assert report["norm"] == pytest.approx(report["reference"], rel=1e-12)
 
 
-@pytest.mark.parametrize("group", ["tp", "dp_shard"])
+# The FSDP groups' cases run under full_matrix: the timeout reaches every group by one loop.
+@pytest.mark.parametrize("group", ["tp", pytest.param("dp_shard", marks=pytest.mark.full_matrix)])
 def test_the_training_timeout_reaches_every_mesh_group(group):
     """comm.train_timeout_seconds replaces init_timeout_seconds on the FSDP and TP groups too,
     not only the default group (a hung FSDP collective waited the startup timeout)."""
@@ -181,7 +188,7 @@ def test_the_training_timeout_reaches_every_mesh_group(group):
     assert report["raised"] and report["seconds"] < 3, report
 
 
-@pytest.mark.parametrize("group", ["tp", "dp"])
+@pytest.mark.parametrize("group", ["tp", pytest.param("dp", marks=pytest.mark.full_matrix)])
 def test_the_startup_timeout_reaches_every_mesh_group(group):
     """comm.init_timeout_seconds is every mesh group's timeout until the first step ends, not
     only the default group's: torch gives the groups a mesh creates its own default (10 min on
