@@ -18,7 +18,8 @@ The output appears whole or not at all.
 
 Usage:
     python scripts/checkpoint_conversion/convert_from_hf.py --model llama3 --flavor 8B \\
-        --hf ./assets/hf/Llama-3.1-8B --out ./outputs/llama3_8b_from_hf [--dtype float32]
+        --hf ./assets/hf/Llama-3.1-8B --out ./outputs/llama3_8b_from_hf [--dtype float32] \
+        [--custom_import my_project.models]   # a model registered outside this repository
 """
 
 import argparse
@@ -46,7 +47,7 @@ from torchtitan.protocols.state_dict_adapter import (
     config_differences_from_folder,
     describe_mismatch,
 )
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.exit_codes import EXIT_BAD_INPUT
 from torchtitan.tools.folders import check_new_folder, written_whole
@@ -110,6 +111,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse the command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description="Convert a Hugging Face checkpoint to DCP.")
     parser.add_argument("--model", required=True, help="registered model name, e.g. llama3")
+    parser.add_argument(
+        "--custom_import", default="", help="module that registers --model, as the run's job.custom_import"
+    )
     parser.add_argument("--flavor", required=True, help="the model's flavor, e.g. 8B")
     parser.add_argument("--hf", required=True, help="folder of the HF checkpoint (safetensors)")
     parser.add_argument("--out", required=True, help="DCP checkpoint folder to create")
@@ -122,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
+        import_custom_module(args.custom_import, key="--custom_import")
         convert_from_hf(args.model, args.flavor, args.hf, args.out, TORCH_DTYPES[args.dtype])
     except BAD_INPUT_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)

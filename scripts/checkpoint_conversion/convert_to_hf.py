@@ -11,7 +11,9 @@ DeepSeek-V3 flavors trained past 4096 tokens includes YaRN (``rope_scaling``); w
 flavor's published context is assumed. ``--run_config DUMP/config.toml`` (the config every run
 writes to its dump folder) instead takes the model, flavor, seq_len, tokenizer folder and every
 `[model]` key from the run, ``model.always_apply_yarn`` and attention overrides included, as
-the trainer's own export does. Tokenizer files are not copied. Runs in one process, without a
+the trainer's own export does (and imports its ``job.custom_import``; ``--custom_import MODULE``
+does so without it, for a model registered outside this repository). Tokenizer files are not
+copied. Runs in one process, without a
 process group, holding the whole model in CPU memory; the output appears whole or not at all.
 
 Bad input (a missing or unreadable folder, an unknown model or flavor, a checkpoint whose keys
@@ -47,7 +49,7 @@ from torchtitan.protocols.state_dict_adapter import (
     build_state_dict_adapter,
     describe_mismatch,
 )
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.exit_codes import EXIT_BAD_INPUT
 from torchtitan.tools.folders import check_new_folder, written_whole
@@ -99,6 +101,7 @@ def _run_adapter(run_config: str, model: str | None, flavor: str | None) -> tupl
     """The adapter of the run whose config.toml is `run_config`, with its model and flavor;
     `model` and `flavor`, when given too, must be the run's."""
     job_config = parse_run_config(["--config", run_config], env={})
+    import_custom_module(job_config.job.custom_import)
     m = job_config.model
     for option, given, runs in (("--model", model, m.name), ("--flavor", flavor, m.flavor)):
         if given is not None and given != runs:
@@ -126,6 +129,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse the command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description="Convert a DCP checkpoint to Hugging Face safetensors.")
     parser.add_argument("--model", help="registered model name, e.g. llama3 (or from --run_config)")
+    parser.add_argument(
+        "--custom_import", default="", help="module that registers --model, as the run's job.custom_import"
+    )
     parser.add_argument("--flavor", help="the model's flavor, e.g. 8B (or from --run_config)")
     parser.add_argument(
         "--run_config", default=None, help="the run's DUMP/config.toml: model, flavor, [model] keys"
@@ -154,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         dtype = TORCH_DTYPES[args.dtype]
+        import_custom_module(args.custom_import, key="--custom_import")
         model, flavor, adapter = args.model, args.flavor, None
         if args.run_config is not None:
             adapter, model, flavor = _run_adapter(args.run_config, model, flavor)

@@ -30,7 +30,7 @@ from torchtitan.protocols.state_dict_adapter import (
     hf_config_differences,
     interleaved_to_half_split,
 )
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
 
 # The tests save and load DCP checkpoints in one process on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -520,6 +520,30 @@ def test_bad_input_exits_2_with_one_paragraph_and_no_traceback(
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and "\n" not in done.stderr.strip()
     assert re.search(message, done.stderr), done.stderr
+
+
+def test_a_model_registered_by_custom_import_round_trips_through_hf(tmp_path, from_hf_script, to_hf_script):
+    module = "tests.unit.custom_model_registration"
+    common = ["--custom_import", module, "--model", "my_llama", "--flavor", "tiny"]
+    import_custom_module(module)
+    spec = get_train_spec("my_llama")
+    meta = spec.build_meta_model(spec.flavors["tiny"], torch.float32)
+    torch.manual_seed(0)
+    state_dict = {key: torch.randn(t.shape) for key, t in meta.state_dict().items()}
+    dcp.save({"model": state_dict}, checkpoint_id=str(tmp_path / "dcp"))
+    assert to_hf_script.main([*common, "--dcp", str(tmp_path / "dcp"), "--out", str(tmp_path / "hf")]) == 0
+    assert from_hf_script.main([*common, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
+    back = {key: torch.empty_like(tensor) for key, tensor in state_dict.items()}
+    dcp.load({"model": back}, checkpoint_id=str(tmp_path / "back"))
+    assert all(torch.equal(back[key], state_dict[key]) for key in state_dict)
+
+
+def test_a_custom_import_that_cannot_be_found_exits_2_naming_the_option(tmp_path):
+    argv = ["--custom_import", "my_project.models", "--model", "my_model", "--flavor", "small",
+            "--dcp", str(tmp_path), "--out", str(tmp_path / "hf")]  # fmt: skip
+    done = _run_script("convert_to_hf", *argv)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--custom_import my_project.models cannot be imported: no module named 'my_project'" in done.stderr
 
 
 def _run_config(tmp_path, *argv: str) -> Path:

@@ -247,11 +247,12 @@ def _refuse_saving_keys_with_load_only(c) -> None:
         )
 
 
-def custom_import_error(name: str, missing: str) -> ConfigError:
+def custom_import_error(name: str, missing: str, key: str = "job.custom_import") -> ConfigError:
     """The message for a `job.custom_import` module that cannot be found (`missing`: the first
-    package of `name` that is not there)."""
+    package of `name` that is not there), naming the config key or command-line option `key`."""
+    given = f"{key} {name}" if key.startswith("--") else f"'{key}' = '{name}'"
     return ConfigError(
-        f"'job.custom_import' = '{name}' cannot be imported: no module named '{missing}'. Install the "
+        f"{given} cannot be imported: no module named '{missing}'. Install the "
         "package that holds it on every node, or add the folder above it to PYTHONPATH "
         "(run_train.sh passes the environment on to every rank)."
     )

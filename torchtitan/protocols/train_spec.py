@@ -97,15 +97,15 @@ def get_train_spec(name: str, key: str = "model.name") -> TrainSpec:
     return _REGISTRY[name]
 
 
-def import_custom_module(name: str) -> None:
+def import_custom_module(name: str, key: str = "job.custom_import") -> None:
     """Import module `name` (dotted) for its side effects, typically `register_train_spec`
     calls for models of one's own; an empty `name` imports nothing.
 
     Raises:
-        ConfigError: when `name`, or a package above it, cannot be found, naming
-            `job.custom_import` and how to make it importable. An error inside the module,
-            including a failed import of something it needs, propagates with its traceback:
-            it is a bug there.
+        ConfigError: when `name`, or a package above it, cannot be found, naming the config
+            key or command-line option `key` it came from and how to make it importable. An
+            error inside the module, including a failed import of something it needs,
+            propagates with its traceback: it is a bug there.
     """
     if not name:
         return
@@ -114,4 +114,4 @@ def import_custom_module(name: str) -> None:
     except ModuleNotFoundError as error:
         if error.name is None or not (name == error.name or name.startswith(f"{error.name}.")):
             raise
-        raise custom_import_error(name, error.name) from None
+        raise custom_import_error(name, error.name, key) from None
