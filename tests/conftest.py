@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,21 @@ def pytest_configure(config):
 @pytest.fixture(scope="session", autouse=True)
 def _private_token_cache(tmp_path_factory):
     os.environ["TORCHTITAN_CACHE_DIR"] = str(tmp_path_factory.mktemp("token_cache"))
+
+
+CUSTOM_MODEL_MODULE = "tests.unit.custom_model_registration"  # registers model "my_llama"
+
+
+@pytest.fixture
+def custom_model_module():
+    """The name of a module that registers model "my_llama" when imported; the test may import
+    it (say through job.custom_import), and afterwards the model is unregistered and the module
+    forgotten, so that other tests see the registry as shipped."""
+    from torchtitan.protocols import train_spec
+
+    yield CUSTOM_MODEL_MODULE
+    train_spec._REGISTRY.pop("my_llama", None)
+    sys.modules.pop(CUSTOM_MODEL_MODULE, None)
 
 
 def read_metrics(dump_folder: Path) -> list[dict]:

@@ -186,7 +186,7 @@ def test_upstreams_debug_section_sets_its_keys_here(tmp_path):
 
 def test_upstreams_experimental_custom_import_is_read_as_job_custom_import(tmp_path, caplog):
     cfg = _load(tmp_path, '[experimental]\ncustom_import = "tests.unit.custom_model_registration"\n')
-    assert cfg.job.custom_import == "tests.unit.custom_model_registration"
+    assert cfg.job.custom_import == "tests.unit.custom_model_registration"  # parsed, not imported
     assert "as 'job.custom_import'" in _warnings(caplog)[0]
 
 

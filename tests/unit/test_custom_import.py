@@ -8,11 +8,9 @@ from torchtitan.config import ConfigError
 from torchtitan.protocols.train_spec import import_custom_module
 from torchtitan.train import main
 
-REGISTERING_MODULE = "tests.unit.custom_model_registration"
 
-
-def test_a_model_registered_by_the_imported_module_trains(tmp_path, capsys):
-    main(["--job.custom_import", REGISTERING_MODULE, "--model.name", "my_llama", "--model.flavor", "tiny",
+def test_a_model_registered_by_the_imported_module_trains(custom_model_module, tmp_path, capsys):
+    main(["--job.custom_import", custom_model_module, "--model.name", "my_llama", "--model.flavor", "tiny",
           "--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
           "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path)])  # fmt: skip
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -522,8 +522,10 @@ def test_bad_input_exits_2_with_one_paragraph_and_no_traceback(
     assert re.search(message, done.stderr), done.stderr
 
 
-def test_a_model_registered_by_custom_import_round_trips_through_hf(tmp_path, from_hf_script, to_hf_script):
-    module = "tests.unit.custom_model_registration"
+def test_a_model_registered_by_custom_import_round_trips_through_hf(
+    custom_model_module, tmp_path, from_hf_script, to_hf_script
+):
+    module = custom_model_module
     common = ["--custom_import", module, "--model", "my_llama", "--flavor", "tiny"]
     import_custom_module(module)
     spec = get_train_spec("my_llama")
