@@ -9,9 +9,12 @@ replay), recompute skips the experts' w2, whose output only that all-to-all read
 
     python benchmarks/moe_expert_parallel.py [--batch 2] [--seq-len 512] [--rounds 3]
         [--steps-per-round 2] [--warmup 1] [--dim 256] [--moe-hidden-dim 256] [--layers 6]
+        [--force-load-balance]
 
 `--dim`, `--moe-hidden-dim` and `--layers` resize the debug flavor (wider experts make the
-matmuls, rather than the per-op overheads, the cost).
+matmuls, rather than the per-op overheads, the cost). `--force-load-balance` measures at
+perfectly balanced routing (`model.moe_force_load_balance`), the all-to-alls then sending equal
+splits, where the randomly initialized router's imbalance would otherwise vary with the seed.
 
 Run it as is: it starts itself under torchrun with 2 processes.
 """
@@ -68,6 +71,7 @@ def flavor(cli) -> Qwen3ModelArgs:
 
 def build(parallel_dims: ParallelDims, ac_argv: list[str], cli, skip_w2: bool = True) -> Qwen3Model:
     argv = ["--config", "qwen3_debug_model_moe.toml", "--parallelism.expert_parallel_degree", str(EP)]
+    argv += ["--model.moe_force_load_balance"] if cli.force_load_balance else []
     cfg = parse_args(argv + ac_argv + ["--training.seq_len", str(cli.seq_len)], env={})
     with torch.device("meta"):
         model = Qwen3Model(flavor(cli).update_from_config(cfg))
@@ -151,11 +155,13 @@ def table(cli) -> list[str]:
     base_time = statistics.median(runs["none"].times)
     runs["none"].held_bytes()  # the first measurement also counts lazily created state
     held = {name: run.held_bytes() for name, run in runs.items()}
+    routing = "routing forced round-robin" if cli.force_load_balance else "routing by the router"
     lines = [
         f"Qwen3 debugmodel_moe (dim {cli.dim}, moe_hidden_dim {cli.moe_hidden_dim}, {cli.layers} "
         f"layers), EP {EP} on {dist.get_world_size()} CPU processes (gloo), batch "
         f"{cli.batch} x {cli.seq_len} per rank, fp32, median of {cli.rounds * cli.steps_per_round} "
-        f"steps, torch {torch.__version__}; all-to-alls, MiB sent and the experts' matmuls "
+        f"steps, torch {torch.__version__}, "
+        f"{routing}; all-to-alls, MiB sent and the experts' matmuls "
         f"recomputed ({_expert_matmuls_counted(cli)}), per rank per step",
         "",
         "| mode | step (ms) | time vs none | held for backward MiB | memory vs none "
@@ -185,6 +191,11 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=debug.dim)
     parser.add_argument("--moe-hidden-dim", type=int, default=debug.moe_hidden_dim)
     parser.add_argument("--layers", type=int, default=debug.n_layers)
+    parser.add_argument(
+        "--force-load-balance",
+        action="store_true",
+        help="route round-robin (model.moe_force_load_balance): equal all-to-all splits on every rank",
+    )
     cli = parser.parse_args()
     if "RANK" not in os.environ:
         launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={EP}", __file__]
