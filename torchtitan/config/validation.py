@@ -227,8 +227,8 @@ def _refuse_checkpoint_keys_without_enable(config: JobConfig) -> None:
     if set_keys:
         folder = Path(config.job.dump_folder) / c.folder
         raise ConfigError(
-            f"{set_keys[0]} acts only with checkpoint.enable = true; set it (this run's checkpoints "
-            f"then go to '{folder}'), or remove the key."
+            f"{set_keys[0]} acts only with checkpoint.enable = true; set it (this run's checkpoint "
+            f"folder is then '{folder}'), or remove the key."
         )
 
 
