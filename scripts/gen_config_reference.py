@@ -10,8 +10,7 @@ import typing
 from pathlib import Path
 
 from torchtitan.config import upstream
-from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import describe_type
+from torchtitan.config.job_config import JobConfig, describe_type
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "config_reference.md"
 

@@ -474,7 +474,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if wants_help(argv):
         try:
-            print(format_help(), flush=True)
+            print(format_help(argv), flush=True)
+        except ConfigError as e:  # a job.custom_config_module whose keys cannot be listed
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(EXIT_BAD_INPUT)
         except BrokenPipeError:  # `--help | head`: the reader has what it wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return

@@ -4,7 +4,8 @@ Takes the trainer's arguments and environment (`--config`, `$CONFIG_FILE`, `--se
 value`), parses and validates them in this one process, and exits 2 with the message on a
 mistake, 0 otherwise. Launchers run it before torchrun: there every rank would hit the same
 mistake and torchrun would report it as a ChildFailedError traceback with exit code 1. It
-imports no torch, so it costs a fraction of a second.
+imports no torch, so it costs a fraction of a second (unless a `job.custom_config_module`
+does: the check imports that module, as every rank will, to learn its keys).
 
 `--errors-only`, given first, hides the config's warnings (an upstream key that is renamed or
 ignored) and the closing "config OK" line: launchers pass it because rank 0 logs the same
@@ -27,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     if wants_help(argv):
         if not errors_only:  # run by hand; a launcher leaves the help to the trainer it starts
-            print(USAGE + "\n\nThe trainer's arguments:\n\n" + format_help())
+            try:
+                print(USAGE + "\n\nThe trainer's arguments:\n\n" + format_help(argv))
+            except ConfigError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
         return 0
     config_logger = logging.getLogger("torchtitan")
     level = config_logger.level

@@ -7,6 +7,7 @@ Sections whose feature is not built yet are declared so that files parse, and
 """
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
@@ -42,6 +43,11 @@ class Job:
         "",
         "module every rank imports first, e.g. one that registers a model of your own with "
         "torchtitan.protocols.register_train_spec; it must be importable there (installed, or on PYTHONPATH)",
+    )
+    custom_config_module: str = opt(
+        "",
+        "module whose JobConfig dataclass adds [sections] and keys of your own to this schema "
+        "(see 'Keys of your own' in the README); set in the TOML file or on the command line",
     )
 
 
@@ -388,10 +394,23 @@ class JobConfig:
         return dataclasses.asdict(self)
 
 
-def section_types() -> dict[str, type]:
-    """Each `[section]` name and the dataclass that holds its keys."""
-    hints = typing.get_type_hints(JobConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+def section_types(schema: type = JobConfig) -> dict[str, type]:
+    """Each `[section]` name and the dataclass that holds its keys, in `schema` (this trainer's
+    `JobConfig`, or one that `job.custom_config_module` extends)."""
+    hints = typing.get_type_hints(schema)
+    return {f.name: hints[f.name] for f in dataclasses.fields(schema)}
+
+
+def describe_type(tp) -> str:
+    """A key's type as messages and `--help` say it ("one of 'sdpa', 'flex' or none")."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(describe_type(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {describe_type(typing.get_args(tp)[0])}"
+    return "none" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
 def model_compile_enabled(job_config: JobConfig) -> bool:

@@ -13,10 +13,12 @@ import logging
 import sys
 import types
 import typing
+from contextvars import ContextVar
 from pathlib import Path
 
+from torchtitan.config.custom import added_keys, extend_job_config
 from torchtitan.config.errors import ConfigError, did_you_mean
-from torchtitan.config.job_config import JobConfig, section_types
+from torchtitan.config.job_config import JobConfig, describe_type, section_types
 from torchtitan.config.toml_writer import toml_value
 from torchtitan.config.upstream import (
     ANY,
@@ -41,6 +43,14 @@ PROJECT_ROOT = PACKAGE_ROOT.parent
 DEFAULT_CONFIG = "debug_model.toml"
 
 logger = logging.getLogger(__name__)
+
+
+# The schema being read: this trainer's JobConfig, or one that job.custom_config_module extends.
+_schema: ContextVar[type[JobConfig]] = ContextVar("schema", default=JobConfig)
+
+
+def _sections() -> dict[str, type]:
+    return section_types(_schema.get())
 
 
 def find_config_dirs() -> list[Path]:
@@ -88,7 +98,7 @@ def _section_fields(section_cls) -> dict[str, dataclasses.Field]:
 
 
 def _unknown_key_error(where: str, section: str, key: str) -> ConfigError:
-    sections = section_types()
+    sections = _sections()
     if section in UPSTREAM_ONLY_SECTIONS:
         return ConfigError(
             f"section [{section}] in {where} configures {UPSTREAM_ONLY_SECTIONS[section]} in upstream "
@@ -128,12 +138,12 @@ def _unknown_key_error(where: str, section: str, key: str) -> ConfigError:
 
 
 def _is_own_key(section: str, key: str) -> bool:
-    sections = section_types()
+    sections = _sections()
     return section in sections and key in _section_fields(sections[section])
 
 
 def _is_bool_key(section: str, key: str) -> bool:
-    return _is_own_key(section, key) and typing.get_type_hints(section_types()[section])[key] is bool
+    return _is_own_key(section, key) and typing.get_type_hints(_sections()[section])[key] is bool
 
 
 def _cli_value(text: str | None, like):
@@ -193,12 +203,12 @@ def _resolve_key(section: str, key: str, value, where: str, from_text: bool) -> 
 
 
 def _sections_with_key(key: str) -> list[str]:
-    return [name for name, cls in section_types().items() if key in _section_fields(cls)]
+    return [name for name, cls in _sections().items() if key in _section_fields(cls)]
 
 
 def _option_without_key_error(name: str) -> ConfigError:
     """`--name` with no dot: a section missing its key, a key missing its section, or neither."""
-    sections = section_types()
+    sections = _sections()
     if name in sections:
         return ConfigError(
             f"--{name} needs a key: --{name}.KEY VALUE. Keys of [{name}]: "
@@ -219,7 +229,7 @@ def _top_level_key_error(path: Path, key: str, value) -> ConfigError:
     where = (
         f" '{key}' is a key of {' and '.join(f'[{o}]' for o in owners)}."
         if owners
-        else f" Valid sections: {', '.join(section_types())}."
+        else f" Valid sections: {', '.join(_sections())}."
     )
     return ConfigError(
         f"'{key}' = {value!r} in {path} is a top-level key, but every key must be inside a "
@@ -232,17 +242,6 @@ def _is_choice(tp) -> bool:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return all(_is_choice(a) for a in typing.get_args(tp) if a is not type(None))
     return typing.get_origin(tp) is typing.Literal
-
-
-def describe_type(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is typing.Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(describe_type(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"a list of {describe_type(typing.get_args(tp)[0])}"
-    return "none" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
 def _is_optional(tp) -> bool:
@@ -341,7 +340,7 @@ def _apply_quantize_float8(config: JobConfig, table: dict, path: Path, written_a
 
 
 def _set_value(config: JobConfig, section: str, key: str, value, where: str, from_text: bool):
-    sections = section_types()
+    sections = _sections()
     if section not in sections:
         raise _unknown_key_error(where, section, key)
     fields = _section_fields(sections[section])
@@ -411,8 +410,7 @@ def _read_toml(path: Path) -> dict:
         raise ConfigError(f"config file {path} is not valid TOML: {e}.") from None
 
 
-def _apply_toml(config: JobConfig, path: Path) -> None:
-    data = _read_toml(path)
+def _apply_toml(config: JobConfig, data: dict, path: Path) -> None:
     problems: list[str] = []
     written_as: dict[tuple[str, str], tuple[str, object]] = {}
     for section, table in data.items():
@@ -441,7 +439,7 @@ def _apply_toml_section(
             return
     if _ignored_converter_section(section, str(path)):
         return
-    if section not in section_types() and not has_upstream_keys(section):
+    if section not in _sections() and not has_upstream_keys(section):
         raise _unknown_key_error(str(path), section, "")
     for key, value in _dotted(table):
         try:
@@ -490,7 +488,7 @@ def _takes_a_list(section: str, key: str) -> bool | None:
         section, key = "float8", key[len(prefix) :]
     section, _, key = RENAMED_KEYS.get(f"{section}.{key}", f"{section}.{key}").partition(".")
     if _is_own_key(section, key):
-        return typing.get_origin(typing.get_type_hints(section_types()[section])[key]) is list
+        return typing.get_origin(typing.get_type_hints(_sections()[section])[key]) is list
     spec = unbuilt_key(f"{section}.{key}")
     if spec is None:
         return None
@@ -560,15 +558,43 @@ def _apply_override(config: JobConfig, section: str, key: str, text: str | None)
     elif _is_bool_key(section, key):
         setattr(getattr(config, section), key, True)
     else:
-        hint = typing.get_type_hints(section_types()[section])[key]
+        hint = typing.get_type_hints(_sections()[section])[key]
         raise ConfigError(f"--{section}.{key} needs a value ({describe_type(hint)}).")
+
+
+# Where a config names its job.custom_config_module: this trainer's key, and upstream's.
+CUSTOM_CONFIG_KEYS = (("job", "custom_config_module"), ("experimental", "custom_args_module"))
+
+
+def _custom_config_module(overrides: list[tuple[str, str, str | None]], data: dict) -> tuple[str, str]:
+    """The module that extends the schema, and the key that named it ("" and "" for none):
+    the command line's last, else the TOML file's. Read before the rest, since it decides which
+    keys exist; a value of the wrong type is left for the key's own check."""
+    for section, key, text in reversed(overrides):
+        if (section, key) in CUSTOM_CONFIG_KEYS:
+            return text or "", f"--{section}.{key}"
+    for section, key in CUSTOM_CONFIG_KEYS:
+        value = data.get(section, {}).get(key) if isinstance(data.get(section), dict) else None
+        if isinstance(value, str):
+            return value, f"{section}.{key}"
+    return "", ""
+
+
+def _schema_of(module: str, key: str) -> type[JobConfig]:
+    if not module:
+        return JobConfig
+    schema = extend_job_config(module, key)
+    logger.info(f"Config schema extended by {module}: {', '.join(added_keys(schema)) or 'no new keys'}")
+    return schema
 
 
 def parse_args(argv: list[str] | None = None, env: dict | None = None) -> JobConfig:
     """Build the JobConfig from `argv` (default sys.argv[1:]) and `$CONFIG_FILE`.
 
     The config file comes from `--config`, `--job.config_file` or `$CONFIG_FILE` (in that
-    order); with none of them the Llama 3 debug config is used.
+    order); with none of them the Llama 3 debug config is used. With `job.custom_config_module`
+    set (on the command line or in the file) that module is imported first, and the config
+    returned is an instance of its extended `JobConfig` (`torchtitan.config.custom`).
 
     Raises:
         ConfigError: for any unknown, mistyped, out-of-range or unsupported setting.
@@ -579,10 +605,18 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None) -> JobCon
     source = "" if config_file or not env.get("CONFIG_FILE") else "$CONFIG_FILE"
     config_file = config_file or env.get("CONFIG_FILE") or DEFAULT_CONFIG
     path = resolve_config_path(config_file, source)
-    config = JobConfig()
-    _apply_toml(config, path)
-    for section, key, text in overrides:
-        _apply_override(config, section, key, text)
+    data = _read_toml(path)
+    schema = _schema_of(*_custom_config_module(overrides, data))
+    token = _schema.set(schema)
+    try:
+        # Split again: the schema's own keys decide whether a bare word continues a list.
+        overrides = _split_cli(argv)[1]
+        config = schema()
+        _apply_toml(config, data, path)
+        for section, key, text in overrides:
+            _apply_override(config, section, key, text)
+    finally:
+        _schema.reset(token)
     config.job.config_file = str(path)
     return validate(config)
 
@@ -591,8 +625,15 @@ def wants_help(argv: list[str]) -> bool:
     return "--help" in argv or "-h" in argv
 
 
-def format_help() -> str:
-    """`--help` text: every option with its type, default and one-line description."""
+def format_help(argv: list[str] | None = None) -> str:
+    """`--help` text: every option with its type, default and one-line description; with
+    `--job.custom_config_module MODULE` in `argv`, that module's keys too.
+
+    Raises:
+        ConfigError: when that module cannot extend the schema.
+    """
+    overrides = _split_cli([a for a in argv or [] if a not in ("--help", "-h")])[1]
+    schema = _schema_of(*_custom_config_module(overrides, {}))
     lines = [
         "usage: python -m torchtitan.train [--config NAME_OR_PATH] [--section.key VALUE ...]",
         "",
@@ -601,8 +642,8 @@ def format_help() -> str:
         "comma-separated in one value. The config file may also come from",
         "--job.config_file or $CONFIG_FILE; the default is " + DEFAULT_CONFIG + ".",
     ]
-    defaults = JobConfig()
-    for section, cls in section_types().items():
+    defaults = schema()
+    for section, cls in section_types(schema).items():
         lines += ["", f"[{section}]"]
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):

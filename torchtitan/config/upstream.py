@@ -39,6 +39,7 @@ RENAMED_KEYS = {
     "debug.deterministic_warn_only": "training.deterministic_warn_only",
     "debug.moe_force_load_balance": "model.moe_force_load_balance",
     "experimental.custom_import": "job.custom_import",
+    "experimental.custom_args_module": "job.custom_config_module",
 }
 # Earlier names read as the new key only when the value names a folder, as the new key does:
 # upstream's tokenizer_path held either such a folder or a tokenizer.model file (see below).
@@ -94,7 +95,6 @@ UNBUILT_KEYS = {
         "a float8 option that torchao has deprecated", ANY
     ),
     # Upstream's last TOML-era keys.
-    "job.custom_config_module": UnbuiltKey("extending the config with a dataclass of one's own", ""),
     "job.save_config_file": UnbuiltKey(
         "a copy of the resolved config",
         None,
@@ -127,7 +127,6 @@ UNBUILT_KEYS = {
         "memory estimation inside the trainer", False, fix="run ./run_memory_estimation.sh instead"
     ),
     "memory_estimation.*": UnbuiltKey("memory estimation inside the trainer", ANY),
-    "experimental.custom_args_module": UnbuiltKey("extending the config with a dataclass of one's own", ""),
 }
 
 

@@ -11,6 +11,7 @@ import math
 import os
 from pathlib import Path
 
+from torchtitan.config.custom import check_module_name, custom_import_error
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import (
     BUNDLED_DATASET_FILES,
@@ -34,7 +35,7 @@ NOT_BUILT_YET = {
 
 
 def _check_ranges(config: JobConfig) -> None:
-    for section, cls in section_types().items():
+    for section, cls in section_types(type(config)).items():
         for f in dataclasses.fields(cls):
             value = getattr(getattr(config, section), f.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -247,27 +248,12 @@ def _refuse_saving_keys_with_load_only(c) -> None:
         )
 
 
-def custom_import_error(name: str, missing: str, key: str = "job.custom_import") -> ConfigError:
-    """The message for a `job.custom_import` module that cannot be found (`missing`: the first
-    package of `name` that is not there), naming the config key or command-line option `key`."""
-    given = f"{key} {name}" if key.startswith("--") else f"'{key}' = '{name}'"
-    return ConfigError(
-        f"{given} cannot be imported: no module named '{missing}'. Install the "
-        "package that holds it on every node, or add the folder above it to PYTHONPATH "
-        "(run_train.sh passes the environment on to every rank)."
-    )
-
-
 def _check_custom_import(name: str) -> None:
     """Before the ranks start: a module name, whose top-level package can be found (finding
     more would import that package)."""
     if not name:
         return
-    if not all(part.isidentifier() for part in name.split(".")):
-        raise ConfigError(
-            f"'job.custom_import' = '{name}' is not a module name; give the dotted name Python "
-            "imports it by (my_project.models for my_project/models.py, its folder on PYTHONPATH)."
-        )
+    check_module_name(name, "job.custom_import")
     top = name.partition(".")[0]
     if importlib.util.find_spec(top) is None:
         raise custom_import_error(name, top)
@@ -401,7 +387,7 @@ def _check_converters(config: JobConfig) -> None:
                 "'float8.precompute_float8_dynamic_scale_for_fsdp' = true precomputes the scales of the "
                 "float8 all-gather; set float8.enable_fsdp_float8_all_gather = true too, or turn it off."
             )
-    elif f8 != JobConfig().float8:
+    elif f8 != type(f8)():
         logger.warning(
             "[float8] is set but has no effect: float8 training is on only when model.converters "
             'includes "float8". Add it, or remove the section to silence this warning.'

@@ -1,14 +1,13 @@
 """TrainSpec: the one registration that ties a model name to everything the trainer builds."""
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from torchtitan.config.custom import import_named_module
 from torchtitan.config.errors import ConfigError, did_you_mean
-from torchtitan.config.validation import custom_import_error
 from torchtitan.protocols.model_args import BaseModelArgs
 
 
@@ -107,11 +106,5 @@ def import_custom_module(name: str, key: str = "job.custom_import") -> None:
             error inside the module, including a failed import of something it needs,
             propagates with its traceback: it is a bug there.
     """
-    if not name:
-        return
-    try:
-        importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if error.name is None or not (name == error.name or name.startswith(f"{error.name}.")):
-            raise
-        raise custom_import_error(name, error.name, key) from None
+    if name:
+        import_named_module(name, key)
