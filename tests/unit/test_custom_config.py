@@ -192,6 +192,12 @@ def test_a_module_whose_job_config_cannot_extend_the_schema_is_refused_saying_wh
     assert expected.format(name=name) in _error(tmp_path, f'[job]\ncustom_config_module = "{name}"\n')
 
 
+def test_help_lists_the_keys_of_the_module_its_config_file_names(tmp_path, capsys):
+    (tmp_path / "run.toml").write_text(f'[job]\ncustom_config_module = "{EXTENSION}"\n')
+    main(["--config", str(tmp_path / "run.toml"), "--help"])
+    assert "--probe.layers (a list of int, default [0])" in capsys.readouterr().out
+
+
 def test_help_lists_the_modules_keys(capsys):
     main(["--help", "--job.custom_config_module", EXTENSION])
     out = capsys.readouterr().out

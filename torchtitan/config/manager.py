@@ -625,15 +625,28 @@ def wants_help(argv: list[str]) -> bool:
     return "--help" in argv or "-h" in argv
 
 
-def format_help(argv: list[str] | None = None) -> str:
+def _schema_for_help(argv: list[str], env: dict) -> type[JobConfig]:
+    """The schema `--help` lists: extended when `argv`, or the config file it or `env` names,
+    sets job.custom_config_module; the trainer's own when they cannot be read."""
+    try:
+        config_file, overrides = _split_cli([a for a in argv if a not in ("--help", "-h")])
+        config_file = config_file or env.get("CONFIG_FILE")
+        data = _read_toml(resolve_config_path(config_file)) if config_file else {}
+    except ConfigError:  # the help of the trainer's own keys is still worth printing
+        return JobConfig
+    return _schema_of(*_custom_config_module(overrides, data))
+
+
+def format_help(argv: list[str] | None = None, env: dict | None = None) -> str:
     """`--help` text: every option with its type, default and one-line description; with
-    `--job.custom_config_module MODULE` in `argv`, that module's keys too.
+    job.custom_config_module set in `argv` or in the config file named there or in `env`'s
+    $CONFIG_FILE (default: the process environment), that module's keys too.
 
     Raises:
         ConfigError: when that module cannot extend the schema.
     """
-    overrides = _split_cli([a for a in argv or [] if a not in ("--help", "-h")])[1]
-    schema = _schema_of(*_custom_config_module(overrides, {}))
+    env = dict(__import__("os").environ) if env is None else env
+    schema = _schema_for_help(argv or [], env)
     lines = [
         "usage: python -m torchtitan.train [--config NAME_OR_PATH] [--section.key VALUE ...]",
         "",
