@@ -9,6 +9,7 @@ import torch
 
 from torchtitan.config import ConfigError, JobConfig, parse_args
 from torchtitan.config.check import main as check_main
+from torchtitan.config.manager import _is_own_key
 from torchtitan.config.toml_writer import to_toml
 from torchtitan.protocols import get_train_spec, train_spec
 from torchtitan.train import main
@@ -98,6 +99,11 @@ def test_a_key_of_ones_own_with_a_value_of_the_wrong_type_is_refused_naming_it(t
     assert "'probe.layers' = 'all'" in message and "a list of int" in message
 
 
+def test_a_stray_word_after_a_single_valued_key_of_ones_own_is_named(tmp_path):
+    message = _error(tmp_path, "", "--job.custom_config_module", EXTENSION, "--probe.temperature", "2", "3")
+    assert message.startswith("unexpected argument '3' after --probe.temperature 2, which takes one value")
+
+
 def test_a_misspelt_key_of_ones_own_gets_a_did_you_mean(tmp_path):
     message = _error(tmp_path, "", "--job.custom_config_module", EXTENSION, "--probe.temprature", "2")
     assert "unknown key 'probe.temprature'" in message and "Did you mean 'temperature'?" in message
@@ -109,6 +115,7 @@ def test_without_the_module_its_section_is_an_unknown_section(tmp_path):
 
 def test_parsing_with_the_module_leaves_the_trainers_own_schema_as_it_was(tmp_path):
     _load(tmp_path, "", "--job.custom_config_module", EXTENSION)
+    assert not _is_own_key("probe", "enable")
     assert not hasattr(parse_args([], env={}), "probe")
     assert "unknown section [probe]" in _error(tmp_path, "", "--probe.enable")
 
