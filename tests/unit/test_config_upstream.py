@@ -202,13 +202,18 @@ def test_an_unknown_key_of_upstreams_debug_section_lists_the_ones_read_here(tmp_
      ("[validation.dataloader]\npin_memory = true\n", "'validation.dataloader.pin_memory' = True"),
      ("[fault_tolerance]\nenable = true\nreplica_id = 1\n", "'fault_tolerance.enable' = True"),
      ("[parallelism]\nexpert_parallel_comm_backend = \"deepep\"\n",
-      "'parallelism.expert_parallel_comm_backend' = 'deepep'"),
-     ("[comm]\nmode = \"fake_backend\"\n", "'comm.mode' = 'fake_backend'")],
-    ids=["dataloader workers", "pinned memory", "fault tolerance", "deepep", "fake backend"],
+      "'parallelism.expert_parallel_comm_backend' = 'deepep'")],
+    ids=["dataloader workers", "pinned memory", "fault tolerance", "deepep"],
 )  # fmt: skip
 def test_an_upstream_table_of_an_unbuilt_feature_switched_on_is_refused_naming_it(tmp_path, text, refused):
     message = _error(tmp_path, text)
     assert refused in message and "which this trainer does not build" in message
+
+
+def test_upstreams_fake_backend_dry_run_is_refused_pointing_at_the_memory_estimator(tmp_path):
+    message = _error(tmp_path, '[comm]\nmode = "fake_backend"\n')
+    assert message.startswith("'comm.mode' = 'fake_backend'")
+    assert "./run_memory_estimation.sh --ngpu N with the same arguments" in message
 
 
 def test_an_upstream_table_of_an_unbuilt_feature_switched_off_is_ignored(tmp_path):

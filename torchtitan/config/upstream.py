@@ -100,7 +100,13 @@ UNBUILT_KEYS = {
         None,
         fix="the resolved config is always written to <job.dump_folder>/config.toml; remove the key",
     ),
-    "comm.mode": UnbuiltKey("dry runs on a fake or local-tensor backend", "default"),
+    "comm.mode": UnbuiltKey(
+        "dry runs on a fake or local-tensor backend",
+        "default",
+        fix="remove the key; for a dry run of a parallel layout, ./run_memory_estimation.sh --ngpu N "
+        "with the same arguments builds and parallelizes the model for N ranks on a fake process "
+        "group in one process and reports each rank's peak memory",
+    ),
     "parallelism.pipeline_parallel_first_stage_less_layers": UnbuiltKey("pipeline parallelism", ANY),
     "parallelism.pipeline_parallel_last_stage_less_layers": UnbuiltKey("pipeline parallelism", ANY),
     "parallelism.pipeline_parallel_expert_parallel_overlap": UnbuiltKey("pipeline parallelism", ANY),
