@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import BUNDLED_DATASET_FILES
@@ -274,6 +274,7 @@ class StreamingTokenDataset(IterableDataset):
             "training.dataset_path",
         )
         self.data = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_degree)
+        _private_epoch_counter(self.data)
         self.name, self.tokenizer, self.seq_len = name, tokenizer, seq_len
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         # Here rather than at the first batch, where only that rank would see it: the trainer
@@ -283,10 +284,21 @@ class StreamingTokenDataset(IterableDataset):
         self.buffer: list[int] = []
         self.epoch = 0
         self.resumed = False  # a restored position may sit at the very end of its pass
+        # The position to report until this process iterates: a loader worker is asked for its
+        # state before its first batch, when `self.data` still holds the position of whatever
+        # iterated it in the parent (the probe above, or a run before a restore).
+        self.start_state: dict | None = {"data": None, "buffer": [], "epoch": 0}
+
+    @property
+    def num_shards(self) -> int:
+        """The file shards this rank's part of the stream comes from: at most one loader
+        worker each."""
+        return self.data.num_shards
 
     def __iter__(self):
         whole_pass = not self.resumed
         self.resumed = False
+        self.start_state = None
         while True:
             empty = True
             for record in self.data:
@@ -302,7 +314,9 @@ class StreamingTokenDataset(IterableDataset):
             whole_pass = True
             self.epoch += 1
             self.data.set_epoch(self.epoch)
-            logger.info(f"dataset '{self.name}' starts epoch {self.epoch + 1}")
+            worker = get_worker_info()
+            shards = f" of loader worker {worker.id}'s shards" if worker is not None else ""
+            logger.info(f"dataset '{self.name}' starts epoch {self.epoch + 1}{shards}")
 
     def _no_document_error(self) -> ConfigError:
         return ConfigError(
@@ -312,15 +326,31 @@ class StreamingTokenDataset(IterableDataset):
         )
 
     def state_dict(self) -> dict:
+        if self.start_state is not None:
+            return dict(self.start_state, buffer=list(self.start_state["buffer"]))
         return {"data": self.data.state_dict(), "buffer": list(self.buffer), "epoch": self.epoch}
 
     def load_state_dict(self, state: dict) -> None:
         # datasets applies a saved position only while its epoch equals the saved one; without
         # this a run resumed in a later pass would restart that pass from document 0.
         self.data.set_epoch(state["epoch"])
-        self.data.load_state_dict(state["data"])
+        if state["data"] is not None:  # None: the pass's start, saved before it was read from
+            self.data.load_state_dict(state["data"])
         self.buffer, self.epoch = list(state["buffer"]), state["epoch"]
-        self.resumed = True
+        self.resumed = state["data"] is not None
+        self.start_state = dict(state, buffer=list(state["buffer"]))
+
+
+def _private_epoch_counter(data) -> None:
+    """Keep a hub stream's epoch in private memory, so each loader worker's copy counts alone.
+
+    datasets keeps the epoch in shared memory, so that `set_epoch` in the parent reaches
+    persistent workers. Here each worker loops over its own shards and counts its own passes;
+    with a shared counter the first worker to finish a pass would move the others into the
+    next epoch mid-pass, and the positions they save would no longer restore.
+    """
+    if isinstance(getattr(data, "_epoch", None), torch.Tensor):
+        data._epoch = torch.tensor(int(data._epoch))
 
 
 def build_text_dataset(
