@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState, why_nothing_is_saved
 from torchtitan.components.compile import tag_compile_caches_with_process_groups
-from torchtitan.components.dataloader import build_validation_dataloader
+from torchtitan.components.dataloader import build_validation_dataloader, unwrap_worker_error
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.model_converter import build_model_converters
 from torchtitan.components.optimizer import OptimizerInBackward, check_early_step_in_backward
@@ -211,7 +211,10 @@ class Trainer:
     # ----- training -----------------------------------------------------------------------
 
     def _next_batch(self, data_iter) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, labels = next(data_iter)
+        try:
+            inputs, labels = next(data_iter)
+        except ConfigError as e:  # a bad record in a hub stream, maybe found by a loader worker
+            raise unwrap_worker_error(e) from None
         return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
     def train_step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -113,6 +113,30 @@ def test_resume_from_step_5_repeats_steps_6_to_10_bit_for_bit(
     assert all(resumed[s] == original[s] for s in resumed), (resumed, original)
 
 
+def _sharded_stream(folder: Path) -> str:
+    """4 jsonl files that `training.dataset` streams as a hub dataset: 2 shards a rank under
+    FSDP 2, about 12 windows of 65 tokens per shard, so each loader worker wraps to its next
+    pass twice in 10 steps."""
+    import json
+
+    folder.mkdir()
+    for shard in range(4):
+        docs = [f"shard {shard} document {i} " * 12 for i in range(10)]
+        (folder / f"part{shard}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return str(folder)
+
+
+def test_a_stream_read_by_loader_workers_resumes_from_step_5_bit_for_bit(tmp_path):
+    stream = ["--training.dataset", _sharded_stream(tmp_path / "stream"),
+              "--training.dataloader_num_workers", "2"]  # fmt: skip
+    _train(tmp_path / "full", "FSDP 2", stream)
+    proc = _resume_from_step_5(tmp_path / "full", tmp_path / "resumed", "FSDP 2", stream)
+    assert "Resumed from checkpoint" in proc.stderr + proc.stdout
+    resumed, original = _losses(tmp_path / "resumed"), _losses(tmp_path / "full")
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
+    assert all(resumed[s] == original[s] for s in resumed), (resumed, original)
+
+
 @pytest.mark.parametrize("target", ["1 process", "FSDP 2"])
 def test_checkpoint_of_fsdp2_x_tp2_loads_into_another_layout(
     target, saved_by_fsdp2_x_tp2, uninterrupted, tmp_path
@@ -278,6 +302,24 @@ def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
     assert proc.returncode == 143, output[-2000:]
     stopped_at = max(_losses(tmp_path))
     assert _steps(tmp_path) == [f"step-{stopped_at}"], output[-2000:]
+
+
+def test_sigterm_to_every_process_with_loader_workers_saves_a_checkpoint_before_exiting(tmp_path):
+    """As SLURM signals every process of a job step: the loader workers get the SIGTERM too."""
+    argv = BASE + ["--training.steps", "100000", "--checkpoint.interval", "100000",
+                   "--training.dataset", _sharded_stream(tmp_path / "stream"),
+                   "--training.dataloader_num_workers", "2", "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": python_path()}
+    proc = subprocess.Popen([sys.executable, "-m", "torchtitan.train", *argv], cwd=PROJECT_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    _wait_for_a_logged_step(tmp_path)
+    os.killpg(proc.pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, output[-2000:]
+    stopped_at = max(_losses(tmp_path))
+    assert _steps(tmp_path) == [f"step-{stopped_at}"], output[-2000:]
+    assert "Traceback" not in output
 
 
 def _worker_pid(launcher_pid: int, local_rank: int) -> int | None:

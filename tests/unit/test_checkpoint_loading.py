@@ -1,6 +1,7 @@
 """Checkpoints that do not fit the model are refused with a message, never half-loaded; exports
 keep buffers in their dtype and replace an older export whole."""
 
+import gc
 import json
 import logging
 import re
@@ -308,9 +309,10 @@ def test_a_full_resume_keeps_the_saved_runs_next_lr(tmp_path):
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(step_6_lr)
 
 
-def _data_run(tmp_path, data, *argv) -> CheckpointManager:
+def _data_run(tmp_path, data, *argv, workers: int = 0) -> CheckpointManager:
     """A checkpointing run of a Linear whose loader streams `data` (a dataset of local files,
-    taken by the streaming path as a hub dataset is) in 16-token windows, 2 per batch."""
+    taken by the streaming path as a hub dataset is) in 16-token windows, 2 per batch, read by
+    `workers` loader worker processes."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
@@ -322,8 +324,9 @@ def _data_run(tmp_path, data, *argv) -> CheckpointManager:
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return CheckpointManager(cfg, model, optimizer, scheduler, StatefulDataLoader(dataset, batch_size=2),
-                             dp_rank=0, dp_degree=1, device=torch.device("cpu"))  # fmt: skip
+    loader = StatefulDataLoader(dataset, batch_size=2, num_workers=workers)
+    return CheckpointManager(cfg, model, optimizer, scheduler, loader, dp_rank=0, dp_degree=1,
+                             device=torch.device("cpu"))  # fmt: skip
 
 
 def test_a_streaming_datasets_position_resumes_exactly_through_a_checkpoint(tmp_path):
@@ -343,6 +346,65 @@ def test_a_streaming_datasets_position_resumes_exactly_through_a_checkpoint(tmp_
 
     resumed = iter(resuming.dataloader)
     assert all(torch.equal(next(resumed)[0], want) for want in following)
+
+
+@pytest.fixture
+def _shut_down_loader_workers():
+    """Collect the test's loaders, so that their worker processes exit now: one left to a
+    later collection may be collected in the next test's forked workers, which then stall."""
+    yield
+    gc.collect()
+
+
+def _sharded_stream(tmp_path, shards: int = 2):
+    data = tmp_path / "stream"
+    data.mkdir()
+    for shard in range(shards):
+        docs = [f"shard {shard} document {i} says " + "word " * (3 + i % 5) for i in range(20)]
+        (data / f"part{shard}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return data
+
+
+@pytest.mark.usefixtures("_shut_down_loader_workers")
+def test_a_stream_read_by_loader_workers_resumes_exactly_through_a_checkpoint(tmp_path):
+    data = _sharded_stream(tmp_path)
+    saving = _data_run(tmp_path, data, workers=2)
+    batches = iter(saving.dataloader)
+    for _ in range(5):
+        next(batches)
+    saving.save(TrainState(step=5))
+    following = [next(batches)[0] for _ in range(4)]
+    resuming = _data_run(tmp_path, data, workers=2)
+
+    resuming.load(TrainState())
+
+    resumed = iter(resuming.dataloader)
+    assert all(torch.equal(next(resumed)[0], want) for want in following)
+
+
+@pytest.mark.usefixtures("_shut_down_loader_workers")
+@pytest.mark.parametrize("saved, resumed", [(2, 0), (0, 2), (2, 1)])
+def test_resuming_a_stream_with_another_worker_count_is_refused_naming_the_key(tmp_path, saved, resumed):
+    data = _sharded_stream(tmp_path)
+    saving = _data_run(tmp_path, data, workers=saved)
+    next(iter(saving.dataloader))
+    saving.save(TrainState(step=1))
+
+    with pytest.raises(ConfigError) as raised:
+        _data_run(tmp_path, data, workers=resumed).load(TrainState())
+
+    assert f"('training.dataloader_num_workers' = {saved}) and this run sets {resumed}" in str(raised.value)
+    assert "exclude_from_loading" in str(raised.value)
+
+
+@pytest.mark.usefixtures("_shut_down_loader_workers")
+def test_a_stream_position_saved_by_loader_workers_is_refused_by_a_packed_dataset(tmp_path):
+    saving = _data_run(tmp_path, _sharded_stream(tmp_path), workers=2)
+    next(iter(saving.dataloader))
+    saving.save(TrainState(step=1))
+
+    with pytest.raises(ConfigError, match=r"data position of a streamed dataset.*exclude_from_loading"):
+        _lr_run(tmp_path).load(TrainState())
 
 
 def test_resuming_a_packed_datasets_position_into_a_streamed_dataset_is_refused_naming_the_fix(tmp_path):

@@ -198,12 +198,12 @@ def test_an_unknown_key_of_upstreams_debug_section_lists_the_ones_read_here(tmp_
 
 @pytest.mark.parametrize(
     "text, refused",
-    [("[training.dataloader]\nnum_workers = 4\n", "'training.dataloader.num_workers' = 4"),
+    [("[validation.dataloader]\nnum_workers = 4\n", "'validation.dataloader.num_workers' = 4"),
      ("[validation.dataloader]\npin_memory = true\n", "'validation.dataloader.pin_memory' = True"),
      ("[fault_tolerance]\nenable = true\nreplica_id = 1\n", "'fault_tolerance.enable' = True"),
      ("[parallelism]\nexpert_parallel_comm_backend = \"deepep\"\n",
       "'parallelism.expert_parallel_comm_backend' = 'deepep'")],
-    ids=["dataloader workers", "pinned memory", "fault tolerance", "deepep"],
+    ids=["validation workers", "pinned memory", "fault tolerance", "deepep"],
 )  # fmt: skip
 def test_an_upstream_table_of_an_unbuilt_feature_switched_on_is_refused_naming_it(tmp_path, text, refused):
     message = _error(tmp_path, text)
@@ -217,7 +217,7 @@ def test_upstreams_fake_backend_dry_run_is_refused_pointing_at_the_memory_estima
 
 
 def test_an_upstream_table_of_an_unbuilt_feature_switched_off_is_ignored(tmp_path):
-    text = "[fault_tolerance]\nenable = false\nreplica_id = 3\n[training.dataloader]\nnum_workers = 0\n"
+    text = "[fault_tolerance]\nenable = false\nreplica_id = 3\n[validation.dataloader]\nnum_workers = 0\n"
     assert _load(tmp_path, text).training == _load(tmp_path, "").training
 
 
@@ -248,6 +248,14 @@ def test_float8_grouped_experts_are_refused_only_with_float8_on(tmp_path):
 def test_a_list_written_as_a_comma_separated_string_is_read_as_on_the_command_line(tmp_path):
     cfg = _load(tmp_path, '[model]\nconverters = "float8"\n[float8]\nfilter_fqns = "output, router.gate"\n')
     assert cfg.model.converters == ["float8"] and cfg.float8.filter_fqns == ["output", "router.gate"]
+
+
+def test_upstreams_training_dataloader_table_sets_the_loader_keys_here(tmp_path, caplog):
+    text = "[training.dataloader]\nnum_workers = 3\npin_memory = true\npersistent_workers = true\n"
+    cfg = _load(tmp_path, text)
+    assert (cfg.training.dataloader_num_workers, cfg.training.dataloader_pin_memory) == (3, True)
+    assert "as 'training.dataloader_num_workers', its name here" in caplog.text
+    assert "Ignoring 'training.dataloader.persistent_workers'" in caplog.text
 
 
 def test_a_misspelt_key_of_an_upstream_sub_table_lists_the_keys_understood_there(tmp_path):

@@ -703,7 +703,7 @@ class CheckpointManager:
         packed = hasattr(dataset, "state_continuing")
         own_slot = f"dp{self.dp_rank}" if saved_dp == self.dp_degree else "dp0"
         loader_state = self._read_loader_state(folder, own_slot, packed)
-        if ("sample_index" in loader_state["dataset_state"]) != packed:
+        if ("sample_index" in _a_dataset_state(loader_state)) != packed:
             raise ConfigError(
                 f"checkpoint {folder} holds the data position of a "
                 f"{'streamed' if packed else 'packed'} dataset, but training.dataset = "
@@ -715,6 +715,8 @@ class CheckpointManager:
             or (saved_batch, loader_state["dataset_state"].get("seq_len", dataset.seq_len))
             == (dataset.local_batch_size, dataset.seq_len)
         )
+        if same_layout and not packed:
+            self._refuse_other_worker_count(folder, loader_state)
         if same_layout:
             self.dataloader.load_state_dict(loader_state)
             return
@@ -740,6 +742,18 @@ class CheckpointManager:
             f"to {self.dp_degree} x {dataset.local_batch_size}{seq_lens}: "
             f"{loader_state['dataset_state']['window_offset']} windows of {dataset.seq_len} tokens consumed"
         )
+
+    def _refuse_other_worker_count(self, folder: Path, loader_state: dict) -> None:
+        """Each loader worker saves its own place in its own shards of a stream, so a position
+        restores only into as many workers as saved it."""
+        saved, workers = _loader_workers(loader_state), self.dataloader.num_workers
+        if saved != workers:
+            raise ConfigError(
+                f"checkpoint {folder} holds the stream's position as read by {saved} loader worker(s) "
+                f"('training.dataloader_num_workers' = {saved}) and this run sets {workers}: each worker "
+                f"keeps its own place in its own shards. Set it to {saved}, or add 'dataloader' to "
+                "checkpoint.exclude_from_loading to restart the data stream."
+            )
 
     def _read_loader_state(self, folder: Path, slot: str, packed: bool) -> dict:
         """The loader state saved under `slot`: pickled whole, or, by checkpoints written before
@@ -824,3 +838,18 @@ class CheckpointManager:
 def _plain(value):
     """A hyperparameter as a comparable, printable value (betas load back as a list)."""
     return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _loader_workers(loader_state: dict) -> int:
+    """The worker count of the StatefulDataLoader that saved `loader_state`."""
+    snapshot = loader_state.get("_snapshot")
+    return 0 if snapshot is None else int(snapshot["_main_snapshot"]["_num_workers"])
+
+
+def _a_dataset_state(loader_state: dict) -> dict:
+    """The dataset's state in `loader_state`: its own, or, saved by loader workers, the first
+    worker's copy's (every copy's has the same keys)."""
+    if "_snapshot" not in loader_state:
+        return loader_state["dataset_state"]
+    workers = loader_state["_snapshot"]["_worker_snapshots"]
+    return workers[min(workers)]["dataset_state"]

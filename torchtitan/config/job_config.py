@@ -186,6 +186,15 @@ class Training:
     enable_cpu_offload: bool = opt(
         False, "FSDP CPU offload of parameters and optimizer state (accelerator and FSDP only)"
     )
+    dataloader_num_workers: int = opt(
+        0,
+        "processes that stream and tokenize a hub dataset ahead of the steps, at most one per file "
+        "shard of a rank's part; 0 = in the training process (local data always is)",
+        min=0,
+    )
+    dataloader_pin_memory: bool = opt(
+        False, "page-lock each batch so its copy to the accelerator does not block the host"
+    )
 
 
 @dataclass

@@ -40,6 +40,8 @@ RENAMED_KEYS = {
     "debug.moe_force_load_balance": "model.moe_force_load_balance",
     "experimental.custom_import": "job.custom_import",
     "experimental.custom_args_module": "job.custom_config_module",
+    "training.dataloader.num_workers": "training.dataloader_num_workers",
+    "training.dataloader.pin_memory": "training.dataloader_pin_memory",
 }
 # Earlier names read as the new key only when the value names a folder, as the new key does:
 # upstream's tokenizer_path held either such a folder or a tokenizer.model file (see below).
@@ -119,11 +121,16 @@ UNBUILT_KEYS = {
         "initial_load_in_hf alone here)",
         ANY,
     ),
+    "training.dataloader.persistent_workers": UnbuiltKey(
+        "keeping loader workers between passes (the training loader's workers live for the whole run)",
+        ANY,
+    ),
     **{
-        f"{split}.dataloader.{key}": UnbuiltKey(
-            "data-loading worker processes (data loads in the training process here)", default
+        f"validation.dataloader.{key}": UnbuiltKey(
+            "validation loader workers (validation reads pre-tokenized local windows in the training "
+            "process)",
+            default,
         )
-        for split in ("training", "validation")
         for key, default in (("num_workers", 0), ("persistent_workers", False), ("pin_memory", False))
     },
     # Sections of features not built here, inert while switched off ("section.*": its other keys).
