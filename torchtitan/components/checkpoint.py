@@ -847,8 +847,8 @@ def _loader_workers(loader_state: dict) -> int:
 
 
 def _a_dataset_state(loader_state: dict) -> dict:
-    """The dataset's state in `loader_state`: its own, or, saved by loader workers, the first
-    worker's copy's (every copy's has the same keys)."""
+    """The dataset's state in `loader_state`, or, where loader workers saved it, worker 0's
+    (every worker's has the same keys, which tell a packed dataset from a streamed one)."""
     if "_snapshot" not in loader_state:
         return loader_state["dataset_state"]
     workers = loader_state["_snapshot"]["_worker_snapshots"]
