@@ -2,9 +2,9 @@
 dense path (every mask type; GQA and MLA heads in bf16), the CUDA gradient norm, the bf16
 grouped-matmul experts against the loop, the GPU attention kernel under op-SAC, short bf16
 (sdpa, and flex with chunked and global layers) and float8 training runs, the CUDA memory
-snapshots, a resume from a pinned-memory async save, and the memory the optimizer saves by
-stepping in backward. Marked `gpu`; skipped without CUDA. `scripts/gpu_check.sh` runs them with
-`python -m pytest -m gpu tests/gpu`.
+snapshots, a resume from a pinned-memory async save, the memory the optimizer saves by
+stepping in backward, and pinned loader batches. Marked `gpu`; skipped without CUDA.
+`scripts/gpu_check.sh` runs them with `python -m pytest -m gpu tests/gpu`.
 """
 
 import os
@@ -286,3 +286,29 @@ def test_stepping_in_backward_lowers_a_steps_peak_by_most_of_the_gradients():
           f"{during_peak / 2**20:.1f} MiB in it; gradients {grad_bytes / 2**20:.1f} MiB")  # fmt: skip
     assert during_loss == pytest.approx(after_loss, rel=1e-6)
     assert during_peak <= after_peak - grad_bytes // 2, (during_peak, after_peak, grad_bytes)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pinned_memory_hands_the_step_page_locked_batches(tmp_path, workers):
+    """`training.dataloader_pin_memory`, in the training process (packed data) and behind loader
+    workers (a stream of local shards, taken as a hub dataset is)."""
+    import json
+
+    from torchtitan.components.dataloader import build_text_dataloader
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    dataset = "smoke"
+    if workers:
+        stream = tmp_path / "stream"
+        stream.mkdir()
+        for shard in range(workers):
+            docs = [f"shard {shard} document {i} " * 20 for i in range(10)]
+            (stream / f"part{shard}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+        dataset = str(stream)
+    cfg = parse_args(["--training.dataset", dataset, "--training.seq_len", "64",
+                      "--training.local_batch_size", "2", "--training.dataloader_pin_memory",
+                      "--training.dataloader_num_workers", str(workers)], env={})  # fmt: skip
+    loader = build_text_dataloader(cfg, HuggingFaceTokenizer(cfg.model.hf_assets_path), 0, 1)
+    inputs, labels = next(iter(loader))
+    assert loader.num_workers == workers and loader.pin_memory
+    assert inputs.is_pinned() and labels.is_pinned()
