@@ -7,6 +7,9 @@ remaining steps). Made for one GPU, e.g. Llama 3 1B at seq_len 8192 in bf16:
     python benchmarks/ac_modes_trainer.py --config debug_model.toml --flavor 1B --seq-len 8192 \\
         --steps 8 --warmup 3 [--modes none full "selective 2" "selective op"] [-- EXTRA OVERRIDES]
 
+`--modes` may also name "none + compile", "full + compile" and "selective op + compile"
+(`compile.enable`: each block compiled after AC); compiling happens in the warm-up steps.
+
 It also runs on the CPU with the debug model (MFU is then n/a: no peak FLOPs are known). A mode
 whose run fails, or outlasts `--timeout`, gets a row saying so and the exit code is 1.
 """
@@ -27,6 +30,10 @@ MODES = {
     "selective 2": [_MODE, "selective", _OPTION, "2"],
     "selective op": [_MODE, "selective", _OPTION, "op"],
 }
+# Eager SAC runs each op of the forward and of the recompute through a Python dispatch mode;
+# compiled, the policy is applied once, in the graph. Not in the default --modes.
+EAGER_MODES = list(MODES)
+MODES |= {f"{m} + compile": [*MODES[m], "--compile.enable"] for m in ("none", "full", "selective op")}
 MEMORY_KEYS = ("memory/max_allocated_gib", "memory/max_rss_gib")
 
 
@@ -79,7 +86,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped before the medians")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=EAGER_MODES, choices=list(MODES))
     parser.add_argument("--timeout", type=float, default=None, help="seconds allowed to each mode's run")
     parser.add_argument("extra", nargs="*", help="more trainer overrides, after --")
     cli = parser.parse_args()
@@ -89,7 +96,7 @@ def main() -> None:
     failed, held, base = [], [], None
     with tempfile.TemporaryDirectory() as tmp:
         for mode in cli.modes:
-            records = run_mode(cli, mode, Path(tmp) / mode.replace(" ", "_"))
+            records = run_mode(cli, mode, Path(tmp) / mode.replace(" ", "_").replace("+", ""))
             if isinstance(records, str):
                 failed.append(f"{mode} {records}")
                 held.append(f"| {mode} | {records} | | | | |")

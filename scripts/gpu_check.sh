@@ -10,7 +10,8 @@
 #   2. each model's flex-attention debug config in bf16, 10 steps with op-SAC + compile, then
 #      with full AC: six trainer runs;
 #   3. the AC benchmark through the trainer on Llama 3 1B at seq_len 8192 (bf16): tokens/s,
-#      MFU and peak memory per AC mode, as one table;
+#      MFU and peak memory per AC mode, as one table (the eager modes, then no AC and op-SAC
+#      with compile);
 #   4. building the block_causal BlockMask eagerly vs compiled at 4 x 8192 (time, peak memory).
 # Steps 1 and 2 are mostly compiling on the host, so their nine processes run at once (the
 # debug models use little of the GPU; step 2's tokens/s are therefore only indicative); steps 3
@@ -62,16 +63,18 @@ else
     device=cuda
     train_steps=10
     if [[ "$mode" == "--quick" ]]; then
-        bench=(--config debug_model.toml --seq-len 2048 --batch 4 --steps 8 --warmup 3 --timeout 45)
+        bench=(--config debug_model.toml --seq-len 2048 --batch 4 --steps 8 --warmup 3 --timeout 60)
     else
         # Llama 3 1B on the bundled corpus and tokenizer (nothing to download).
-        bench=(--config debug_model.toml --flavor 1B --seq-len 8192 --batch 1 --steps 8 --warmup 3 --timeout 45)
+        bench=(--config debug_model.toml --flavor 1B --seq-len 8192 --batch 1 --steps 8 --warmup 3 --timeout 60)
     fi
     mask_size=(--batch 4 --seq-len 8192)
-    # 60 + 240 + 195 + 35 s, plus up to 10 s each to kill a stage: under the 600 s a lent
-    # machine allows one command, with time left to pack the logs. The pre-flight's budget
-    # covers a fresh machine's cold start (first CUDA context, first Triton compile).
-    budget_preflight=60 budget_parallel=240 budget_bench=195 budget_mask=35
+    # 60 + 220 + 210 + 70 s, plus up to 10 s each to kill a stage: at most the 600 s a lent
+    # machine allows one command. The pre-flight's budget covers a fresh machine's cold start
+    # (first CUDA context, first Triton compile). First run (H200, 2026-12-04): pre-flight and
+    # steps 1-2 197 s, step 3's four eager modes 64 s; step 4 outlasted the 35 s it had then,
+    # before its first row.
+    budget_preflight=60 budget_parallel=220 budget_bench=210 budget_mask=70
 fi
 failed=0
 start=$SECONDS
@@ -128,11 +131,12 @@ pids=()
 export TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / 4 > 1 ? $(nproc) / 4 : 1 ))
 # Three pytest processes: the flex mask compiles, the two compiled training runs, the rest.
 # -rfEsP lists failures, errors and skips, and prints what passing tests print (the
-# optimizer-in-backward peak memory figures).
+# optimizer-in-backward peak memory figures); --log-level=WARNING keeps torch's DEBUG trace
+# records (thousands of lines per compiled flex test on torch 2.11) out of what it prints.
 test_groups=("flex_block_mask" "learns" "not flex_block_mask and not learns")
 test_logs=("$out/gpu_tests_flex.log" "$out/gpu_tests_training.log" "$out/gpu_tests_other.log")
 for i in 0 1 2; do
-    run_limited "$budget_parallel" "${test_logs[$i]}" "$py" -m pytest -q -rfEsP -m gpu tests/gpu -k "${test_groups[$i]}" &
+    run_limited "$budget_parallel" "${test_logs[$i]}" "$py" -m pytest -q -rfEsP --log-level=WARNING -m gpu tests/gpu -k "${test_groups[$i]}" &
     pids+=($!)
 done
 configs=(debug_model_flex_attn qwen3_debug_model_flex_attn deepseek_v3_debug_model_flex_attn)
@@ -144,8 +148,8 @@ for config in "${configs[@]}"; do
         esac
         rm -rf "${out:?}/$config-$ac"
         run_limited "$budget_parallel" "$out/$config-$ac.log" "$py" -m torchtitan.train --config "$config.toml" \
-            --training.steps "$train_steps" --metrics.log_freq 1 "${bf16[@]}" "${ac_args[@]}" \
-            --job.dump_folder "$out/$config-$ac" &
+            --training.steps "$train_steps" --lr_scheduler.warmup_steps 2 --metrics.log_freq 1 \
+            "${bf16[@]}" "${ac_args[@]}" --job.dump_folder "$out/$config-$ac" &
         pids+=($!)
     done
 done
@@ -197,8 +201,10 @@ done
 cat "$out/flex.md"
 
 echo "== 3. AC modes through the trainer (at $((SECONDS - start)) s)"
-run_limited "$budget_bench" "$out/ac_modes.md" "$py" benchmarks/ac_modes_trainer.py "${bench[@]}" -- "${bf16[@]}" \
-    --optimizer.lr 3e-4
+# Eager modes first: a stage stopped at its budget keeps the rows already printed.
+bench_modes=(none full "selective 2" "selective op" "none + compile" "selective op + compile")
+run_limited "$budget_bench" "$out/ac_modes.md" "$py" benchmarks/ac_modes_trainer.py "${bench[@]}" \
+    --modes "${bench_modes[@]}" -- "${bf16[@]}" --optimizer.lr 3e-4
 rc=$?
 cat "$out/ac_modes.md"
 if [[ $rc != 0 ]]; then
