@@ -24,7 +24,7 @@
 #
 # Needs the project's dependencies importable (the repo itself is put on PYTHONPATH; torchao
 # only for the float8 test); runs $PYTHON (default python3); writes logs under
-# ${GPU_CHECK_DIR:-/tmp/gpu_check}. The stage budgets add up to about 9.5 minutes at most.
+# ${GPU_CHECK_DIR:-/tmp/gpu_check}. The stage budgets add up to 10 minutes at most.
 # Exit code: 0 when every step passed, else the number of failed steps; 99: the pre-flight
 # failed (nothing else ran); 100: no GPU; 64: a wrong argument.
 set -uo pipefail
