@@ -251,6 +251,25 @@ def trunc_normal(std: float):
     return lambda t: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
+class RMSNorm(nn.RMSNorm):
+    """`nn.RMSNorm` that computes in its input's dtype, with its weight cast to it when they
+    differ, as FSDP's bf16 mixed precision casts it.
+
+    Why: under bf16 autocast (one device, or data parallelism by replication), the weights stay
+    fp32 while a norm fed by a matmul gets bf16 (Qwen3's q/k norms, DeepSeek-V3's q/kv norms;
+    the block norms read the fp32 residual). `F.rms_norm` cannot send mixed dtypes to the GPU's
+    fused kernel: it warns "Mismatch dtype between input and weight" and runs the decomposed
+    form, several kernels that also hold the input upcast to fp32 for backward. The cast rounds
+    the weight to bf16 for the product only; its gradient and the optimizer stay fp32.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if weight is not None and weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
 class FeedForward(nn.Module):
     """SwiGLU MLP `w2(silu(w1(x)) * w3(x))` of nn.Linear layers (named so that a TP plan shards
     w1/w3 column-wise and w2 row-wise): dense feed-forwards and MoE shared experts."""
@@ -288,9 +307,9 @@ class DecoderBlock(nn.Module):
     def __init__(self, dim: int, norm_eps: float, attention: nn.Module, mlp: nn.Module, mlp_name: str,
                  out_std: float):  # fmt: skip
         super().__init__()
-        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention_norm = RMSNorm(dim, eps=norm_eps)
         self.attention = attention
-        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm = RMSNorm(dim, eps=norm_eps)
         self.register_module(mlp_name, mlp)
         self.mlp_name, self.out_std = mlp_name, out_std
 

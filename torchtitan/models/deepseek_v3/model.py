@@ -12,7 +12,7 @@ import torch.nn as nn
 from torchtitan.distributed.utils import init_param_
 from torchtitan.models.attention import AttentionMasks, build_attention
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-from torchtitan.models.layers import DecoderBlock, FeedForward, depth_scaled_std, trunc_normal
+from torchtitan.models.layers import DecoderBlock, FeedForward, RMSNorm, depth_scaled_std, trunc_normal
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.moe import MoE
 from torchtitan.models.rope import apply_rope, precompute_rope_cache
@@ -46,10 +46,10 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             self.wq = None
             self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)
+            self.q_norm = RMSNorm(args.q_lora_rank, eps=args.norm_eps)
             self.wq_b = nn.Linear(args.q_lora_rank, q_out, bias=False)
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.norm_eps)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, eps=args.norm_eps)
         kv_out = args.n_heads * (args.qk_nope_head_dim + args.v_head_dim)
         self.wkv_b = nn.Linear(args.kv_lora_rank, kv_out, bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)

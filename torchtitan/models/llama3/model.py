@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from torchtitan.distributed.utils import init_param_
 from torchtitan.models.attention import AttentionMasks, build_attention
-from torchtitan.models.layers import DecoderBlock, FeedForward, depth_scaled_std, trunc_normal
+from torchtitan.models.layers import DecoderBlock, FeedForward, RMSNorm, depth_scaled_std, trunc_normal
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.rope import apply_rope, precompute_rope_cache
 
@@ -66,7 +66,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): self.block_cls(i, args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
 

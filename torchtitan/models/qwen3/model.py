@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan.distributed.utils import init_param_
-from torchtitan.models.layers import DecoderBlock, FeedForward, depth_scaled_std
+from torchtitan.models.layers import DecoderBlock, FeedForward, RMSNorm, depth_scaled_std
 from torchtitan.models.llama3.model import Attention, Transformer
 from torchtitan.models.moe import MoE
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
@@ -28,8 +28,8 @@ class Qwen3Attention(Attention):
 
     def __init__(self, args: Qwen3ModelArgs):
         super().__init__(args)
-        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
-        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.q_norm is None:
