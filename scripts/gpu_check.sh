@@ -63,18 +63,18 @@ else
     device=cuda
     train_steps=10
     if [[ "$mode" == "--quick" ]]; then
-        bench=(--config debug_model.toml --seq-len 2048 --batch 4 --steps 8 --warmup 3 --timeout 60)
+        bench=(--config debug_model.toml --seq-len 2048 --batch 4 --steps 8 --warmup 3 --timeout 70)
     else
         # Llama 3 1B on the bundled corpus and tokenizer (nothing to download).
-        bench=(--config debug_model.toml --flavor 1B --seq-len 8192 --batch 1 --steps 8 --warmup 3 --timeout 60)
+        bench=(--config debug_model.toml --flavor 1B --seq-len 8192 --batch 1 --steps 8 --warmup 3 --timeout 70)
     fi
     mask_size=(--batch 4 --seq-len 8192)
-    # 60 + 220 + 210 + 70 s, plus up to 10 s each to kill a stage: at most the 600 s a lent
+    # 60 + 220 + 190 + 90 s, plus up to 10 s each to kill a stage: under the 600 s a lent
     # machine allows one command. The pre-flight's budget covers a fresh machine's cold start
-    # (first CUDA context, first Triton compile). First run (H200, 2026-12-04): pre-flight and
-    # steps 1-2 197 s, step 3's four eager modes 64 s; step 4 outlasted the 35 s it had then,
-    # before its first row.
-    budget_preflight=60 budget_parallel=220 budget_bench=210 budget_mask=70
+    # (first CUDA context, first Triton compile). Measured on an H200 (2026-12-04): pre-flight
+    # and steps 1-2 197 s; step 3 107 s (its six modes); step 4 about 50 s, 42 of them the
+    # first compiled build (the 35 s it had in the first run stopped it before its first row).
+    budget_preflight=60 budget_parallel=220 budget_bench=190 budget_mask=90
 fi
 failed=0
 start=$SECONDS
