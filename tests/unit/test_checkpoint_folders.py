@@ -62,13 +62,14 @@ def test_pruning_only_renames_the_checkpoints_it_drops_leaving_the_deleting_to_t
     assert all((p / ".metadata").is_file() for p in doomed)  # still there, renamed
 
 
-def test_a_damaged_old_checkpoint_is_pruned_in_its_turn_not_kept_as_the_newest_resumable(tmp_path):
+def test_a_damaged_old_checkpoint_is_kept_aside_neither_counted_as_resumable_nor_deleted(tmp_path):
     _save(tmp_path, 2)
     _save(tmp_path, 4)
     (tmp_path / "step-4" / ".metadata").write_bytes(b"")  # unreadable: neither resumable nor an error
     _save(tmp_path, 6, resumable=False)
     _prune(tmp_path, keep=1)
     assert complete_steps(tmp_path) == [2, 6]
+    assert (tmp_path / "step-4.unreadable" / "__0_0.distcp").is_file()
 
 
 def test_folders_a_killed_run_left_undeleted_are_deleted_at_the_next_prune(tmp_path):
@@ -290,3 +291,58 @@ def test_a_step_folder_name_parses_back_to_its_step(tmp_path, hf):
 def test_a_folder_that_is_no_step_checkpoint_has_no_step(tmp_path):
     with pytest.raises(ValueError, match="step-12.partial is not a step-N checkpoint folder"):
         step_of(tmp_path / "step-12.partial")
+
+
+def test_a_step_folder_without_metadata_is_kept_aside_and_the_resume_takes_the_newest_complete_one(
+    tmp_path, caplog
+):
+    manager = _manager(tmp_path)
+    for step in (2, 4):
+        _save(manager.folder, step)
+    (manager.folder / "step-4" / ".metadata").unlink()
+
+    with caplog.at_level(logging.WARNING):
+        assert _load_folders_only(manager) == ["step-2"]
+
+    assert sorted(p.name for p in manager.folder.iterdir()) == ["step-2", "step-4.incomplete"]
+    assert (manager.folder / "step-4.incomplete" / "__0_0.distcp").is_file()
+    assert "step-4 (step 4) is not usable: it has no .metadata" in caplog.text
+    assert caplog.text.count("is not usable") == 1
+
+
+def test_a_load_only_run_leaves_an_incomplete_step_folder_where_it_is(tmp_path, caplog):
+    manager = _manager(tmp_path, "--checkpoint.load_only")
+    for step in (2, 4):
+        _save(manager.folder, step)
+    (manager.folder / "step-4" / ".metadata").unlink()
+
+    with caplog.at_level(logging.WARNING):
+        assert _load_folders_only(manager) == ["step-2"]
+
+    assert sorted(p.name for p in manager.folder.iterdir()) == ["step-2", "step-4"]
+    assert "step-4 has no .metadata: not resumed from" in caplog.text
+
+
+def test_a_save_over_a_step_folder_without_metadata_keeps_the_old_folder(tmp_path):
+    from torchtitan.components.checkpoint_folders import replace_folder
+
+    _save(tmp_path, 5)
+    (tmp_path / "step-5" / ".metadata").unlink()
+    _save(tmp_path, 5, suffix=".partial")
+
+    assert replace_folder(tmp_path / "step-5", tmp_path / "step-5.partial") == []
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-5", "step-5.incomplete"]
+    assert (tmp_path / "step-5.incomplete" / "__0_0.distcp").is_file()
+
+
+def test_a_second_incomplete_folder_of_the_same_step_gets_a_name_of_its_own(tmp_path):
+    from torchtitan.components.checkpoint_folders import keep_incomplete_aside
+
+    (tmp_path / "step-3.incomplete").mkdir()
+    (tmp_path / "step-3").mkdir()
+
+    assert keep_incomplete_aside(tmp_path) == [3]
+
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[0] == "step-3.incomplete" and names[1].startswith("step-3.incomplete-") and len(names) == 2

@@ -44,14 +44,24 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from torchtitan.components.checkpoint_checksums import (
+    ChecksumError,
+    ChecksummedWriter,
+    has_checksums,
+    is_intact,
+    verify_share,
+)
 from torchtitan.components.checkpoint_folders import (
     PARTIAL_SUFFIX,
+    RESUME_KEY,
     SUPERSEDED_SUFFIX,
     BackgroundFileWork,
     complete_steps,
     delete_folders,
     hf_export_steps,
+    incomplete_steps,
     is_dcp,
+    keep_incomplete_aside,
     load_from,
     prune_checkpoints,
     read_metadata,
@@ -325,18 +335,21 @@ class CheckpointManager:
                 # without this, the copy could read weights the optimizer step is still writing.
                 torch.accelerator.current_stream(self.device).synchronize()
             response = dcp.async_save(
-                state, checkpoint_id=str(partial), process_group=self.async_group, async_stager=self._stager()
-            )
+                state, storage_writer=ChecksummedWriter(partial), process_group=self.async_group,
+                async_stager=self._stager(),
+            )  # fmt: skip
             self.staging = response.staging_completion
             self.pending = (response.upload_completion, partial, final, start)
             return
         if c.async_mode == "async" and not (last or force_sync):
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
+            future = dcp.async_save(
+                state, storage_writer=ChecksummedWriter(partial), process_group=self.async_group
+            )
             self.pending = (future, partial, final, start)
             return
         # On the checkpointer's group: ranks that finish writing wait for the slowest rank's
         # write and rank 0's metadata, which may outlast the training timeout.
-        dcp.save(state, checkpoint_id=str(partial), process_group=self.wait_group)
+        dcp.save(state, storage_writer=ChecksummedWriter(partial), process_group=self.wait_group)
         model_only = last and c.last_save_model_only
         self._publish(
             partial, final, start, kind=" (model only: an export, not resumable)" if model_only else ""
@@ -379,7 +392,7 @@ class CheckpointManager:
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         shutil.rmtree(partial, ignore_errors=True)
         start = time.perf_counter()
-        dcp.save({"model": self._model_state()}, checkpoint_id=str(partial))
+        dcp.save({"model": self._model_state()}, storage_writer=ChecksummedWriter(partial))
         self._publish(partial, final, start)
 
     def _export_model_state(self) -> dict:
@@ -496,6 +509,7 @@ class CheckpointManager:
         """See `resume_step`; raises ConfigError for a missing `load_step`, a folder of exports
         only, or an unreadable checkpoint."""
         c = self.config
+        self._keep_incomplete_aside()
         steps = complete_steps(self.folder)
         if c.load_step >= 0:
             if c.load_step not in steps:
@@ -524,6 +538,60 @@ class CheckpointManager:
                 "checkpoint.initial_load_in_hf = true; to end runs resumably, set last_save_in_hf = false."
             )
         return 0 if steps else None
+
+    def _keep_incomplete_aside(self) -> None:
+        """Rank 0: rename `step-N` folders without `.metadata` aside (`keep_incomplete_aside`),
+        so that neither a resume nor the next save of that step (which replaces the folder)
+        touches them; a load_only run, which leaves the folder as it is, only warns."""
+        if self.config.load_only:
+            for step in incomplete_steps(self.folder):
+                logger.warning(
+                    f"Checkpoint {step_folder(self.folder, step)} has no .metadata: not resumed from"
+                )
+            return
+        keep_incomplete_aside(self.folder)
+
+    def _verify_checksums(self, folder: Path, key: str) -> None:
+        """Check every file of the checkpoint in `folder` against the checksums its save wrote,
+        each rank a share, before anything is loaded (`checkpoint.verify_checksums`).
+        Collective: every rank calls it.
+
+        Raises:
+            ConfigError: on every rank, naming the damaged file, the step and, for a resume,
+                the newest intact step to load instead.
+        """
+        if not self.config.verify_checksums:
+            return
+        if not has_checksums(folder):
+            logger.info(f"Checkpoint {folder} has no checksums (written without them): loading it unverified")
+            return
+        start = time.perf_counter()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        agree_on_config_errors(lambda: self._verify_share(folder, key, world))
+        logger.info(f"Checked the checksums of {folder} in {time.perf_counter() - start:.1f}s")
+
+    def _verify_share(self, folder: Path, key: str, world: int) -> None:
+        try:
+            verify_share(folder, _rank(), world)
+        except ChecksumError as error:
+            raise ConfigError(f"{error} {self._damaged_checkpoint_fix(folder, key)}") from None
+
+    def _damaged_checkpoint_fix(self, folder: Path, key: str) -> str:
+        """What to do about the damaged checkpoint in `folder`: for a resume, the newest older
+        step whose files all match their checksums."""
+        if key != RESUME_KEY:
+            return f"Point {key} at another checkpoint."
+        older = [s for s in complete_steps(folder.parent) if s < step_of(folder)]
+        intact = next((s for s in reversed(older) if is_intact(step_folder(folder.parent, s))), None)
+        if intact is None:
+            return (
+                f"No older checkpoint in {folder.parent} is intact: move {folder.name} aside to start "
+                "over, or set checkpoint.verify_checksums = false to load it anyway."
+            )
+        return (
+            f"The newest intact checkpoint is step {intact}: resume from it with checkpoint.load_step = "
+            f"{intact}, or move {folder.name} aside; checkpoint.verify_checksums = false loads it anyway."
+        )
 
     def load(self, train_state: TrainState) -> bool:
         """Restore the newest checkpoint (or `initial_load_path`) in place; True when one was read."""
@@ -643,8 +711,9 @@ class CheckpointManager:
                 f"step-N{SUPERSEDED_SUFFIX} in {self.folder} (rename one back to resume from it)"
             )
 
-    def _load_full(self, folder: Path, train_state: TrainState, key: str = "checkpoint.folder") -> None:
+    def _load_full(self, folder: Path, train_state: TrainState, key: str = RESUME_KEY) -> None:
         excluded = set(self.config.exclude_from_loading)
+        self._verify_checksums(folder, key)
         metadata = read_metadata(folder, key)
         saved = {name.split(".")[0] for name in metadata.state_dict_metadata}
         wanted = [k for k in STATE_KEYS if k not in excluded and k in saved]
@@ -788,6 +857,7 @@ class CheckpointManager:
             # position, step), less `exclude_from_loading`; this run saves to its own folder.
             self._load_full(path, train_state, "checkpoint.initial_load_path")
             return
+        self._verify_checksums(path, "checkpoint.initial_load_path")
         state = {"model": self._model_state()}
         on_disk = self._on_disk(state)
         self._check_fits(path, on_disk["model"], "checkpoint.initial_load_path")

@@ -4,7 +4,9 @@ checkpoint's metadata and state with an error that says what to do when it is da
 
 A save writes `step-N.partial` and renames it to `step-N` once every rank is done, so a complete
 checkpoint is a `step-N` folder holding DCP's `.metadata` (which DCP writes last). Folders with
-any other suffix (`.partial`, `.superseded`, `.deleting-*`) are never resumed from.
+any other suffix (`.partial`, `.superseded`, `.incomplete`, `.unreadable`, `.deleting-*`) are
+never resumed from. A `step-N` folder without `.metadata` (a save copied or damaged by hand) is
+never deleted: it is renamed `step-N.incomplete` and kept for a person to look at.
 """
 
 import logging
@@ -30,6 +32,8 @@ HF_EXPORT_FOLDER = re.compile(r"^step-(\d+)-hf$")  # last_save_in_hf's final exp
 PARTIAL_SUFFIX = ".partial"
 SUPERSEDED_SUFFIX = ".superseded"
 DELETING_SUFFIX = ".deleting"  # `step-N.deleting-<ns>`: set aside for a background thread to delete
+INCOMPLETE_SUFFIX = ".incomplete"  # a `step-N` without `.metadata`, kept, never deleted
+UNREADABLE_SUFFIX = ".unreadable"  # a `step-N` whose `.metadata` pruning could not read, kept
 RESUME_KEY = "checkpoint.folder"  # the setting a resume reads from; others: initial_load_path
 
 
@@ -63,10 +67,53 @@ def is_dcp(folder: Path) -> bool:
 def replace_folder(final: Path, new: Path) -> list[Path]:
     """Rename `new` to `final`. A folder already there is renamed aside first (`set_aside`) and
     returned for the caller to delete: deleting it in place (minutes for a large checkpoint)
-    would leave no `final` at all until the rename, which a kill in between made permanent."""
-    old = [set_aside(final)] if final.exists() else []
+    would leave no `final` at all until the rename, which a kill in between made permanent.
+    A `step-N` there without `.metadata` is kept instead (`keep_aside`), never deleted."""
+    old = []
+    if final.exists() and STEP_FOLDER.match(final.name) and not is_dcp(final):
+        keep_aside(final, INCOMPLETE_SUFFIX, "it has no .metadata")
+    elif final.exists():
+        old = [set_aside(final)]
     new.rename(final)
     return old
+
+
+def keep_aside(path: Path, suffix: str, reason: str) -> Path:
+    """Rename `path` to `<name><suffix>` (with a number if that is taken), never to be read or
+    deleted by the trainer, and warn with `reason`; returns the new path."""
+    kept = path.with_name(path.name + suffix)
+    if kept.exists():
+        kept = path.with_name(f"{path.name}{suffix}-{time.time_ns()}")
+    path.rename(kept)
+    logger.warning(
+        f"Checkpoint {path} (step {step_of(path)}) is not usable: {reason}. Renamed it {kept.name}, "
+        "which no run reads or deletes: look at it, then delete it or rename it back"
+    )
+    return kept
+
+
+def incomplete_steps(folder: Path) -> list[int]:
+    """Steps of `step-N` folders in `folder` that lack DCP's `.metadata`, ascending: never a
+    finished save (saves become `step-N` only when whole), but a copy cut short or a damaged one."""
+    if not folder.is_dir():
+        return []
+    return sorted(
+        int(m.group(1))
+        for p in folder.iterdir()
+        if (m := STEP_FOLDER.match(p.name)) and p.is_dir() and not is_dcp(p)
+    )
+
+
+def keep_incomplete_aside(folder: Path) -> list[int]:
+    """`keep_aside` every incomplete `step-N` folder in `folder` (see `incomplete_steps`);
+    returns their steps. Rank 0 only, before choosing the step to resume: left in place, the
+    next save of that step would replace (delete) it."""
+    steps = incomplete_steps(folder)
+    for step in steps:
+        keep_aside(
+            step_folder(folder, step), INCOMPLETE_SUFFIX, "it has no .metadata, which a save writes last"
+        )
+    return steps
 
 
 # What reading a damaged DCP checkpoint raises: a shard missing or truncated, metadata emptied.
@@ -170,18 +217,20 @@ def prune_checkpoints(folder: Path, keep: int) -> list[Path]:
         return []
     left_undeleted = list(folder.glob(f"*{DELETING_SUFFIX}-*"))
     steps = complete_steps(folder)
-    resumable = [step for step in steps if _readable_and_resumable(step_folder(folder, step))]
+    readable = []
+    for step in steps:
+        try:
+            keys = saved_keys(step_folder(folder, step))
+        except ConfigError:
+            # Not counted, and not deleted either: what is wrong with it is for a person to see.
+            keep_aside(step_folder(folder, step), UNREADABLE_SUFFIX, "its .metadata cannot be read")
+            continue
+        readable.append((step, "train_state" in keys))
+    resumable = [step for step, has_train_state in readable if has_train_state]
+    steps = [step for step, _ in readable]
     kept = set(steps[-keep:]) | set(resumable[-1:])
     pruned = [step_folder(folder, step) for step in steps if step not in kept]
     return left_undeleted + [set_aside(path) for path in pruned + _abandoned_partials(folder, steps)]
-
-
-def _readable_and_resumable(checkpoint: Path) -> bool:
-    """A damaged checkpoint is not one to keep for a resume (pruning deletes it in its turn)."""
-    try:
-        return "train_state" in saved_keys(checkpoint)
-    except ConfigError:
-        return False
 
 
 def delete_folders(folders: list[Path]) -> None:

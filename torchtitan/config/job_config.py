@@ -344,6 +344,11 @@ class Checkpoint:
     )
     initial_load_in_hf: bool = opt(False, "initial_load_path holds HF safetensors")
     last_save_in_hf: bool = opt(False, "final save as HF safetensors")
+    verify_checksums: bool = opt(
+        True,
+        "before a load, check each file of a DCP checkpoint against the checksums its save wrote; a "
+        "damaged file is refused, naming it and the newest intact step",
+    )
 
 
 @dataclass
