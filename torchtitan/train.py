@@ -4,7 +4,6 @@ Run as `python -m torchtitan.train [--config NAME_OR_PATH] [--section.key value 
 or under torchrun. The same code runs on CUDA (nccl) and on the CPU (gloo).
 """
 
-import datetime
 import gc
 import logging
 import os
@@ -23,7 +22,9 @@ from torchtitan.components.dataloader import build_validation_dataloader, unwrap
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.model_converter import build_model_converters
 from torchtitan.components.optimizer import OptimizerInBackward, check_early_step_in_backward
+from torchtitan.components.outputs import check_run_outputs
 from torchtitan.components.profiling import MemorySnapshotter, maybe_profile
+from torchtitan.components.stop import STOP_FILE_ENV, StopRequested, StopRequests
 from torchtitan.components.training_step import (
     autocast_context,
     describe_layout,
@@ -48,17 +49,6 @@ from torchtitan.tools.exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_S
 from torchtitan.tools.logging import init_logger
 
 logger = logging.getLogger("torchtitan")
-
-
-# A file whose appearance stops the run like SIGTERM does. multinode_trainer.slurm creates it
-# shortly before the time limit: unlike SIGTERM it does not go through torchrun, which kills its
-# workers 30 s after forwarding a signal, too soon for a large model's checkpoint.
-STOP_FILE_ENV = "TORCHTITAN_STOP_FILE"
-
-
-class StopRequested(Exception):
-    """Raised between steps after SIGTERM (or the stop file), so the run ends through the
-    normal cleanup."""
 
 
 class Trainer:
@@ -91,6 +81,7 @@ class Trainer:
             cfg.training.seed, cfg.training.deterministic, cfg.training.deterministic_warn_only
         )
         self._write_resolved_config()
+        dist_utils.agree_on_config_errors(lambda: check_run_outputs(cfg, self.rank, self.rank == 0))
 
         self.tokenizer = self.spec.build_tokenizer_fn(cfg)
         self._check_vocab()
@@ -113,16 +104,12 @@ class Trainer:
         self.first_step = 1  # of this run; later when it resumes from a checkpoint
         self.lr = cfg.optimizer.lr
         self.step_metrics: dict[str, torch.Tensor] = {}
-        self.stop_requested = False
-        self.stop_reason = "another rank's request"
-        self.stop_file = os.environ.get(STOP_FILE_ENV) or None
-        if self.stop_file and (unsaved := why_nothing_is_saved(cfg)) and self.rank == 0:
+        self.stop = StopRequests(cfg.comm.init_timeout_seconds)
+        if self.stop.stop_file_is_users and (unsaved := why_nothing_is_saved(cfg)) and self.rank == 0:
             logger.warning(
                 f"${STOP_FILE_ENV} is set, but {unsaved}: a stop before the end saves nothing to "
                 "resume from. Set checkpoint.enable = true and load_only = false to resume after a stop."
             )
-        self.stale_stop_file = self._stale_stop_file()
-        self.stop_group = self._build_stop_group()
         self.train_state = TrainState()
         self.checkpointer = CheckpointManager(
             cfg, self.model, self.optimizer, self.lr_scheduler, self.dataloader, dp_rank=dp_rank,
@@ -332,7 +319,7 @@ class Trainer:
         cfg = self.job_config
         unchecked = None  # the last step's (loss, grad_norm) until checked finite
         while self.step < cfg.training.steps:
-            if self._stop_agreed():
+            if self.stop.agreed():
                 # Not before the first step (nothing trained), nor again right after a save
                 # (or resume) of this step: during the rewrite the grace period could run out.
                 saves = not why_nothing_is_saved(cfg)
@@ -374,66 +361,6 @@ class Trainer:
             self._finite_or_raise(*unchecked)
         self.checkpointer.save(self.train_state, **save_options)
 
-    def _build_stop_group(self):
-        """A gloo group for agreeing on a stop (see `_stop_agreed`); None for one process."""
-        if not dist.is_initialized():
-            return None
-        timeout = datetime.timedelta(seconds=self.job_config.comm.init_timeout_seconds)
-        return dist.new_group(backend="gloo", timeout=timeout)
-
-    def _stop_agreed(self) -> bool:
-        """Whether to stop now. Every rank must stop at the same step, to save it and to exit with
-        the same code (one stopping alone left the others waiting in the next step's collectives
-        until they failed), so the ranks agree: one tiny all-reduce per step.
-
-        The flag is a CPU tensor on a gloo group: on the accelerator, reading the result back
-        would wait for the whole previous step to finish every step, stalling the host's run-ahead.
-        """
-        self._check_stop_file()
-        if self.stop_group is None:
-            return self.stop_requested
-        flag = torch.tensor(float(self.stop_requested))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.stop_group)
-        return bool(flag.item())
-
-    def _watches_stop_file(self) -> bool:
-        # Rank 0 alone looks (one stat per step on a shared file system); the others learn of
-        # it through the agreement.
-        return self.stop_file is not None and not (dist.is_initialized() and dist.get_rank() != 0)
-
-    def _stop_file_mtime(self) -> int | None:
-        try:
-            return os.stat(self.stop_file).st_mtime_ns
-        except FileNotFoundError:
-            return None
-
-    def _stale_stop_file(self) -> int | None:
-        """The modification time of a stop file that is there before the run starts, left by an
-        earlier stop: it is ignored, so that the next run does not stop before its first step.
-        Comparing times the file system itself stamped needs no agreement between clocks."""
-        if not self._watches_stop_file():
-            return None
-        mtime = self._stop_file_mtime()
-        if mtime is not None:
-            logger.warning(
-                f"The stop file {self.stop_file} is there from before this run (an earlier stop?); "
-                "ignoring it. Touch it (or delete and create it) to stop this run; delete it to "
-                "silence this warning."
-            )
-        return mtime
-
-    def _check_stop_file(self) -> None:
-        if self.stop_requested or not self._watches_stop_file():
-            return
-        mtime = self._stop_file_mtime()
-        if mtime is not None and mtime != self.stale_stop_file:
-            logger.warning(f"Found the stop file {self.stop_file}: stopping after the current step")
-            self.stop_requested, self.stop_reason = True, f"stop file {self.stop_file}"
-
-    def request_stop(self, signum, frame) -> None:
-        logger.warning(f"Received signal {signum}: stopping after the current step")
-        self.stop_requested, self.stop_reason = True, signal.Signals(signum).name
-
     def close(self, finished: bool = True) -> None:
         """Release what the run holds; `finished`: it trained to the end (a stop or an error
         does not wait for the checkpointer's background deleting)."""
@@ -453,7 +380,7 @@ def _stopped(trainer: "Trainer | None") -> int:
     if trainer is None:
         logger.warning("Stopped on request (SIGTERM) before training")
         return EXIT_STOPPED
-    logger.warning(f"Stopped on request ({trainer.stop_reason}) after step {trainer.step}")
+    logger.warning(f"Stopped on request ({trainer.stop.reason}) after step {trainer.step}")
     unsaved = why_nothing_is_saved(trainer.job_config)
     if trainer.step >= trainer.first_step and unsaved:
         logger.warning(
@@ -494,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _stop_while_building)
     try:
         trainer = Trainer(parse_args(argv))
-        signal.signal(signal.SIGTERM, trainer.request_stop)
+        signal.signal(signal.SIGTERM, trainer.stop.on_signal)
         trainer.train()
         finished = True
     except ConfigError as e:

@@ -9,7 +9,8 @@ argument says how:
 - `hub-with-one-document`: `training.dataset` streams, as from the hub, one document, which
   only rank 0's share of the stream holds.
 
-Each slowness is `SLOW_SECONDS`; the tests set a shorter training timeout.
+Each slowness is `SLOW_SECONDS`; the tests set a training timeout of less than half that, and
+long enough that a loaded machine's own delays between ranks stay under it.
 """
 
 import json
@@ -23,9 +24,9 @@ import datasets
 from torch.distributed.checkpoint import FileSystemWriter
 
 from torchtitan import train
-from torchtitan.components import checkpoint
+from torchtitan.components import checkpoint, stop
 
-SLOW_SECONDS = 5
+SLOW_SECONDS = 12
 
 
 def _slowed(function):
@@ -37,10 +38,13 @@ def _slowed(function):
 
 
 def _stop_before_step_3(check_stop_file):
-    def check(trainer):
-        if trainer.step == 2:
-            trainer.stop_requested, trainer.stop_reason = True, "SIGTERM"
-        return check_stop_file(trainer)
+    looks = []
+
+    def check(requests):  # the third look comes before step 3
+        looks.append(1)
+        if len(looks) == 3:
+            requests.requested, requests.reason = True, "SIGTERM"
+        return check_stop_file(requests)
 
     return check
 
@@ -64,7 +68,7 @@ def main(how: str, argv: list[str]) -> None:
     elif how == "slow-delete" and rank == 0:
         shutil.rmtree = _slowed(shutil.rmtree)
     elif how == "rank-1-stops" and rank == 1:
-        train.Trainer._check_stop_file = _stop_before_step_3(train.Trainer._check_stop_file)
+        stop.StopRequests.check_stop_file = _stop_before_step_3(stop.StopRequests.check_stop_file)
     elif how == "hub-with-one-document":
         datasets.load_dataset = _hub_with_one_document
     train.main(argv)
