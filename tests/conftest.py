@@ -1,8 +1,10 @@
 """Shared test setup: a private token cache per session, and helpers to run the trainer."""
 
+import contextlib
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -114,3 +116,23 @@ def run_trainer(args: list[str], nproc: int = 1, timeout: int = 600, env: dict |
         target = ("script", str(PROJECT_ROOT / "tests" / "integration" / "uneven_ranks_worker.py"))
         args = [uneven, *args]
     return launch(target, args, nproc, full_env, PROJECT_ROOT, timeout)
+
+
+@contextlib.contextmanager
+def read_only(folder):
+    """`folder` made read-only for this process: by its mode bits, or, for root (whom mode bits
+    do not stop), by the immutable attribute."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+        return
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("root, and this file system has no immutable attribute (chattr +i)")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)

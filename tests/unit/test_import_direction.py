@@ -19,7 +19,8 @@ LAYER_OF_PACKAGE = {
     "datasets": 3,
     "models": 4,
     "train": 5,
-    "launch": 5,  # the launch scripts' torchrun; imports no torchtitan module
+    "launch": 5,  # the launch scripts' torchrun
+    "preflight": 5,  # the launch scripts' dry build of a layout
 }
 
 # The registry's lookup imports every model so that each registers its TrainSpec, as upstream

@@ -16,9 +16,26 @@ import logging
 import sys
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import format_help, parse_args, wants_help
 
 USAGE = "usage: python -m torchtitan.config.check [--errors-only] [the trainer's arguments]"
+
+
+def checked_config(argv: list[str], errors_only: bool) -> JobConfig:
+    """The config of the trainer's arguments `argv`; with `errors_only`, its warnings hidden.
+
+    Raises:
+        ConfigError: the first mistake, as the trainer would raise it.
+    """
+    config_logger = logging.getLogger("torchtitan")
+    level = config_logger.level
+    if errors_only:
+        config_logger.setLevel(logging.ERROR)
+    try:
+        return parse_args(argv)
+    finally:
+        config_logger.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,17 +51,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
         return 0
-    config_logger = logging.getLogger("torchtitan")
-    level = config_logger.level
-    if errors_only:
-        config_logger.setLevel(logging.ERROR)
     try:
-        config = parse_args(argv)
+        config = checked_config(argv, errors_only)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    finally:
-        config_logger.setLevel(level)
     if not errors_only:
         m = config.model
         print(f"config OK: {m.name} {m.flavor}, {config.training.steps} steps", file=sys.stderr)

@@ -1,0 +1,119 @@
+"""Check a run before any of its processes starts: the config, and the layout on N ranks.
+
+    python -m torchtitan.preflight [--errors-only] [--world-size N] [the trainer's arguments]
+
+First the config is parsed and validated, as `torchtitan.config.check` does. With
+`--world-size N`, the model is then built as every rank of an N-rank run builds it: on the
+meta device, in a fake process group of N ranks in this one process, through the model's own
+converters and `parallelize_fn` (TP, EP, AC, compile, FSDP). So every refusal that needs only
+the config, the world size and this torch (degrees that do not fit, a batch that does not
+divide, a TP degree that does not divide the heads, AC with compiled TP on a torch that cannot
+run it) comes here, once, as one line and exit code 2, instead of once per rank under torchrun.
+Nothing is allocated and no weight is initialized; it takes a few seconds, most of them
+importing torch.
+
+Not checked here: what only a rank can see (its data files, the tokenizer, a checkpoint).
+
+`--errors-only` hides the config's warnings and the closing line, as the launchers want: rank 0
+logs the same warnings when training starts.
+"""
+
+import contextlib
+import logging
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from torchtitan.components.model_converter import build_model_converters
+from torchtitan.components.optimizer import check_early_step_in_backward
+from torchtitan.components.training_step import gradient_accumulation_steps
+from torchtitan.config import check
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import wants_help
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.utils import device_type
+from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
+from torchtitan.tools.dtypes import TORCH_DTYPES
+
+USAGE = "usage: python -m torchtitan.preflight [--errors-only] [--world-size N] [the trainer's arguments]"
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int):
+    """A fake process group of `world_size` ranks in this process, as rank 0; destroyed on exit.
+
+    Pitfall: the process must not be in a process group already."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def build_parallelized_model(cfg: JobConfig, parallel_dims: ParallelDims, device: torch.device) -> nn.Module:
+    """The spec's model built in `training.dtype` on the meta device, converted and parallelized
+    as the trainer builds it; no storage, no initialized weights."""
+    spec = get_train_spec(cfg.model.name)
+    model_args = spec.get_flavor(cfg.model.flavor).update_from_config(cfg)
+    model = spec.build_meta_model(model_args, TORCH_DTYPES[cfg.training.dtype])
+    build_model_converters(cfg, parallel_dims, device).convert(model)
+    return spec.parallelize_fn(model, parallel_dims, cfg, device)
+
+
+def check_layout(cfg: JobConfig, world_size: int, device: torch.device | None = None) -> None:
+    """Build the run's model for `world_size` ranks as they would (see the module's docstring).
+
+    Raises:
+        ConfigError: the first refusal a rank would raise while building.
+    """
+    device = device or torch.device(device_type())
+    import_custom_module(cfg.job.custom_import)
+    with fake_world(world_size):
+        parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
+        accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
+        check_early_step_in_backward(cfg, parallel_dims, accum_steps)
+        parallel_dims.build_mesh(device.type)
+        build_parallelized_model(cfg, parallel_dims, device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    errors_only = argv[:1] == ["--errors-only"]
+    rest = argv[1:] if errors_only else argv
+    if rest[:1] != ["--world-size"]:
+        return check.main(argv)
+    if len(rest) < 2 or not rest[1].isdecimal() or int(rest[1]) < 1:
+        print(f"error: --world-size takes a positive number of ranks.\n{USAGE}", file=sys.stderr)
+        return 2
+    world_size, rest = int(rest[1]), rest[2:]
+    if wants_help(rest):
+        return check.main(["--errors-only", *rest] if errors_only else rest)
+    try:
+        config = check.checked_config(rest, errors_only)
+        quiet = logging.getLogger("torchtitan")
+        level = quiet.level
+        if errors_only:
+            quiet.setLevel(logging.ERROR)
+        try:
+            check_layout(config, world_size)
+        finally:
+            quiet.setLevel(level)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not errors_only:
+        m = config.model
+        print(
+            f"preflight OK: {m.name} {m.flavor}, {config.training.steps} steps on {world_size} ranks",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
