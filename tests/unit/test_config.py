@@ -542,3 +542,25 @@ def test_numbers_in_a_list_of_names_are_refused_not_read_as_names(tmp_path):
     path.write_text("[compile]\ncomponents = [1, 2]\n")
     message = _error(["--config", str(path)])
     assert "'compile.components' = [1, 2]" in message and "expected a list of str" in message
+
+
+def test_a_key_set_twice_in_a_toml_file_is_named_with_both_lines(tmp_path):
+    """tomllib says only "Cannot overwrite a value (at line 4, column 10)"."""
+    config = tmp_path / "twice.toml"
+    config.write_text("[training]\nsteps = 3\nseq_len = 64\nsteps = 5\n")
+    with pytest.raises(ConfigError, match=r"sets 'training.steps' twice \(lines 2 and 4\); keep one of them"):
+        parse_args(["--config", str(config)], env={})
+
+
+def test_two_config_files_on_the_command_line_are_refused_naming_both():
+    with pytest.raises(
+        ConfigError, match=r"two config files are given: 'debug_model.toml' and --job.config_file 'x.toml'"
+    ):
+        parse_args(["--config", "debug_model.toml", "--job.config_file", "x.toml"], env={})
+
+
+def test_an_empty_config_file_warns_that_every_default_is_taken(tmp_path, caplog):
+    config = tmp_path / "empty.toml"
+    config.write_text("")
+    parse_args(["--config", str(config)], env={})
+    assert f"config file {config} is empty: the run takes every default" in caplog.text

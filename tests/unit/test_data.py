@@ -353,11 +353,26 @@ def test_records_without_text_field_name_the_columns(tmp_path, tokenizer):
         ('{"text": null}\n', r"record 0 .* has 'text' = None"),
         ('{"text": ["two", "parts"]}\n', r"record 0 .* has 'text' = \['two', 'parts'\]"),
         ('{"text": 7}\n', r"record 0 .* has 'text' = 7"),
-        (b'{"text": "caf\xe9"}\n', r"cannot be read .*UTF-8"),
+        (b'{"text": "caf\xe9"}\n', r"line 1 is not UTF-8 \(byte 0xe9 at column 14\); save the file as UTF-8"),
+        (
+            b'{"text": "a"}\n{"text": "b"}\n{"text": "\xff"}\n',
+            r"line 3 is not UTF-8 \(byte 0xff at column 11\)",
+        ),
         ('{"text": "a"}\n{not json\n', r"cannot be read .*UTF-8 json"),
-        ("", r"cannot be read .*at least one record"),
+        ("", r"has no records \(it is empty\)"),
+        ("\n  \n", r"has no records \(it is empty or blank\)"),
     ],
-    ids=["missing", "null", "list", "number", "latin-1", "malformed", "empty"],
+    ids=[
+        "missing",
+        "null",
+        "list",
+        "number",
+        "latin-1",
+        "a bad byte in record 3",
+        "malformed",
+        "empty",
+        "blank",
+    ],
 )
 def test_an_unreadable_local_record_is_a_config_error_naming_the_file(tmp_path, tokenizer, content, named):
     data = tmp_path / "d.jsonl"

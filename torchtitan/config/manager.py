@@ -10,6 +10,7 @@ then checks what they mean together.
 import dataclasses
 import difflib
 import logging
+import re
 import sys
 import types
 import typing
@@ -407,7 +408,31 @@ def _read_toml(path: Path) -> dict:
             "as UTF-8."
         ) from None
     except tomllib.TOMLDecodeError as e:
+        if duplicate := _duplicate_key(raw.decode("utf-8"), str(e)):
+            raise ConfigError(f"config file {path} {duplicate}; keep one of them.") from None
         raise ConfigError(f"config file {path} is not valid TOML: {e}.") from None
+
+
+def _duplicate_key(text: str, error: str) -> str | None:
+    """For tomllib's "Cannot overwrite a value (at line N, column C)": which key is set twice
+    and where, as "sets 'section.key' twice (lines M and N)"; None for any other error."""
+    found = re.match(r"Cannot overwrite a value \(at line (\d+)", error)
+    if not found:
+        return None
+    line_number = int(found.group(1))
+    lines = text.splitlines()
+    key_at = re.compile(r"\s*([A-Za-z0-9_.\-\"']+)\s*=")
+    section, seen = "", {}
+    for number, line in enumerate(lines[:line_number], start=1):
+        if header := re.match(r"\s*\[([^\[\]]+)\]", line):
+            section = header.group(1).strip()
+        elif (key := key_at.match(line)) is not None:
+            name = f"{section}.{key.group(1).strip(chr(34) + chr(39))}" if section else key.group(1)
+            if number == line_number:
+                first = seen.get(name)
+                return f"sets '{name}' twice (lines {first} and {number})" if first else None
+            seen.setdefault(name, number)
+    return None
 
 
 def _apply_toml(config: JobConfig, data: dict, path: Path) -> None:
@@ -521,6 +546,11 @@ def _split_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | 
         text = inline if eq else (nxt if takes_next else None)
         i += 2 if takes_next else 1
         if name in ("config", "job.config_file"):
+            if config_file is not None and text != config_file:
+                raise ConfigError(
+                    f"two config files are given: '{config_file}' and --{name} '{text}'; give one "
+                    "(--config NAME_OR_PATH, or --job.config_file, not both)."
+                )
             if not text:
                 # An empty value is usually an unset shell variable; training the default
                 # config instead would hide that.
@@ -606,6 +636,13 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None) -> JobCon
     config_file = config_file or env.get("CONFIG_FILE") or DEFAULT_CONFIG
     path = resolve_config_path(config_file, source)
     data = _read_toml(path)
+    if not data:
+        defaults = JobConfig()
+        logger.warning(
+            f"config file {path} is empty: the run takes every default (model {defaults.model.name} "
+            f"{defaults.model.flavor}, {defaults.training.steps} steps of {defaults.training.seq_len} "
+            "tokens). Name a preset (--config debug_model.toml) or fill the file."
+        )
     schema = _schema_of(*_custom_config_module(overrides, data))
     token = _schema.set(schema)
     try:

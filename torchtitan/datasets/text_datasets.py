@@ -94,6 +94,12 @@ def read_local_documents(files: list[Path], key: str = "training.dataset_path"):
             "one record."
         )
 
+    if empty := [f for f in files if _is_empty(f)]:
+        blank = " or blank" if empty[0].stat().st_size else ""
+        raise ConfigError(
+            f"{where}: {empty[0]} has no records (it is empty{blank}); give files with at least one "
+            "document, or leave the empty one out."
+        )
     # Streaming reads the files themselves. A non-streaming load answers from datasets' own
     # Arrow copy, which it reuses while a file's modification time is unchanged, so a rewrite
     # that kept its time (cp -p, rsync -t) would be tokenized from the old text.
@@ -111,7 +117,31 @@ def read_local_documents(files: list[Path], key: str = "training.dataset_path"):
     except ConfigError:
         raise
     except Exception as e:  # e.g. bytes that are not UTF-8, decoded only as records are read
+        if isinstance(e, UnicodeDecodeError) and (found := _first_line_not_utf8(files)):
+            raise ConfigError(f"{where}: {found}; save the file as UTF-8.") from None
         raise unreadable(e) from None
+
+
+_BLANK_PREFIX_BYTES = 1 << 16
+
+
+def _is_empty(path: Path) -> bool:
+    """No byte, or (a small file) only whitespace: no record to read."""
+    size = path.stat().st_size
+    return size == 0 or (size <= _BLANK_PREFIX_BYTES and not path.read_bytes().strip())
+
+
+def _first_line_not_utf8(files: list[Path]) -> str | None:
+    """Where the first byte that is not UTF-8 is, as "<file> line N (byte 0x.. at column C)"."""
+    for path in files:
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, start=1):
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    byte = f"byte {line[e.start]:#04x} at column {e.start + 1}"
+                    return f"{path} line {number} is not UTF-8 ({byte})"
+    return None
 
 
 def _document_text(record: dict, where: str, which: str) -> str:
