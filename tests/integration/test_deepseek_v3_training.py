@@ -1,30 +1,16 @@
-"""DeepSeek-V3 debug model end to end on the CPU: FSDP parity with one process, and learning."""
+"""DeepSeek-V3 debug model end to end on the CPU: it learns, and starts from published FP8
+weights. (Its layouts' parity with one process is test_layout_parity.py's.)"""
 
 import pytest
 
-from tests.conftest import MOE_METRICS, assert_metrics_match, read_metrics, run_trainer
+from tests.conftest import read_metrics, run_trainer
 
 pytestmark = pytest.mark.integration
 
 CONFIG = ["--config", "deepseek_v3_debug_model.toml"]
-# Small and quick, fp32 so that parity holds to rounding.
-SMALL = ["--training.seq_len", "64", "--training.steps", "3", "--metrics.log_freq", "1",
-         "--lr_scheduler.warmup_steps", "2", "--training.mixed_precision_param", "float32"]  # fmt: skip
+SMALL = ["--training.seq_len", "64", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
+         "--training.mixed_precision_param", "float32"]  # fmt: skip
 GLOBAL_BATCH = 4
-
-
-def _run(tmp_path, name, nproc, dp) -> list[dict]:
-    local = ["--training.local_batch_size", str(GLOBAL_BATCH // dp)]
-    dump = ["--job.dump_folder", str(tmp_path / name)]
-    proc = run_trainer(CONFIG + SMALL + local + dump, nproc=nproc)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return read_metrics(tmp_path / name)
-
-
-def test_fsdp_on_two_processes_matches_one_process_with_the_same_global_batch(tmp_path):
-    single = _run(tmp_path, "single", 1, 1)
-    fsdp = _run(tmp_path, "fsdp2", 2, 2)
-    assert_metrics_match(fsdp, single, steps=3, keys=MOE_METRICS)
 
 
 @pytest.mark.full_matrix  # a 20-step smoke run; the flex config's loss-falls runs cover the model by default

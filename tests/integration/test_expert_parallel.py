@@ -1,6 +1,7 @@
 """Expert parallelism over the FSDP shard group (Qwen3 MoE debug model on the CPU): EP alone,
-with FSDP, with HSDP and with TP matches one process for every AC mode, and leaves nothing behind
-between steps.
+with FSDP, with HSDP and with TP gives one process's gradients for every AC mode (the matrix is
+`full_matrix`; test_layout_parity.py runs all but one layout by default), and leaves nothing
+behind between steps.
 
 Run as a script under torchrun (2 processes), this file is also the worker of the layout and
 collective-count checks (`run_worker` launches it).
@@ -16,9 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tests.conftest import MOE_METRICS, assert_metrics_match, read_metrics, run_trainer
 from tests.integration.workers import run_worker, shut_down
 from tests.model_testing import init_on_cpu
+from tests.parity import ParityRun, assert_parity, train_for_parity
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -32,12 +33,8 @@ pytestmark = pytest.mark.integration
 
 CONFIG = ["--config", "qwen3_debug_model_moe.toml"]
 MODEL_CONFIGS = {"qwen3 moe": "qwen3_debug_model_moe.toml", "deepseek_v3": "deepseek_v3_debug_model.toml"}
-# Small and quick, fp32 so that parity holds to rounding. A gentle lr keeps the 5 steps clear of
-# loss spikes, where Adam amplifies rounding (on torch 2.11 the config's 3e-3 spiked Qwen3 MoE at
-# step 4 and blew EP 2 over TP 2's 1e-7 differences up to 6e-4; see test_qwen3_training.SMALL).
-SMALL = ["--training.seq_len", "64", "--training.steps", "5", "--metrics.log_freq", "1",
-         "--lr_scheduler.warmup_steps", "2", "--training.mixed_precision_param", "float32",
-         "--optimizer.lr", "3e-4"]  # fmt: skip
+# Small and quick, fp32 so that parity holds to rounding; the configs' own learning rates.
+SMALL = ["--training.seq_len", "64", "--training.mixed_precision_param", "float32"]
 GLOBAL_BATCH = 4
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
 REPLAY = ["--activation_checkpoint.full_ac_all_to_all", "replay"]
@@ -78,89 +75,71 @@ ONLY_CASES = {
     "FSDP 4 x EP 2 x TP 2": {("qwen3 moe", "full"), ("deepseek_v3", "selective op")},
     "HSDP 2 x 2 x TP 2, EP 4 over TP": {("qwen3 moe", "selective op"), ("deepseek_v3", "full")},
 }
-# What runs by default (full, full replay and op-SAC in at least one layout, each layout at least
-# once); the rest of the model x layout x AC matrix is `-m full_matrix`.
-# AC none on EP 2 is test_ep2_with_two_micro_batches_matches_one_process.
-DEFAULT_CASES = {
-    ("qwen3 moe", "EP 2"): {"full", "selective op"},
-    ("qwen3 moe", "HSDP 2 x 2, EP 2"): {"full"},
-    ("deepseek_v3", "EP 2"): {"full"},
-    ("deepseek_v3", "FSDP 4, EP 2"): {"full replay"},
-    ("qwen3 moe", "EP 2 x TP 2"): {"selective op"},
-    ("qwen3 moe", "EP 2 over TP 2"): {"full"},
-    ("deepseek_v3", "FSDP 2 x TP 2, EP 4 over TP"): {"selective op"},
-}
 
 
+# Every layout here but "HSDP 2 x 2 x TP 2, EP 4 over TP" (8 processes) runs by default in
+# test_layout_parity.py, each with one AC mode; that one, and the rest of the model x layout x
+# AC matrix here, are `-m full_matrix`.
 def _cases():
     for model in MODEL_CONFIGS:
         for layout in LAYOUTS:
             for ac in AC:
                 if layout in ONLY_CASES and (model, ac) not in ONLY_CASES[layout]:
                     continue
-                default = ac in DEFAULT_CASES.get((model, layout), ())
-                marks = () if default else (pytest.mark.full_matrix,)
-                yield pytest.param(model, layout, ac, marks=marks, id=f"{model}-{layout}-{ac}")
+                yield pytest.param(model, layout, ac, id=f"{model}-{layout}-{ac}")
 
 
-def _run(tmp_path, name, nproc, extra=(), config=CONFIG) -> list[dict]:
-    tp = int(extra[extra.index("--parallelism.tensor_parallel_degree") + 1]) if TP2[0] in extra else 1
-    local = ["--training.local_batch_size", str(GLOBAL_BATCH * tp // nproc)]
-    dump = ["--job.dump_folder", str(tmp_path / name)]
-    proc = run_trainer(config + SMALL + local + list(extra) + dump, nproc=nproc)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return read_metrics(tmp_path / name)
+def _run(nproc: int, extra=(), config=CONFIG, global_batch: int = GLOBAL_BATCH) -> ParityRun:
+    """2 steps of the trainer on `nproc` ranks (see tests/parity.py), the global batch split
+    over the data-parallel ranks."""
+    tp = int(extra[extra.index(TP2[0]) + 1]) if TP2[0] in extra else 1
+    local = ["--training.local_batch_size", str(global_batch * tp // nproc)]
+    batch = ["--training.global_batch_size", str(global_batch)]
+    return train_for_parity(config + SMALL + local + batch + list(extra), nproc)
 
 
-_single_runs: dict = {}
+_references: dict = {}
 
 
-def _single_process(model: str, tmp_path_factory) -> list[dict]:
-    if model not in _single_runs:
-        folder = tmp_path_factory.mktemp("ep_single")
-        _single_runs[model] = _run(folder, "single", 1, AC["none"], ["--config", MODEL_CONFIGS[model]])
-    return _single_runs[model]
+def _reference(model: str, global_batch: int = GLOBAL_BATCH) -> ParityRun:
+    if (model, global_batch) not in _references:
+        _references[model, global_batch] = _run(
+            1, AC["none"], ["--config", MODEL_CONFIGS[model]], global_batch
+        )
+    return _references[model, global_batch]
 
 
-def _assert_same_metrics(got_records, want_records, context):
-    assert_metrics_match(got_records, want_records, keys=MOE_METRICS, context=context)
+def _assert_trains_as_one_process(got: ParityRun, want: ParityRun) -> None:
+    assert_parity(got, want)
+    # A rank's load is the mean of its experts' loads: between balanced and the busiest expert's.
+    assert all(1 <= m["moe_ep_imbalance"] <= m["moe_imbalance"] for m in got.step_metrics), got.step_metrics
 
 
+@pytest.mark.full_matrix
 @pytest.mark.parametrize("model, layout, ac", list(_cases()))
-def test_expert_parallel_layout_matches_one_process(model, layout, ac, tmp_path, tmp_path_factory):
+def test_expert_parallel_layout_gives_one_process_gradients(model, layout, ac):
     nproc, layout_argv = LAYOUTS[layout]
     config = ["--config", MODEL_CONFIGS[model]]
-    records = _run(tmp_path, "ep", nproc, layout_argv + AC[ac], config)
-    _assert_same_metrics(records, _single_process(model, tmp_path_factory), (model, layout, ac))
-    # A rank's load is the mean of its experts' loads: between balanced and the busiest expert's.
-    assert all(1 <= r["moe_ep_imbalance"] <= r["moe_imbalance"] for r in records), records
+    _assert_trains_as_one_process(_run(nproc, layout_argv + AC[ac], config), _reference(model))
 
 
 @pytest.mark.full_matrix
 @pytest.mark.parametrize("layout", ["EP 2 x TP 2", "EP 2 over TP 2"])
-def test_compiled_ep_with_tp_and_op_sac_matches_one_process(layout, tmp_path, tmp_path_factory):
+def test_compiled_ep_with_tp_and_op_sac_gives_one_process_gradients(layout):
     """Compiled blocks around the EP hooks and the TP-sharded experts, or around the hooks that
     split the routed rows over the TP ranks."""
     nproc, argv = LAYOUTS[layout]
-    records = _run(tmp_path, "ep_tp_compiled", nproc, argv + AC["selective op"] + ["--compile.enable"])
-    _assert_same_metrics(records, _single_process("qwen3 moe", tmp_path_factory), f"{layout}, compiled")
-
-
-def test_ep2_with_two_micro_batches_matches_one_process(tmp_path, tmp_path_factory):
-    """The experts' gradients accumulate over micro-batches like FSDP's."""
-    accumulate = ["--training.local_batch_size", "1", "--training.global_batch_size", str(GLOBAL_BATCH)]
-    records = _run(tmp_path, "ep2", 2, EP2 + AC["none"] + accumulate)
-    _assert_same_metrics(records, _single_process("qwen3 moe", tmp_path_factory), "2 micro-batches")
+    got = _run(nproc, argv + AC["selective op"] + ["--compile.enable"])
+    _assert_trains_as_one_process(got, _reference("qwen3 moe"))
 
 
 @pytest.mark.full_matrix
-def test_hsdp_with_ep_and_two_micro_batches_matches_one_process(tmp_path):
+def test_hsdp_with_ep_and_two_micro_batches_gives_one_process_gradients():
     """HSDP exchanges gradients across replicas on the last micro-batch only; the experts,
     FSDP-sharded across the replicas, accumulate like everything else."""
-    single = _run(tmp_path, "single", 1, AC["none"] + ["--training.local_batch_size", "8"])
     accumulate = ["--training.local_batch_size", "1", "--training.global_batch_size", "8"]
-    records = _run(tmp_path, "hsdp_ep", 4, LAYOUTS["HSDP 2 x 2, EP 2"][1] + AC["none"] + accumulate)
-    _assert_same_metrics(records, single, "HSDP 2 x 2, EP 2, 2 micro-batches")
+    got = train_for_parity(CONFIG + SMALL + LAYOUTS["HSDP 2 x 2, EP 2"][1] + AC["none"] + accumulate, 4)
+    _assert_trains_as_one_process(got, _reference("qwen3 moe", global_batch=8))
 
 
 @pytest.mark.parametrize(
@@ -247,11 +226,6 @@ def test_backward_issues_only_the_all_to_alls_the_ac_mode_needs(ep_worker_report
     assert set(counts["backward_a2a"]) == {BACKWARD_A2A_PER_LAYER[ac] * layers}, counts
 
 
-def _no_ac(report: dict, ac: str) -> dict:
-    """The report of the run without AC that takes the same experts path as `ac`."""
-    return report["no_ac_looped"] if ac in LOOPED else report["modes"]["none"]
-
-
 @pytest.mark.parametrize("ac", list(WORKER_AC))
 def test_recompute_skips_the_expert_matmul_whose_output_only_the_replayed_all_to_all_reads(
     ep_worker_report, ac
@@ -268,8 +242,7 @@ def test_recompute_skips_the_expert_matmul_whose_output_only_the_replayed_all_to
 def test_ac_under_ep_gives_the_gradients_of_no_ac_bit_for_bit(ep_worker_report, ac):
     """Recompute runs the same kernels on the same inputs, and what it skips (the combine
     all-to-all's input) never reaches backward."""
-    expected = _no_ac(ep_worker_report, ac)["grads_digest"]
-    assert ep_worker_report["modes"][ac]["grads_digest"] == expected, ac
+    assert ep_worker_report["modes"][ac]["grads_equal_no_ac"], ac
 
 
 @pytest.mark.parametrize("ac", list(WORKER_AC))
@@ -329,12 +302,6 @@ def _grads(model) -> list[torch.Tensor]:
     ]
 
 
-def _digest(grads: list[torch.Tensor]) -> list[str]:
-    """Each gradient's sum and absolute sum, exact (float64, in hex): a gradient that differs in
-    any bit almost surely changes one of them, and the worker can print them."""
-    return [f"{g.double().sum().item().hex()} {g.double().abs().sum().item().hex()}" for g in grads]
-
-
 def _report_mode(parallel_dims, ac, tokens, looped: bool = False) -> dict:
     model = _build(parallel_dims, WORKER_AC[ac], looped)
     experts = [m for n, m in model.named_modules() if n.endswith("moe.experts")]
@@ -348,7 +315,7 @@ def _report_mode(parallel_dims, ac, tokens, looped: bool = False) -> dict:
     # Grad mode is on in forward and in recompute, off for the gradients' own matmuls.
     forward_expert_mm = counter.count("expert mm", phase=FORWARD, grad_enabled=True)
     recomputed_expert_mm = counter.count("expert mm", phase=BACKWARD, grad_enabled=True)
-    first_grads = _digest(_grads(model))
+    first_grads = _grads(model)
     backward_a2a, held = [], []
     for _ in range(LEAK_STEPS):
         model.zero_grad(set_to_none=True)
@@ -373,13 +340,25 @@ def _report_mode(parallel_dims, ac, tokens, looped: bool = False) -> dict:
         "recomputed_expert_mm": recomputed_expert_mm,
         # One grouped mm per projection, or one matmul per local expert.
         "expert_mm_per_projection": experts[0].w1.shape[0] if looped else 1,
-        "grads_digest": first_grads,
+        "first_grads": first_grads,
         "held_after_step": held,
         "pending_contexts": sum(e._ep_hooks._ctx is not None for e in experts),
         "replayed_grads_equal": all(torch.equal(a, b) for a, b in zip(reference, replayed)),
         "moe_layers": len(experts),
         "model": model,
     }
+
+
+def _compare_with_no_ac(report: dict) -> None:
+    """Replace each mode's first gradients by whether they equal, bit for bit on every rank
+    (its expert slices included), those of the run without AC on the same experts path."""
+    first = {ac: report["modes"][ac].pop("first_grads") for ac in WORKER_AC}
+    looped_reference = report["no_ac_looped"].pop("first_grads")
+    for ac in WORKER_AC:
+        reference = looped_reference if ac in LOOPED else first["none"]
+        equal = torch.tensor(float(all(torch.equal(a, b) for a, b in zip(first[ac], reference, strict=True))))
+        dist.all_reduce(equal, op=dist.ReduceOp.MIN)
+        report["modes"][ac]["grads_equal_no_ac"] = bool(equal.item())
 
 
 def _worker() -> None:
@@ -402,6 +381,7 @@ def _worker() -> None:
     model = report["no_ac_looped"].pop("model")
     experts = [m for n, m in model.named_modules() if n.endswith("moe.experts")]
     names = ("w1", "w2", "w3")
+    _compare_with_no_ac(report)
     report["expert_shapes"] = [list(getattr(experts[0], n).shape) for n in names]
     report["experts_plain"] = all(
         not isinstance(getattr(e, n), DTensor) and getattr(e, n)._ep_local for e in experts for n in names

@@ -1,5 +1,6 @@
 """Tensor parallelism for MoE models and multi-head latent attention (CPU, gloo): every gradient
-of TP 2 equals one process's, under each AC mode, and training matches one process.
+of TP 2 equals one process's, under each AC mode, and the backward's collectives. (Training
+through the trainer under these layouts is test_layout_parity.py's.)
 
 Run as a script under torchrun (2 processes), this file is also the gradient worker
 (`run_worker` launches it).
@@ -13,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.conftest import MOE_METRICS, assert_metrics_match, read_metrics, run_trainer
 from tests.integration.workers import run_worker, shut_down
 from tests.model_testing import init_on_cpu, next_token_loss_and_grads
 from torchtitan.config.errors import ConfigError
@@ -123,37 +123,7 @@ def _worker() -> None:
     shut_down()
 
 
-# A gentle lr keeps the 5 steps clear of loss spikes, where Adam amplifies rounding and a
-# token's expert choice can flip (see test_qwen3_training.SMALL).
-SMALL = ["--training.seq_len", "64", "--training.steps", "5", "--metrics.log_freq", "1",
-         "--lr_scheduler.warmup_steps", "2", "--training.mixed_precision_param", "float32",
-         "--training.local_batch_size", "4", "--optimizer.lr", "3e-4"]  # fmt: skip
-TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"]
 CONFIGS = {"qwen3 moe": "qwen3_debug_model_moe.toml", "deepseek_v3": "deepseek_v3_debug_model.toml"}
-
-
-@pytest.mark.parametrize(
-    "model, layout, nproc, argv",
-    [("qwen3 moe", "TP 2, op-SAC", 2, TP2 + [
-      "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
-     ("deepseek_v3", "FSDP 2 x TP 2, full AC", 4, TP2 + [
-      "--activation_checkpoint.mode", "full", "--training.local_batch_size", "2"]),
-     # Compiled, the shared experts' input gradient comes back whole, not a partial sum. (The
-     # refusal was dynamo's, so aot_eager shows it, without inductor's C++ builds.)
-     ("deepseek_v3", "TP 2, compiled", 2, TP2 + [
-      "--activation_checkpoint.mode", "none", "--compile.enable", "--compile.backend", "aot_eager"])],
-)  # fmt: skip
-def test_training_with_tp_matches_one_process(model, layout, nproc, argv, tmp_path):
-    runs = {}
-    for run, (procs, extra) in {
-        "single": (1, ["--activation_checkpoint.mode", "none"]),
-        "tp": (nproc, argv),
-    }.items():
-        dump = ["--job.dump_folder", str(tmp_path / run)]
-        proc = run_trainer(["--config", CONFIGS[model]] + SMALL + extra + dump, nproc=procs)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[run] = read_metrics(tmp_path / run)
-    assert_metrics_match(runs["tp"], runs["single"], keys=MOE_METRICS, context=layout)
 
 
 def test_expert_tp_other_than_1_or_tp_is_refused():

@@ -1,13 +1,13 @@
-"""Parallel layouts on CPU with gloo: the same losses and gradient norms as one process.
-
-The CI matrix is small and representative; the full AC x 2-D matrix is marked `full_matrix`
-and runs with `python -m pytest -m full_matrix`.
+"""Parallel layouts on CPU with gloo: what they log, the collectives they issue, gradient
+reduction and timeouts. Their parity with one process is test_layout_parity.py's; the full AC x
+2-D matrix is marked `full_matrix` and runs with `python -m pytest -m full_matrix`.
 """
 
 import pytest
 
-from tests.conftest import assert_metrics_match, read_metrics, run_trainer
+from tests.conftest import read_metrics, run_trainer
 from tests.integration.workers import run_worker
+from tests.parity import assert_parity, reference, train_for_parity
 
 pytestmark = pytest.mark.integration
 
@@ -31,43 +31,12 @@ def single_process(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("single"), "single", 1, 1)
 
 
+# Trained through the trainer for the metrics it logs; every layout's parity with one process,
+# gradient by gradient, is test_layout_parity.py's.
 LAYOUTS = {
     "tp2": (2, 1, ["--parallelism.tensor_parallel_degree", "2"]),
-    "tp2_without_loss_parallel": (2, 1, ["--parallelism.tensor_parallel_degree", "2",
-                                         "--parallelism.disable_loss_parallel"]),
-    "fsdp2_tp2": (4, 2, ["--parallelism.tensor_parallel_degree", "2"]),
     "hsdp2x2": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2"]),
-    "ddp2": (2, 2, ["--parallelism.data_parallel_replicate_degree", "2",
-                    "--parallelism.data_parallel_shard_degree", "1"]),
-    # Compiled blocks and loss (op-SAC, the default): the embedding's asynchronous
-    # reduce-scatter enters compiled block 0, and without loss parallel the logits' all-gather
-    # enters the compiled loss.
-    "tp2_compiled": (2, 1, ["--parallelism.tensor_parallel_degree", "2", "--compile.enable"]),
-    "tp2_compiled_without_loss_parallel": (2, 1, ["--parallelism.tensor_parallel_degree", "2",
-                                                  "--compile.enable", "--parallelism.disable_loss_parallel"]),
-    # The budgeted partitioner sizes the TP DeviceMesh, a graph input of every block.
-    "tp2_compiled_memory_budget": (2, 1, ["--parallelism.tensor_parallel_degree", "2", "--compile.enable",
-                                          "--activation_checkpoint.mode", "memory_budget",
-                                          "--activation_checkpoint.memory_budget", "0.5"]),
-    # Local batch 1 on 2 replicas: 2 micro-batches per step, gradients reduced on the last.
-    "ddp2_accumulating": (2, 4, ["--parallelism.data_parallel_replicate_degree", "2",
-                                 "--parallelism.data_parallel_shard_degree", "1",
-                                 "--training.global_batch_size", str(GLOBAL_BATCH)]),
-}  # fmt: skip
-
-
-# Under full_matrix: plain DDP 2 (ddp2_accumulating takes the same path, plus accumulation), and
-# the two compiled TP variants (17-20 s each on 2 cores; tp2_compiled covers compiled TP blocks, and
-# tests/integration/test_memory_budget.py the budgeted partitioner without TP).
-FULL_MATRIX_LAYOUTS = ("ddp2", "tp2_compiled_without_loss_parallel", "tp2_compiled_memory_budget")
-
-
-@pytest.mark.parametrize(
-    "layout",
-    [pytest.param(k, marks=pytest.mark.full_matrix) if k in FULL_MATRIX_LAYOUTS else k for k in LAYOUTS],
-)
-def test_layout_matches_single_process_losses_and_grad_norms(layout, single_process, layout_runs):
-    assert_metrics_match(layout_runs(layout), single_process)
+}
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +78,36 @@ AC_MODES = {
     "selective op": [_AC + "mode", "selective", _AC + "selective_ac_option", "op"],
     "selective 2": [_AC + "mode", "selective", _AC + "selective_ac_option", "2"],
 }
+PARITY = ["--config", "debug_model.toml", "--training.seq_len", "64", "--training.mixed_precision_param",
+          "float32", "--training.global_batch_size", str(GLOBAL_BATCH)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def parity_reference():
+    return reference(PARITY + ["--training.local_batch_size", str(GLOBAL_BATCH)])
 
 
 @pytest.mark.full_matrix
 @pytest.mark.parametrize("mode", list(AC_MODES))
-def test_fsdp2_tp2_with_each_ac_mode_matches_single_process(mode, single_process, tmp_path):
-    tp = ["--parallelism.tensor_parallel_degree", "2"]
-    assert_metrics_match(_run(tmp_path, mode.replace(" ", "_"), 4, 2, tp + AC_MODES[mode]), single_process)
+def test_fsdp2_tp2_with_each_ac_mode_gives_one_process_gradients(mode, parity_reference):
+    tp = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2"]
+    assert_parity(train_for_parity(PARITY + tp + AC_MODES[mode], nproc=4), parity_reference)
+
+
+@pytest.mark.full_matrix
+@pytest.mark.parametrize(
+    "argv, nproc",
+    [(["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+       "--training.local_batch_size", "2"], 2),
+     (["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--parallelism.disable_loss_parallel",
+       "--training.local_batch_size", "4"], 2),
+     # The budgeted partitioner sizes the TP DeviceMesh, a graph input of every block.
+     (["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--training.local_batch_size", "4",
+       "--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", "0.5"], 2)],
+    ids=["ddp2", "tp2 compiled without loss parallel", "tp2 compiled, memory_budget"],
+)  # fmt: skip
+def test_more_layouts_give_one_process_gradients(argv, nproc, parity_reference):
+    assert_parity(train_for_parity(PARITY + argv, nproc=nproc), parity_reference)
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +177,7 @@ def test_the_training_timeout_reaches_every_mesh_group(group):
     """comm.train_timeout_seconds replaces init_timeout_seconds on the FSDP and TP groups too,
     not only the default group (a hung FSDP collective waited the startup timeout)."""
     report = run_worker("timeout_worker", nproc=4, argv=[group])
-    assert report["raised"] and report["seconds"] < 3, report
+    assert report["raised"], report  # the late rank came 6 s late: within the startup timeout
 
 
 @pytest.mark.parametrize("group", ["tp", pytest.param("dp", marks=pytest.mark.full_matrix)])
@@ -194,11 +186,11 @@ def test_the_startup_timeout_reaches_every_mesh_group(group):
     only the default group's: torch gives the groups a mesh creates its own default (10 min on
     NCCL, 30 on gloo), so a hang in loading or step 1 on a TP or FSDP group waited that long."""
     report = run_worker("timeout_worker", nproc=4, argv=[group, "startup"])
-    assert report["raised"] and report["seconds"] < 3, report
+    assert report["raised"], report  # torch's default group timeout (30 min on gloo) would wait
 
 
 def test_a_group_the_timeout_change_keeps_waits_for_a_late_rank():
     """The checkpointer's async-save group: its background collectives wait for the slowest
     rank's write, which may take longer than the training timeout."""
     report = run_worker("timeout_worker", nproc=4, argv=["kept"])
-    assert not report["raised"] and report["seconds"] > 3, report
+    assert not report["raised"], report

@@ -4,7 +4,9 @@ times out after the training timeout, not the (longer) startup one; a group it i
 keep ("kept") waits. With "startup" as the second argument, no training timeout is set: the
 mesh's groups time out after the startup timeout given to `build_mesh`, as the trainer gives it.
 
-Rank 0 prints, per group, as JSON: whether its all-reduce raised, and after how many seconds.
+Rank 0 prints, per group, as JSON: whether its all-reduce raised. The late rank arrives
+`LATE_BY` seconds after the others, far past the training timeout and far inside the startup
+one, so the outcome alone tells which timeout applied, even on a loaded machine.
 """
 
 import json
@@ -19,7 +21,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
 
-STARTUP_TIMEOUT, TRAIN_TIMEOUT, LATE_BY = 60, 1, 4
+STARTUP_TIMEOUT, TRAIN_TIMEOUT, LATE_BY = 120, 1, 6
 
 
 def main(group_name: str, phase: str) -> None:
@@ -40,14 +42,13 @@ def main(group_name: str, phase: str) -> None:
     ranks = dist.get_process_group_ranks(group)
     if dist.get_rank() == ranks[-1]:
         time.sleep(LATE_BY)
-    start = time.monotonic()
     try:
         dist.all_reduce(torch.ones(1), group=group)
         raised = False
     except RuntimeError:
         raised = True
     if dist.get_rank() == 0:
-        print(json.dumps({"raised": raised, "seconds": time.monotonic() - start}), flush=True)
+        print(json.dumps({"raised": raised}), flush=True)
     time.sleep(LATE_BY)  # let the late rank finish before any process exits
     os._exit(0)  # a timed-out gloo group cannot be torn down cleanly
 
