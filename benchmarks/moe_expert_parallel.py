@@ -75,8 +75,8 @@ def build(parallel_dims: ParallelDims, ac_argv: list[str], cli, skip_w2: bool = 
     cfg = parse_args(argv + ac_argv + ["--training.seq_len", str(cli.seq_len)], env={})
     with torch.device("meta"):
         model = Qwen3Model(flavor(cli).update_from_config(cfg))
-    # Without the skip, AC sees no block whose output feeds an all-to-all (as before it existed).
-    no_skip = mock.patch.object(ac_module, "_output_feeds_all_to_all", return_value=False)
+    # Without the skip, the plan skips no matmul in recompute (as before the skip existed).
+    no_skip = mock.patch.object(ac_module.ACPlan, "_skips_all_to_all_inputs", return_value=False)
     with contextlib.nullcontext() if skip_w2 else no_skip:
         parallelize_qwen3(model, parallel_dims, cfg, torch.device("cpu"))
     model.to_empty(device="cpu")

@@ -53,7 +53,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
@@ -61,7 +60,6 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
-from torchtitan.components.model_converter import build_model_converters
 from torchtitan.components.optimizer import OptimizerInBackward, check_early_step_in_backward
 from torchtitan.components.training_step import (
     describe_layout,
@@ -70,15 +68,13 @@ from torchtitan.components.training_step import (
 )
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig, parse_args
 from torchtitan.config.job_config import model_compile_enabled
-from torchtitan.distributed import expert_parallel
-from torchtitan.distributed import parallelize as parallelize_module
 from torchtitan.distributed import utils as dist_utils
-from torchtitan.distributed.expert_parallel import _ExpertParallelHooks, is_ep_local
+from torchtitan.distributed.expert_parallel import is_ep_local
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models import attention
 from torchtitan.models.moe import MoE
+from torchtitan.preflight import build_parallelized_model, fake_world
 from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
-from torchtitan.tools.dtypes import TORCH_DTYPES
 
 GiB = 2**30
 
@@ -221,33 +217,18 @@ def _even_split(rows: int, parts: int) -> list[int]:
     return [rows // parts + (part < rows % parts) for part in range(parts)]
 
 
-@contextlib.contextmanager
-def simulated_expert_routing(imbalance: float = 1.0):
-    """Expert-parallel dispatches size their all-to-alls from simulated token counts: this rank
-    sends an equal share of its routed rows to every EP rank, and receives `imbalance` times
-    the rows it sends (1: balanced; ep: every rank routes all its rows here), an equal number
-    from each source.
+def simulated_split_sizes(imbalance: float = 1.0):
+    """Split sizes for expert parallelism's dispatch (`apply_expert_parallel`'s `split_sizes`)
+    from simulated token counts: this rank sends an equal share of its routed rows to every EP
+    rank, and receives `imbalance` times the rows it sends (1: balanced; ep: every rank routes
+    all its rows here), an equal number from each source. A real dispatch reads the token counts
+    on the host, which fake tensors do not have."""
 
-    A real dispatch reads the token counts on the host, which fake tensors do not have. Patched
-    on the class before the model is built, since the hooks bind the method at registration.
-    """
-    dispatch, to_host = _ExpertParallelHooks.dispatch, expert_parallel._tokens_per_rank_to_host
+    def split_sizes(x, counts, counts_recv, ep):
+        rows = x.shape[0]
+        return _even_split(rows, ep), _even_split(min(round(imbalance * rows), ep * rows), ep)
 
-    def simulated_dispatch(hooks, module, args):
-        rows, ep = args[0].shape[0], hooks.ep
-        send = _even_split(rows, ep)
-        recv = _even_split(min(round(imbalance * rows), ep * rows), ep)
-        expert_parallel._tokens_per_rank_to_host = lambda counts, counts_recv, ep: (send, recv)
-        try:
-            return dispatch(hooks, module, args)
-        finally:
-            expert_parallel._tokens_per_rank_to_host = to_host
-
-    _ExpertParallelHooks.dispatch = simulated_dispatch
-    try:
-        yield
-    finally:
-        _ExpertParallelHooks.dispatch = dispatch
+    return split_sizes
 
 
 def _refuse_impossible_imbalance(cfg: JobConfig, imbalance: float) -> None:
@@ -270,26 +251,6 @@ def _refuse_impossible_imbalance(cfg: JobConfig, imbalance: float) -> None:
             f"--ep-imbalance {imbalance:g} exceeds 'parallelism.expert_parallel_degree' = {ep}: a rank "
             f"receives at most every EP rank's rows, {ep} times its balanced share. Use a value in [1, {ep}]."
         )
-
-
-@contextlib.contextmanager
-def ac_wrapped_as_in_the_run(compiled: bool):
-    """AC wraps the blocks as the configured run does, compiled or not, though the estimated
-    step runs eagerly. The wrapping can depend on compile: op-SAC with flex attention checkpoints
-    attention and feed-forward as separate regions only when compile is off (eager flex cannot
-    run under SAC), which holds the norms' tensors between them; with compile the block is one
-    region. Estimated uncompiled, the Llama 3 8B preset with block_causal masks held 13.5 GiB
-    more than its compiled run does."""
-    apply_ac = parallelize_module.apply_ac
-
-    def as_in_the_run(*args, **kwargs):
-        return apply_ac(*args, **{**kwargs, "model_compile_enabled": compiled})
-
-    parallelize_module.apply_ac = as_in_the_run
-    try:
-        yield
-    finally:
-        parallelize_module.apply_ac = apply_ac
 
 
 @contextlib.contextmanager
@@ -400,35 +361,29 @@ def _refuse_fp32_moe(cfg: JobConfig, model: torch.nn.Module) -> None:
         )
 
 
-@contextlib.contextmanager
-def fake_world(ngpu: int):
-    """A fake process group of `ngpu` ranks in this process, as rank 0; destroyed on exit."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ngpu)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def parallel_dims_for(cfg: JobConfig, ngpu: int) -> ParallelDims:
     """ParallelDims of `[parallelism]` for `ngpu` ranks; raises ConfigError if they do not fit."""
     return ParallelDims.from_config(cfg.parallelism, ngpu)
 
 
-def build_model(cfg: JobConfig, parallel_dims: ParallelDims, device: torch.device) -> torch.nn.Module:
-    """The spec's model built in `training.dtype` on the meta device and parallelized, as the
-    trainer builds it. It has no storage yet: `to_empty` under FakeTensorMode gives it fake storage.
-
-    (Built outside FakeTensorMode: fake parameters are weakly referenced by the fake-tensor
-    cache, and `to_empty` cannot swap those.)
-    """
-    spec = get_train_spec(cfg.model.name)
-    model_args = spec.get_flavor(cfg.model.flavor).update_from_config(cfg)
-    model = spec.build_meta_model(model_args, TORCH_DTYPES[cfg.training.dtype])
-    build_model_converters(cfg, parallel_dims, device).convert(model)
-    return spec.parallelize_fn(model, parallel_dims, cfg, device)
+def build_model(
+    cfg: JobConfig, parallel_dims: ParallelDims, device: torch.device, compiled_run: bool = False,
+    ep_imbalance: float | None = 1.0,
+) -> torch.nn.Module:  # fmt: skip
+    """The spec's model on the meta device, parallelized as the trainer builds it
+    (`torchtitan.preflight.build_parallelized_model`), with AC wrapped as the run does, compiled
+    or not (the wrapping can depend on compile: op-SAC with flex attention checkpoints attention
+    and feed-forward as separate regions only when compile is off, which holds the norms'
+    tensors between them; estimated uncompiled, the Llama 3 8B preset with block_causal masks
+    held 13.5 GiB more than its compiled run does), and expert parallelism's split sizes
+    simulated (`simulated_split_sizes`; None: read from the token counts, as a real run does).
+    No storage yet: `to_empty` under FakeTensorMode gives it
+    fake storage. (Built outside FakeTensorMode: fake parameters are weakly referenced by the
+    fake-tensor cache, and `to_empty` cannot swap those.)"""
+    return build_parallelized_model(
+        cfg, parallel_dims, device, wrap_as_compiled=compiled_run,
+        expert_split_sizes=None if ep_imbalance is None else simulated_split_sizes(ep_imbalance),
+    )  # fmt: skip
 
 
 def _batch(cfg: JobConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -595,7 +550,7 @@ def measure(cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 
     `fake=False` runs the same path on real CPU tensors (with the GPU's RMSNorm kernel, which
     computes what the CPU's does), allocating one rank's memory. Needs
     a process without a process group. `ep_imbalance`: under expert parallelism, rank 0
-    receives this many times its balanced share of routed rows (see `simulated_expert_routing`).
+    receives this many times its balanced share of routed rows (see `simulated_split_sizes`).
     Raises ConfigError for a layout the config cannot have.
     """
     compiled_run = model_compile_enabled(cfg)
@@ -613,20 +568,16 @@ def measure(cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 
         else:
             _refuse_real_expert_parallel(cfg)
         parallel_dims.build_mesh(device.type)
+        model = build_model(cfg, parallel_dims, device, compiled_run, ep_imbalance if fake else None)
+        if fake:
+            _refuse_fp32_moe(cfg, model)
         with (
-            simulated_expert_routing(ep_imbalance) if fake else contextlib.nullcontext(),
-            ac_wrapped_as_in_the_run(compiled_run),
+            FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
+            gpu_attention_kernels() if fake else contextlib.nullcontext(),
+            gpu_norm_kernel(),
+            no_warning_for_fake_collective_views() if fake else contextlib.nullcontext(),
         ):
-            model = build_model(cfg, parallel_dims, device)
-            if fake:
-                _refuse_fp32_moe(cfg, model)
-            with (
-                FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
-                gpu_attention_kernels() if fake else contextlib.nullcontext(),
-                gpu_norm_kernel(),
-                no_warning_for_fake_collective_views() if fake else contextlib.nullcontext(),
-            ):
-                return breakdown(tracked_step(cfg, model, parallel_dims, device))
+            return breakdown(tracked_step(cfg, model, parallel_dims, device))
 
 
 def estimate(

@@ -12,7 +12,7 @@ import pytest
 from _pytest.mark.expression import Expression
 
 from tests.forked_launcher import launch
-from torchtitan.components.compile import compiles_checkpointed_scalars
+from torchtitan.distributed.activation_checkpoint import compiles_checkpointed_scalars
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 

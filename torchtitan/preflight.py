@@ -55,14 +55,17 @@ def fake_world(world_size: int):
         dist.destroy_process_group()
 
 
-def build_parallelized_model(cfg: JobConfig, parallel_dims: ParallelDims, device: torch.device) -> nn.Module:
+def build_parallelized_model(
+    cfg: JobConfig, parallel_dims: ParallelDims, device: torch.device, **options
+) -> nn.Module:
     """The spec's model built in `training.dtype` on the meta device, converted and parallelized
-    as the trainer builds it; no storage, no initialized weights."""
+    as the trainer builds it; no storage, no initialized weights. `options` go to the model's
+    `parallelize_fn` (see `parallelize_decoder`)."""
     spec = get_train_spec(cfg.model.name)
     model_args = spec.get_flavor(cfg.model.flavor).update_from_config(cfg)
     model = spec.build_meta_model(model_args, TORCH_DTYPES[cfg.training.dtype])
     build_model_converters(cfg, parallel_dims, device).convert(model)
-    return spec.parallelize_fn(model, parallel_dims, cfg, device)
+    return spec.parallelize_fn(model, parallel_dims, cfg, device, **options)
 
 
 def check_layout(cfg: JobConfig, world_size: int, device: torch.device | None = None) -> None:

@@ -3,8 +3,8 @@ debug model (2 blocks, CPU fp32, inductor) compiled equal eager, under full AC a
 `compile.capture_scalar_outputs` off (the checkpointed MoE block falls back to eager, with a
 warning) and on (the block compiles as one graph). The sequence aux loss is on throughout: the
 block sets it as a side effect, which compile must trace, not break on. Torch releases known to
-fail that combination are refused. Capture on (the opt-in option, a minute of compiling per AC
-mode on 2 cores) is under `full_matrix`."""
+fail that combination are refused (tests/unit/test_ac_plan.py). Capture on (the opt-in option,
+a minute of compiling per AC mode on 2 cores) is under `full_matrix`."""
 
 import logging
 from dataclasses import replace
@@ -16,8 +16,6 @@ from torch._dynamo.utils import counters
 
 from tests.conftest import needs_checkpointed_scalar_capture
 from tests.model_testing import init_on_cpu
-from torchtitan.components.compile import check_compile_supported
-from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.moe import load_balance_step, pop_aux_loss
@@ -116,51 +114,3 @@ def test_moe_blocks_in_bf16_are_not_warned_about_the_fp32_weights_grouped_mm(cap
         parallelize_qwen3(model, ParallelDims(1, 1, 1, 1), cfg, torch.device("cpu"))
     assert "graph breaks allowed (MoE)" in caplog.text
     assert "Set compile.capture_scalar_outputs = true" not in caplog.text
-
-
-@pytest.mark.parametrize("ac_mode", ["full", "selective", "memory_budget"])
-def test_capture_scalar_outputs_with_ac_on_moe_blocks_is_refused_before_torch_2_12(ac_mode):
-    argv = ["--config", "qwen3_debug_model_moe.toml", "--compile.enable", "--compile.capture_scalar_outputs",
-            "--activation_checkpoint.mode", ac_mode]  # fmt: skip
-    cfg = parse_args(argv, env={})
-    with torch.device("meta"):
-        model = Qwen3Model(_model_args().update_from_config(cfg))
-    with pytest.raises(ConfigError, match=r"capture_scalar_outputs.*torch 2\.11\.0\+cu130.*torch >= 2\.12"):
-        check_compile_supported(model, cfg, torch_version="2.11.0+cu130")
-    check_compile_supported(model, cfg, torch_version="2.12.0")
-    cfg.activation_checkpoint.mode = "none"
-    check_compile_supported(model, cfg, torch_version="2.11.0")
-
-
-_COMPILED_TP2 = ["--parallelism.tensor_parallel_degree", "2", "--compile.enable",
-                 "--activation_checkpoint.mode"]  # fmt: skip
-_EVERY_2ND = ["selective", "--activation_checkpoint.selective_ac_option", "2"]
-
-
-@pytest.mark.parametrize("mode", [["full"], _EVERY_2ND])
-def test_block_ac_of_compiled_tp_is_refused_where_compile_takes_device_meshes(mode, monkeypatch):
-    """torch 2.13 saves the TP mesh among the tensors for backward and fails in the first step;
-    2.14.1 runs it (checked on the CPU, 2-rank TP: the same losses as eager)."""
-    from torchtitan.components import compile as compile_module
-
-    cfg = parse_args(_COMPILED_TP2 + mode, env={})  # the estimator (eager) takes the config
-    with torch.device("meta"):
-        model = Qwen3Model(_model_args().update_from_config(cfg))
-    monkeypatch.setattr(compile_module, "compile_sees_device_meshes", lambda: True)
-    for refusing in ("2.13.0+cpu", "2.14.0"):
-        with pytest.raises(ConfigError, match=r"option = \"op\" \(both: the option.s default is \"2\"\)"):
-            check_compile_supported(model, cfg, torch_version=refusing)
-    check_compile_supported(model, cfg, torch_version="2.14.1+cu130")  # keeps the mesh out of saved tensors
-    monkeypatch.setattr(compile_module, "compile_sees_device_meshes", lambda: False)  # torch 2.11
-    check_compile_supported(model, cfg, torch_version="2.11.0")
-
-
-@pytest.mark.parametrize("mode", [["selective"], ["memory_budget"], ["none"]])
-def test_op_sac_memory_budget_and_no_ac_of_compiled_tp_are_accepted(mode, monkeypatch):
-    from torchtitan.components import compile as compile_module
-
-    cfg = parse_args(_COMPILED_TP2 + mode, env={})
-    with torch.device("meta"):
-        model = Qwen3Model(_model_args().update_from_config(cfg))
-    monkeypatch.setattr(compile_module, "compile_sees_device_meshes", lambda: True)
-    check_compile_supported(model, cfg)

@@ -22,6 +22,7 @@ from tests.model_testing import init_on_cpu
 from tests.parity import ParityRun, assert_parity, train_for_parity
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
+from torchtitan.distributed import activation_checkpoint as ac_module
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.moe import is_expert_matmul
 from torchtitan.models.qwen3 import qwen3_flavors
@@ -246,6 +247,13 @@ def test_ac_under_ep_gives_the_gradients_of_no_ac_bit_for_bit(ep_worker_report, 
 
 
 @pytest.mark.parametrize("ac", list(WORKER_AC))
+def test_no_op_but_the_replayed_all_to_all_reads_a_skipped_matmuls_output(ep_worker_report, ac):
+    """The recompute hands on uninitialized outputs for the matmuls it skips; filled with NaN
+    instead, they leave every gradient as it was, bit for bit."""
+    assert ep_worker_report["modes"][ac]["skipped_outputs_unread"], ac
+
+
+@pytest.mark.parametrize("ac", list(WORKER_AC))
 def test_memory_held_after_each_step_stays_flat(ep_worker_report, ac):
     held = ep_worker_report["modes"][ac]["held_after_step"]
     assert len(held) == LEAK_STEPS
@@ -316,6 +324,8 @@ def _report_mode(parallel_dims, ac, tokens, looped: bool = False) -> dict:
     forward_expert_mm = counter.count("expert mm", phase=FORWARD, grad_enabled=True)
     recomputed_expert_mm = counter.count("expert mm", phase=BACKWARD, grad_enabled=True)
     first_grads = _grads(model)
+    nan_filled = _grads_with_skipped_outputs_nan(model, tokens)
+    skipped_unread = all(torch.equal(a, b) for a, b in zip(first_grads, nan_filled, strict=True))
     backward_a2a, held = [], []
     for _ in range(LEAK_STEPS):
         model.zero_grad(set_to_none=True)
@@ -341,12 +351,32 @@ def _report_mode(parallel_dims, ac, tokens, looped: bool = False) -> dict:
         # One grouped mm per projection, or one matmul per local expert.
         "expert_mm_per_projection": experts[0].w1.shape[0] if looped else 1,
         "first_grads": first_grads,
+        "skipped_outputs_unread": skipped_unread,
         "held_after_step": held,
         "pending_contexts": sum(e._ep_hooks._ctx is not None for e in experts),
         "replayed_grads_equal": all(torch.equal(a, b) for a, b in zip(reference, replayed)),
         "moe_layers": len(experts),
         "model": model,
     }
+
+
+def _grads_with_skipped_outputs_nan(model, tokens) -> list[torch.Tensor]:
+    """The gradients of one more step whose recompute fills the outputs it skips
+    (`all_to_all_input`) with NaN: were anything but the replayed all-to-all to read them, a
+    NaN would reach a gradient."""
+    skipped = ac_module._matmul_output
+
+    def nan_filled(func, args, kwargs):
+        out = skipped(func, args, kwargs)
+        return None if out is None else out.fill_(float("nan"))
+
+    ac_module._matmul_output = nan_filled
+    try:
+        model.zero_grad(set_to_none=True)
+        _loss(model, tokens).backward()
+        return _grads(model)
+    finally:
+        ac_module._matmul_output = skipped
 
 
 def _compare_with_no_ac(report: dict) -> None:
@@ -359,6 +389,9 @@ def _compare_with_no_ac(report: dict) -> None:
         equal = torch.tensor(float(all(torch.equal(a, b) for a, b in zip(first[ac], reference, strict=True))))
         dist.all_reduce(equal, op=dist.ReduceOp.MIN)
         report["modes"][ac]["grads_equal_no_ac"] = bool(equal.item())
+        unread = torch.tensor(float(report["modes"][ac].pop("skipped_outputs_unread")))
+        dist.all_reduce(unread, op=dist.ReduceOp.MIN)
+        report["modes"][ac]["skipped_outputs_unread"] = bool(unread.item())
 
 
 def _worker() -> None:

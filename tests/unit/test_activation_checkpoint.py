@@ -141,7 +141,7 @@ def test_unknown_mode_is_refused():
 def test_memory_budget_outside_unit_interval_is_refused(budget):
     with pytest.raises(ConfigError, match="outside \\[0, 1\\]"):
         apply_ac(
-            nn.Module(),
+            _second_meta_model(),
             ActivationCheckpoint(mode="memory_budget", memory_budget=budget),
             model_compile_enabled=True,
         )
@@ -157,8 +157,7 @@ def test_memory_budget_sets_the_partitioner_budget_and_wraps_nothing(tmp_path):
     # from torch 2.11's config module on undo, which broke every later compile in the session.
     defaults = {"activation_memory_budget": 1.0, "visualize_memory_budget_pareto": False,
                 "memory_budget_pareto_dir": None}  # fmt: skip
-    model = nn.Module()
-    model.layers = nn.ModuleList([nn.Linear(2, 2)])
+    model = _second_meta_model()
     cfg = ActivationCheckpoint(mode="memory_budget", memory_budget=0.3, visualize_memory_budget_pareto=True)
     with torch._functorch.config.patch(defaults):
         apply_ac(model, cfg, model_compile_enabled=True, base_folder=str(tmp_path))
@@ -171,8 +170,7 @@ def test_memory_budget_sets_the_partitioner_budget_and_wraps_nothing(tmp_path):
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
 def test_every_other_mode_clears_a_previous_models_memory_budget(mode):
     # Left at 0, the partitioner keeps only graph inputs and compiled op-SAC recomputes all.
-    model = nn.Module()
-    model.layers = nn.ModuleList([nn.Linear(2, 2)])
+    model = _second_meta_model()
     with torch._functorch.config.patch(activation_memory_budget=1.0):
         zero_budget = ActivationCheckpoint(mode="memory_budget", memory_budget=0.0)
         apply_ac(model, zero_budget, model_compile_enabled=True)
@@ -199,15 +197,6 @@ def test_force_recompute_entry_that_would_force_more_or_nothing_is_refused(entry
         _debug_model(replace(OP_SAC, per_op_sac_force_recompute_mm_shapes_by_fqns=[entry]))
 
 
-def test_force_recompute_entry_whose_shape_other_linears_share_is_warned_about(caplog):
-    ac_module._warned.clear()
-    forced = replace(OP_SAC, per_op_sac_force_recompute_mm_shapes_by_fqns=["layers.3.attention.wo"])
-    with caplog.at_level(logging.WARNING, logger=ac_module.logger.name):
-        _debug_model(forced)
-    assert "forces every matmul of weight shape (256, 256), so also 11 Linear(s)" in caplog.text
-    assert "layers.0.attention.wo" in caplog.text
-
-
 def test_force_recompute_fqn_matching_nothing_is_refused_unless_it_is_a_default():
     with pytest.raises(ConfigError, match="matches no module"):
         _debug_model(replace(OP_SAC, per_op_sac_force_recompute_mm_shapes_by_fqns=["moe.rooter"]))
@@ -220,16 +209,32 @@ def test_mode_from_the_command_line_is_checked_before_training():
 
 
 @pytest.mark.parametrize(
+    "argv, named",
+    [(["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
+      "'activation_checkpoint.selective_ac_option' = 'x'"),
+     (["--activation_checkpoint.mode", "memory_budget"], "set compile.enable = true")],
+    ids=["ac-option", "memory-budget-uncompiled"],
+)  # fmt: skip
+def test_ac_mistakes_are_refused_by_the_launchers_preflight_in_one_line(argv, named, capsys):
+    from torchtitan.preflight import main as preflight
+
+    assert preflight(["--world-size", "1", *argv]) == 2
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     "argv, conflict",
     [(["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
       "per-op selective AC"),
      (["--activation_checkpoint.mode", "full", "--compile.enable"], "compiled blocks")],
     ids=["op-SAC", "compile"],
 )  # fmt: skip
-def test_debug_that_needs_no_model_to_refuse_is_refused_when_the_config_is_parsed(argv, conflict):
-    """So the launchers' check stops it in one line, before torchrun starts any rank."""
-    with pytest.raises(ConfigError, match=f"'activation_checkpoint.debug' = true cannot trace {conflict}"):
-        parse_args([*argv, "--activation_checkpoint.debug"], env={})
+def test_debug_that_torch_cannot_trace_is_refused_by_the_launchers_preflight(argv, conflict, capsys):
+    """So the launchers stop it in one line, before torchrun starts any rank."""
+    from torchtitan.preflight import main as preflight
+
+    assert preflight(["--world-size", "1", *argv, "--activation_checkpoint.debug"]) == 2
+    assert f"'activation_checkpoint.debug' = true cannot trace {conflict}" in capsys.readouterr().err
 
 
 # ----- save lists --------------------------------------------------------------------------
@@ -299,7 +304,9 @@ def _forward_and_backward_flops(ac: ActivationCheckpoint) -> tuple[int, int]:
 
 
 def test_backward_flops_grow_with_recompute():
-    forced = replace(OP_SAC, per_op_sac_force_recompute_mm_shapes_by_fqns=["feed_forward.w1"])
+    forced = replace(
+        OP_SAC, per_op_sac_force_recompute_mm_shapes_by_fqns=["feed_forward.w1", "feed_forward.w3"]
+    )
     _, none = _forward_and_backward_flops(NONE)
     _, op_sac = _forward_and_backward_flops(OP_SAC)
     _, op_sac_forced = _forward_and_backward_flops(forced)
@@ -438,16 +445,16 @@ def test_forcing_wo_under_tp_keeps_its_reduce_scatter_which_backward_needs():
     assert issued["reduce_scatter_tensor"] == without_ac["reduce_scatter_tensor"]
 
 
-def test_a_default_force_recompute_entry_never_forces_a_matmul_it_does_not_name():
-    from torchtitan.distributed.activation_checkpoint import _forced_recompute_mm_shapes
+def test_a_force_recompute_entry_forces_exactly_the_linears_it_names_default_or_not():
+    from torchtitan.distributed.activation_checkpoint import ActivationCheckpoint as AC
+    from torchtitan.distributed.activation_checkpoint import forced_recompute_linears
 
-    block = nn.Module()
-    block.moe = nn.Module()
-    block.moe.shared_experts = nn.ModuleDict({"w1": nn.Linear(4, 4), "w2": nn.Linear(4, 4)})
-    model = nn.Module()
-    model.layers = nn.ModuleList([block])
-    assert _forced_recompute_mm_shapes(model, ["moe.shared_experts.w2"]) == set()  # a default
-    assert _forced_recompute_mm_shapes(model, ["shared_experts.w2"]) == {(4, 4)}  # the user's own
+    model = _second_meta_model()
+    w2s = {block.feed_forward.w2 for block in model.layers.children()}
+    default = AC().per_op_sac_force_recompute_mm_shapes_by_fqns  # "moe..." entries match nothing here
+    assert forced_recompute_linears(model, default) == w2s
+    assert forced_recompute_linears(model, ["feed_forward.w2"]) == w2s  # the same string, the user's
+    assert forced_recompute_linears(model, ["layers.3.attention.wo"]) == {model.layers["3"].attention.wo}
 
 
 def _held_by_8b_block(ac: ActivationCheckpoint) -> tuple[int, int]:
@@ -507,10 +514,30 @@ def _second_meta_model():
         return Transformer(DEBUG_ARGS)
 
 
-class _MoEBlock(nn.Module):
-    def __init__(self):
+class _Block(nn.Module):
+    """A block with the interface the AC plan asks blocks for (`DecoderBlock`'s), and an MoE
+    or a dense MLP that are single Linears."""
+
+    def __init__(self, moe: bool = False):
         super().__init__()
-        self.attention, self.moe = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.attention = nn.Linear(4, 4)
+        self.mlp_name, self.is_moe = ("moe" if moe else "feed_forward"), moe
+        self.register_module(self.mlp_name, nn.Linear(4, 4))
+
+    @property
+    def mlp(self):
+        return getattr(self, self.mlp_name)
+
+    def end_linears(self):
+        return [self.mlp]
+
+    def forward(self, x):
+        return self.mlp(self.attention(x))
+
+
+class _MoEBlock(_Block):
+    def __init__(self):
+        super().__init__(moe=True)
 
 
 def test_flex_with_compile_and_moe_blocks_wraps_attention_and_moe_separately(monkeypatch):
@@ -538,6 +565,8 @@ def test_flex_with_compile_and_dense_blocks_wraps_whole_blocks():
 class _RecomputesOtherShape(nn.Module):
     """A block whose recompute differs from its forward (it keeps half the features the second
     time), as a block with hidden state or a data-dependent branch might."""
+
+    is_moe = False
 
     def __init__(self):
         super().__init__()
@@ -607,7 +636,7 @@ def test_determinism_check_and_debug_reach_every_wrapped_block(mode):
 )  # fmt: skip
 def test_debug_where_torch_cannot_trace_is_refused_with_the_way_that_works(ac, moe, compiled, expected):
     model = nn.Module()
-    model.layers = nn.ModuleList([_MoEBlock() if moe else nn.Linear(4, 4) for _ in range(2)])
+    model.layers = nn.ModuleList([_Block(moe) for _ in range(2)])
     with pytest.raises(ConfigError) as info:
         apply_ac(model, replace(ac, debug=True), model_compile_enabled=compiled)
     assert expected in str(info.value) and 'mode "full"' in str(info.value)

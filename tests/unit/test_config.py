@@ -147,9 +147,6 @@ def test_an_empty_config_value_is_refused_rather_than_training_the_default(argv)
 @pytest.mark.parametrize(
     "argv, named",
     [
-        (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
-         "'activation_checkpoint.selective_ac_option' = 'x'"),
-        (["--activation_checkpoint.mode", "memory_budget"], "set compile.enable = true"),
         (["--profiling.enable_profiling", "--profiling.profile_freq", "2"], "'profiling.profile_freq' = 2"),
         (["--checkpoint.initial_load_path", "/x"], "acts only with checkpoint.enable = true"),
         (["--checkpoint.enable", "--checkpoint.exclude_from_loading", "modle"], "names ['modle']"),
@@ -167,7 +164,7 @@ def test_an_empty_config_value_is_refused_rather_than_training_the_default(argv)
          "'job.custom_import' = 'my_project.models' cannot be imported: no module named 'my_project'"),
         (["--job.custom_import", "my_project/models.py"], "is not a module name; give the dotted name"),
     ],
-    ids=["ac-option", "memory-budget-uncompiled", "profile-window", "load-path-disabled",
+    ids=["profile-window", "load-path-disabled",
          "exclude-unknown", "hf-without-path", "load-step", "beta2", "warn-only-alone",
          "load-only-disabled", "load-only-hf-export", "load-only-async", "custom-import-missing",
          "custom-import-path"],

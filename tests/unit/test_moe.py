@@ -320,10 +320,25 @@ def test_bias_update_is_centered_and_skips_layers_without_a_coefficient():
 
 
 class _Block(nn.Module):
+    """An MoE block with the interface the AC plan asks blocks for (`DecoderBlock`'s)."""
+
+    is_moe, mlp_name = True, "moe"
+
     def __init__(self, moe: MoE):
         super().__init__()
         self.norm = nn.RMSNorm(DIM)
         self.moe = moe
+
+    @property
+    def mlp(self) -> MoE:
+        return self.moe
+
+    @property
+    def routed_experts(self) -> nn.Module:
+        return self.moe.experts
+
+    def end_linears(self) -> list[nn.Linear]:
+        return [m for m in self.moe.modules() if isinstance(m, nn.Linear)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.moe(self.norm(x))
@@ -342,8 +357,9 @@ class _Holder(nn.Module):
 
 def test_gate_is_a_linear_named_moe_router_gate_that_op_sac_force_recomputes():
     holder = _Holder(_moe())
-    assert isinstance(dict(holder.named_modules())["layers.0.moe.router.gate"], nn.Linear)
-    assert ac_module._forced_recompute_mm_shapes(holder, ["moe.router.gate"]) == {(DIM, 8)}
+    gate = dict(holder.named_modules())["layers.0.moe.router.gate"]
+    assert isinstance(gate, nn.Linear)
+    assert ac_module.forced_recompute_linears(holder, ["moe.router.gate"]) == {gate}
 
 
 @pytest.mark.parametrize("use_grouped_mm", [True, False])
@@ -363,10 +379,10 @@ def test_checkpointed_moe_gives_the_same_grads_as_no_checkpoint(ac, use_grouped_
 
 
 def _recomputed_grouped_mm(feeds_all_to_all: bool) -> int:
-    moe = _moe()
-    moe.experts.output_feeds_all_to_all = feeds_all_to_all
-    holder = _Holder(moe)
-    apply_ac(holder, OP_SAC, op_sac_save_list=DEFAULT_SAVE_LIST)
+    holder = _Holder(_moe())
+    # Planned as for expert parallelism, whose combine all-to-all reads the experts' output.
+    ep = 2 if feeds_all_to_all else 1
+    apply_ac(holder, OP_SAC, op_sac_save_list=DEFAULT_SAVE_LIST, expert_parallel=ep)
     x = _tokens(2, 12, DIM)
     assert holder.layers["0"].moe.experts.uses_grouped_mm(x)
     loss = holder(x).square().mean()
@@ -383,8 +399,9 @@ def test_without_expert_parallelism_op_sac_recomputes_all_three_expert_matmuls()
 
 
 def test_experts_whose_output_feeds_an_all_to_all_skip_w2_in_recompute():
-    """What expert parallelism declares; the all-to-all then replays from the cache (see
-    tests/integration/test_expert_parallel.py for the gradients)."""
+    """Under expert parallelism the all-to-all then replays from the cache (see
+    tests/integration/test_expert_parallel.py for the gradients, and for the skipped outputs
+    filled with NaN)."""
     assert _recomputed_grouped_mm(feeds_all_to_all=True) == 2
 
 
@@ -467,3 +484,21 @@ def test_meta_construction_then_to_empty_and_init_weights_gives_finite_outputs()
 def test_inconsistent_args_are_refused(overrides):
     with pytest.raises(ValueError):
         MoEArgs(**{"num_experts": 8, **overrides})
+
+
+def test_a_skipped_output_that_something_reads_shows_as_nan(monkeypatch):
+    """What tests/integration/test_expert_parallel.py's NaN check would see if a skipped matmul's
+    output were read: planned for expert parallelism but run without it, no all-to-all replays
+    the experts' output, the weighting by the routing scores reads it, and the NaN reaches the
+    gradients."""
+    holder = _Holder(_moe())
+    apply_ac(holder, OP_SAC, op_sac_save_list=DEFAULT_SAVE_LIST, expert_parallel=2)
+    skipped = ac_module._matmul_output
+
+    def nan_filled(func, args, kwargs):
+        out = skipped(func, args, kwargs)
+        return None if out is None else out.fill_(float("nan"))
+
+    monkeypatch.setattr(ac_module, "_matmul_output", nan_filled)
+    holder(_tokens(2, 12, DIM)).square().mean().backward()
+    assert not all(torch.isfinite(p.grad).all() for p in holder.parameters() if p.grad is not None)

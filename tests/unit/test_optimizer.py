@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.model_testing import tiny_llama3
 from torchtitan.components.optimizer import build_optimizer
 from torchtitan.config.manager import parse_args
 
@@ -14,7 +15,6 @@ from torchtitan.config.manager import parse_args
 def test_the_implementation_asked_for_is_the_one_built_on_the_cpu(implementation, fused, foreach):
     """torch has a fused Adam for the CPU too: "fused" there once fell back to foreach, 8x slower."""
     cfg = parse_args(["--optimizer.implementation", implementation], env={})
-    model = torch.nn.Module()
-    model.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(4, 4)})
+    model = tiny_llama3()
     optimizer = build_optimizer(model, cfg, torch.device("cpu"))
     assert (optimizer.defaults["fused"], optimizer.defaults["foreach"]) == (fused, foreach)

@@ -2,7 +2,6 @@
 
 import hashlib
 import logging
-import re
 
 import torch
 import torch.distributed as dist
@@ -16,29 +15,9 @@ from torchtitan.tools.grouped_mm import probe_grouped_mm_for_compile
 logger = logging.getLogger(__name__)
 
 
-def _has_moe(block: nn.Module) -> bool:
-    return any(hasattr(module, "moe") for module in block.modules())
-
-
-# Before this release inductor fails on a checkpointed MoE block traced with
-# capture_scalar_outputs (unbacked-symbol errors under full, op-SAC and memory_budget AC);
-# checked on 2.11, fixed in 2.12.
-_FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS = (2, 12)
-# From this release the partitioner leaves opaque inputs (the TP DeviceMesh) out of the tensors
-# saved for backward, so compiled blocks under full AC and TP run again; checked on 2.14.1 (2.14.0
-# was not run, so it stays refused).
-_FIRST_TORCH_TO_RECOMPUTE_WITH_MESH_INPUTS = (2, 14, 1)
-
-
-def _release(torch_version: str) -> tuple[int, ...]:
-    """``"2.14.1+cu130"`` as ``(2, 14, 1)``; pre-release and local tags are dropped."""
-    numbers = torch_version.split("+")[0].split(".")[:3]
-    return tuple(int(re.match(r"\d*", n).group() or 0) for n in numbers)
-
-
-def compiles_checkpointed_scalars(torch_version: str = torch.__version__) -> bool:
-    """Whether this torch compiles checkpointed MoE blocks with capture_scalar_outputs."""
-    return _release(torch_version)[:2] >= _FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS
+def _has_moe(model: nn.Module) -> bool:
+    """Whether a block of `model.layers` (a `DecoderBlock`, wrapped by AC or not) has an MoE."""
+    return any(block.is_moe for block in model.layers.children())
 
 
 def checked_backend(job_config: JobConfig) -> str:
@@ -51,57 +30,6 @@ def checked_backend(job_config: JobConfig) -> str:
             f"use one of {', '.join(torch._dynamo.list_backends())} ('inductor' is the default)."
         )
     return backend
-
-
-def check_compile_supported(model: nn.Module, job_config: JobConfig, torch_version: str = torch.__version__):
-    """Refuse compile settings that this torch is known to get wrong (ConfigError, exit code 2)."""
-    _refuse_block_ac_of_tensor_parallel(job_config, torch_version)
-    c, ac = job_config.compile, job_config.activation_checkpoint
-    if not (c.capture_scalar_outputs and ac.mode != "none" and _has_moe(model)):
-        return
-    if not compiles_checkpointed_scalars(torch_version):
-        need = ".".join(map(str, _FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS))
-        raise ConfigError(
-            f"'compile.capture_scalar_outputs' = true with 'activation_checkpoint.mode' = '{ac.mode}' "
-            f"on MoE blocks fails inside inductor in torch {torch_version}. Set "
-            f"compile.capture_scalar_outputs = false (the MoE blocks then fall back where they read "
-            f"counts on the host), or use torch >= {need}."
-        )
-
-
-def _refuse_block_ac_of_tensor_parallel(job_config: JobConfig, torch_version: str) -> None:
-    """Full AC (or selective N) of compiled blocks under tensor parallelism fails in the first
-    step where torch passes the TP DeviceMesh into compiled graphs as an opaque object and does
-    not yet keep it out of the saved tensors (torch 2.13 here; 2.11, which passes no mesh, and
-    2.14.1 run it): the recomputed attention kernel, which torch tags as random for its dropout,
-    gets its RNG state saved after the mesh, where AOTAutograd expects only tensors
-    ("AssertionError: expected all tensors_saved_with_vc_check to be Tensors"). Checked when
-    blocks compile, not when the config is parsed, so the memory estimator (which runs the
-    step eagerly) still takes such configs (the Llama 3 405B preset is one)."""
-    ac, tp = job_config.activation_checkpoint, job_config.parallelism.tensor_parallel_degree
-    wraps_whole_blocks = ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op")
-    fixed = _release(torch_version) >= _FIRST_TORCH_TO_RECOMPUTE_WITH_MESH_INPUTS
-    if not (wraps_whole_blocks and tp > 1 and compile_sees_device_meshes()) or fixed:
-        return
-    mode = f"'{ac.mode}'"
-    if ac.mode == "selective":
-        mode += f" with 'activation_checkpoint.selective_ac_option' = '{ac.selective_ac_option}'"
-    raise ConfigError(
-        f"'activation_checkpoint.mode' = {mode} with compile.enable and "
-        f"'parallelism.tensor_parallel_degree' = {tp} fails in torch {torch_version}'s compiler "
-        "(it saves the tensor-parallel DeviceMesh among the tensors for backward when it "
-        'recomputes attention). Set mode = "selective" and selective_ac_option = "op" (both: the '
-        'option\'s default is "2"), or mode = "memory_budget", or compile.enable = false; torch '
-        "2.11 and torch >= 2.14.1 run this combination."
-    )
-
-
-def compile_sees_device_meshes() -> bool:
-    """Whether this torch registers DeviceMesh as an opaque type, so that a mesh a module's
-    hook holds becomes an input of the compiled graph."""
-    import torch.distributed.device_mesh
-
-    return hasattr(torch.distributed.device_mesh, "_register_distributed_opaque_types")
 
 
 def tag_compile_caches_with_process_groups() -> None:
@@ -136,7 +64,6 @@ def apply_compile(model: nn.Module, job_config: JobConfig, device: torch.device)
     reads of split sizes) break the graph unless `compile.capture_scalar_outputs` lets
     dynamo trace them.
     """
-    check_compile_supported(model, job_config)
     capture = job_config.compile.capture_scalar_outputs
     torch._dynamo.config.capture_scalar_outputs = capture
     # An MoE forward adds its routed counts and sets its aux loss once per step, and skips both
@@ -159,10 +86,11 @@ def apply_compile(model: nn.Module, job_config: JobConfig, device: torch.device)
             "Set compile.capture_scalar_outputs = true to compile those blocks."
         )
     kinds = set()
+    backend = checked_backend(job_config)
     for name, block in list(model.layers.named_children()):
-        fullgraph = not _has_moe(block)
+        fullgraph = not block.is_moe
         kinds.add("full graph" if fullgraph else "graph breaks allowed (MoE)")
-        compiled = torch.compile(block, backend=checked_backend(job_config), fullgraph=fullgraph)
+        compiled = torch.compile(block, backend=backend, fullgraph=fullgraph)
         model.layers.register_module(name, compiled)
     logger.info(
         f"Compiled each transformer block with torch.compile ({job_config.compile.backend}; "

@@ -17,9 +17,7 @@ from torchtitan.config.job_config import (
     BUNDLED_DATASET_FILES,
     CHECKPOINT_STATE_KEYS,
     CONVERTERS,
-    ActivationCheckpoint,
     JobConfig,
-    model_compile_enabled,
     section_types,
 )
 from torchtitan.config.toml_writer import as_written
@@ -72,60 +70,6 @@ def _check_not_built(config: JobConfig) -> None:
                 )
 
 
-# The torch.compile backends whose partitioner (min-cut rematerialization) applies
-# `activation_memory_budget`; others, "eager" first, save what they always save.
-MEMORY_BUDGET_BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
-
-
-def check_activation_checkpoint(
-    ac_config: ActivationCheckpoint, model_compile_enabled: bool, compile_backend: str
-) -> None:
-    """What `[activation_checkpoint]` can be checked for without the model: the mode, the
-    selective option, memory_budget's range and its need of a compiling backend, and debug
-    with op-SAC or compile. Run by `validate` (so the launchers' check catches it) and by
-    `apply_ac` for direct callers.
-
-    Raises:
-        ConfigError: naming the key, its value and the fix.
-    """
-    valid_modes = ("none", "full", "selective", "memory_budget")
-    if ac_config.mode not in valid_modes:
-        raise ConfigError(
-            f"'activation_checkpoint.mode' = '{ac_config.mode}' is unknown; use one of "
-            f"{', '.join(valid_modes)}."
-        )
-    option = ac_config.selective_ac_option
-    every_nth = option.isascii() and option.isdigit() and int(option) > 0
-    if ac_config.mode == "selective" and option != "op" and not every_nth:
-        raise ConfigError(
-            f"'activation_checkpoint.selective_ac_option' = '{option}' is invalid: use \"op\" "
-            'for per-op selective AC or a positive integer N (as a string, e.g. "2").'
-        )
-    if not 0.0 <= ac_config.memory_budget <= 1.0:
-        raise ConfigError(
-            f"'activation_checkpoint.memory_budget' = {ac_config.memory_budget} is outside [0, 1]: "
-            "0 recomputes everything, 1 saves everything."
-        )
-    if ac_config.mode == "memory_budget" and not model_compile_enabled:
-        raise ConfigError(
-            "'activation_checkpoint.mode' = 'memory_budget' works through torch.compile's "
-            'partitioner: set compile.enable = true with "model" in compile.components.'
-        )
-    if ac_config.mode == "memory_budget" and compile_backend not in MEMORY_BUDGET_BACKENDS:
-        raise ConfigError(
-            f"'activation_checkpoint.mode' = 'memory_budget' has no effect with 'compile.backend' = "
-            f"'{compile_backend}', which does not apply the budget; use one of "
-            f"{', '.join(MEMORY_BUDGET_BACKENDS)}, or another AC mode."
-        )
-    if ac_config.debug and ac_config.mode != "none":
-        if model_compile_enabled:
-            raise ac_debug_conflict('compiled blocks (compile.enable with "model" in compile.components)')
-        if ac_config.mode == "selective" and option == "op":
-            raise ac_debug_conflict(
-                'per-op selective AC (selective_ac_option = "op"), which checkpoints by a policy'
-            )
-
-
 def attention_backend_conflict(mask_type: str, whose: str = "") -> ConfigError:
     """The error for a mask type other than causal with the sdpa attention backend; `whose`
     says where the backend came from when the config may not have set it."""
@@ -171,17 +115,6 @@ def global_layers_conflict(every: int, mask_type: str | None, whose: str = "") -
             "attn_split_documents); set model.attn_mask_type to that and drop the key, or use 2 or more."
         )
     return None
-
-
-def ac_debug_conflict(conflict: str) -> ConfigError:
-    """The error for `activation_checkpoint.debug` with `conflict`, something torch's checkpoint
-    debug mode cannot trace: it replaces a checkpoint's `context_fn` with its own tracer and
-    refuses one that is set (op-SAC, full AC of MoE blocks), and fails inside compile."""
-    return ConfigError(
-        f"'activation_checkpoint.debug' = true cannot trace {conflict}: torch's checkpoint "
-        'debug mode only wraps blocks checkpointed without a policy. Trace with mode "full" (or '
-        "selective N) on a dense model with compile off, or set debug = false."
-    )
 
 
 def _check_checkpoint(config: JobConfig) -> None:
@@ -340,9 +273,6 @@ def _check_consistency(config: JobConfig) -> None:
     _check_converters(config)
     _check_upstream_datasets(config)
     _check_validation(config.validation, t)
-    check_activation_checkpoint(
-        config.activation_checkpoint, model_compile_enabled(config), config.compile.backend
-    )
     _check_checkpoint(config)
     _check_profiling(config.profiling)
     if config.compile.enable:

@@ -1,22 +1,25 @@
-"""The one place that applies activation checkpointing (AC) to a model.
+"""The one place that plans and applies activation checkpointing (AC).
 
-Every model's `parallelize.py` calls `apply_ac` after tensor parallelism and before per-block
-compile and FSDP. The module knows no model by name: it sees blocks through `model.layers`
-(a ModuleDict or ModuleList) and, for the flex-attention rules, the block's `attention` and
-`feed_forward` or `moe` submodules. A model passes its own op save list, built from
-`DEFAULT_SAVE_LIST` with `save_list(add=..., drop=...)`.
+`[activation_checkpoint]` and the facts of the run it needs (`ACFacts`: compile, flex attention,
+TP and EP degrees, MoE blocks, torch version, the model's op save list) become, in one step, a
+typed plan (`plan_activation_checkpointing`): one small class per mode. Every refusal about AC
+is raised there, once. `plan.apply(model)` wraps the blocks of `model.layers`;
+`plan.describe()` is the log line. `parallelize_decoder` builds and applies it after TP and
+EP, before per-block compile and FSDP. The module knows no model by name: it asks each block
+(a `DecoderBlock`) for its parts (`is_moe`, `mlp_name`, `end_linears`, `routed_experts`).
 
 Modes (`[activation_checkpoint].mode`):
-    none: nothing is wrapped.
-    full: every block recomputes its whole forward in backward.
-    selective, option "N": every Nth block of this model (0, N, 2N, ...) is fully checkpointed.
-    Full AC of a block with an MoE (`block.moe`) still saves the routing (`ROUTING_OPS`), the
-    split-size exchange and its device-to-host copy; `full_ac_all_to_all` says whether the
-    token all-to-alls are re-issued in recompute ("reissue") or saved and replayed ("replay").
-    selective, option "op": every block saves the outputs of the ops in the save list and
-        recomputes the rest, except that every second matmul is recomputed.
-    memory_budget: no wrapping; torch.compile's partitioner chooses what to save so that
-        activations stay within `memory_budget` of what saving everything costs.
+    none (`NoAC`): nothing is wrapped.
+    full (`FullAC`): every block recomputes its whole forward in backward. A block with an MoE
+        still saves the routing (`ROUTING_OPS`), the split-size exchange and its device-to-host
+        copy; `full_ac_all_to_all` says whether the token all-to-alls are re-issued in
+        recompute ("reissue") or saved and replayed ("replay").
+    selective, option "N" (`EveryNthBlockAC`): blocks 0, N, 2N, ... get full AC.
+    selective, option "op" (`OpSAC`): every block saves the outputs of the ops in the save list
+        and recomputes the rest, except that every second matmul is recomputed, and so are the
+        matmuls of the Linears `per_op_sac_force_recompute_mm_shapes_by_fqns` names.
+    memory_budget (`MemoryBudgetAC`): no wrapping; torch.compile's partitioner chooses what to
+        save so that activations stay within `memory_budget` of what saving everything costs.
 
 Wherever a recompute replays the expert-parallel combine all-to-all from its cache (op-SAC,
 full AC with "replay"), it skips the matmul that makes that all-to-all's input (see
@@ -27,8 +30,10 @@ import contextlib
 import logging
 import threading
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
+import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 from torch._higher_order_ops.flex_attention import flex_attention as _flex_attention_op
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -39,7 +44,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import ActivationCheckpoint
-from torchtitan.config.validation import ac_debug_conflict, check_activation_checkpoint
+from torchtitan.tools.fqn import clean_fqn
+from torchtitan.tools.torch_version import release
 
 logger = logging.getLogger(__name__)
 
@@ -87,14 +93,68 @@ MOE_ONLY_OPS: frozenset = frozenset(
 # expert), so recompute can neither route differently nor hit a shape mismatch.
 ROUTING_OPS: frozenset = frozenset({_aten.topk.default, _aten.scatter_add.default})
 
-# The part of a block that ends it: under sequence parallelism its output is reduce-scattered,
-# and that reduce-scatter's output feeds only the residual add.
-BLOCK_END_PARTS = ("feed_forward", "moe")
+# The torch.compile backends whose partitioner (min-cut rematerialization) applies
+# `activation_memory_budget`; others, "eager" first, save what they always save.
+MEMORY_BUDGET_BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
+FORCE_RECOMPUTE_KEY = "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns"
+# Before this release inductor fails on a checkpointed MoE block traced with
+# capture_scalar_outputs (unbacked-symbol errors under full, op-SAC and memory_budget AC);
+# checked on 2.11, fixed in 2.12.
+FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS = (2, 12)
+# From this release the partitioner leaves opaque inputs (the TP DeviceMesh) out of the tensors
+# saved for backward, so compiled blocks under full AC and TP run again; checked on 2.14.1 (2.14.0
+# was not run, so it stays refused).
+FIRST_TORCH_TO_RECOMPUTE_WITH_MESH_INPUTS = (2, 14, 1)
 
 
 def save_list(add=(), drop=()) -> frozenset:
     """A model's op save list: `DEFAULT_SAVE_LIST` plus `add`, minus `drop`."""
     return (DEFAULT_SAVE_LIST | frozenset(add)) - frozenset(drop)
+
+
+def compiles_checkpointed_scalars(torch_version: str = torch.__version__) -> bool:
+    """Whether this torch compiles checkpointed MoE blocks with capture_scalar_outputs."""
+    return release(torch_version)[:2] >= FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS
+
+
+def compile_sees_device_meshes() -> bool:
+    """Whether this torch registers DeviceMesh as an opaque type, so that a mesh a module's
+    hook holds becomes an input of the compiled graph."""
+    import torch.distributed.device_mesh
+
+    return hasattr(torch.distributed.device_mesh, "_register_distributed_opaque_types")
+
+
+@dataclass(frozen=True)
+class ACFacts:
+    """What the AC plan needs to know of the run besides `[activation_checkpoint]`.
+
+    Attributes:
+        compile_enabled: the blocks are compiled after AC (it changes how op-SAC wraps flex
+            attention, and memory_budget needs it).
+        compiles: the blocks really compile in this process. False for an eager estimate of a
+            compiled run (the memory estimator), which takes the compiled run's wrapping but
+            not the refusals of what only fails inside torch's compiler.
+        compile_backend, capture_scalar_outputs: `[compile]`'s.
+        flex_attention: attention runs flex_attention.
+        tensor_parallel, expert_parallel: the degrees.
+        has_moe: some block has an MoE.
+        save_list: the ops whose outputs op-SAC saves (the model's own list).
+        dump_folder: where memory_budget's pareto plot goes.
+        torch_version: the torch the rules are checked for.
+    """
+
+    compile_enabled: bool = False
+    compiles: bool = True
+    compile_backend: str = "inductor"
+    capture_scalar_outputs: bool = False
+    flex_attention: bool = False
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    has_moe: bool = False
+    save_list: frozenset = DEFAULT_SAVE_LIST
+    dump_folder: str = ""
+    torch_version: str = field(default=torch.__version__)
 
 
 _warned: set[str] = set()
@@ -106,119 +166,443 @@ def _warn_once(message: str) -> None:
         logger.warning(message)
 
 
-def _refuse_debug_with_moe_blocks(ac_config: ActivationCheckpoint, model: nn.Module) -> None:
-    """Full AC of an MoE block saves the routing by a policy, which torch's checkpoint debug
-    mode refuses; the conflicts that need no model are `check_activation_checkpoint`'s."""
-    if ac_config.debug and ac_config.mode != "none":
-        if any(hasattr(block, "moe") for block in model.layers.children()):
-            raise ac_debug_conflict("MoE blocks, whose full AC saves the routing by a policy")
+# ----- the plan ---------------------------------------------------------------------------
 
 
-def _checkpoint_options(ac_config: ActivationCheckpoint, context_fn=None) -> dict:
-    options = {
-        "preserve_rng_state": ac_config.preserve_rng_state,
-        "early_stop": ac_config.early_stop,
-        "determinism_check": ac_config.determinism_check,
-        "debug": ac_config.debug,
-    }
-    return options | ({"context_fn": context_fn} if context_fn is not None else {})
+class ACPlan:
+    """How AC wraps the blocks of a model; built by `plan_activation_checkpointing`.
+
+    Pitfall: apply before torch.compile and FSDP, after TP and EP, so that the checkpoint sees
+    the collectives TP and EP add and FSDP's hooks stay outside it.
+    """
+
+    mode_label = ""
+
+    def __init__(self, config: ActivationCheckpoint, facts: ACFacts):
+        self.config, self.facts = config, facts
+        self._wrapped: dict[str, list[str]] = defaultdict(list)
+        self._block_count = 0
+
+    def apply(self, model: nn.Module) -> None:
+        """Wrap `model.layers` (a ModuleDict or ModuleList of blocks) in place, and log
+        `describe()`. Every plan resets torch's process-wide partitioner budget, which a
+        previous model's memory_budget plan may have set (see `MemoryBudgetAC`)."""
+        torch._functorch.config.activation_memory_budget = 1.0
+        blocks = list(model.layers.named_children())
+        self._block_count = len(blocks)
+        for index, (name, block) in enumerate(blocks):
+            wrapped, kind = self.wrap_block(index, block, model)
+            if kind is not None:
+                model.layers.register_module(name, wrapped)
+                self._wrapped[kind].append(name)
+        logger.info(self.describe())
+
+    def wrap_block(self, index: int, block: nn.Module, model: nn.Module) -> tuple[nn.Module, str | None]:
+        """(the block, wrapped or not, and what was done to it; None when left as is)."""
+        return block, None
+
+    def describe(self) -> str:
+        """The log line: the mode, and which blocks got what."""
+        c = self.config
+        line = f"Activation checkpointing: mode {c.mode}"
+        if c.mode == "selective":
+            line += f" ({c.selective_ac_option})"
+        line += "".join(
+            f", {kind} on {len(names)}/{self._block_count} blocks: {', '.join(names)}"
+            for kind, names in self._wrapped.items()
+        )
+        if c.determinism_check == "none":
+            line += ", recompute check off"
+        if c.debug:
+            line += ", debug traces on (slower)"
+        return line
+
+    def _checkpoint_options(self, context_fn=None) -> dict:
+        c = self.config
+        options = {"preserve_rng_state": c.preserve_rng_state, "early_stop": c.early_stop,
+                   "determinism_check": c.determinism_check, "debug": c.debug}  # fmt: skip
+        return options | ({"context_fn": context_fn} if context_fn is not None else {})
+
+    def _checkpoint(self, module: nn.Module, context_fn=None) -> nn.Module:
+        return ptd_checkpoint_wrapper(module, **self._checkpoint_options(context_fn))
+
+    def _checkpoint_branch(self, block: nn.Module, name: str, context_fn=None) -> None:
+        """Make `block`'s method `name` (a residual branch, see `DecoderBlock`) one checkpointed
+        region. The method is shadowed on this block only; its modules stay where they are, so
+        parameter names (state-dict keys) do not change."""
+        branch = getattr(block, name)
+        options = self._checkpoint_options(context_fn)
+
+        def checkpointed(*args, **kwargs):
+            return checkpoint(branch, *args, use_reentrant=False, **options, **kwargs)
+
+        setattr(block, name, checkpointed)
+
+    def _skips_all_to_all_inputs(self, block: nn.Module) -> bool:
+        """Whether a recompute of `block` may skip the matmul whose output only the replayed
+        expert-parallel combine reads (`all_to_all_input`): an MoE block under EP, not
+        compiled (a compiled graph drops that matmul by itself)."""
+        return self.facts.expert_parallel > 1 and block.is_moe and not self.facts.compile_enabled
 
 
-def _checkpoint(module: nn.Module, ac_config: ActivationCheckpoint, context_fn=None) -> nn.Module:
-    return ptd_checkpoint_wrapper(module, **_checkpoint_options(ac_config, context_fn))
+class NoAC(ACPlan):
+    """mode = "none": nothing is wrapped (and nothing logged)."""
+
+    def apply(self, model):
+        torch._functorch.config.activation_memory_budget = 1.0
 
 
-def _checkpoint_branch(block: nn.Module, name: str, ac_config: ActivationCheckpoint, context_fn=None) -> None:
-    """Make `block`'s method `name` (a residual branch, see `DecoderBlock`) one checkpointed
-    region. The method is shadowed on this block only; its modules stay where they are, so
-    parameter names (state-dict keys) do not change."""
-    branch = getattr(block, name)
-    options = _checkpoint_options(ac_config, context_fn)
+class FullAC(ACPlan):
+    """mode = "full": every block (`every` = 1), or one block in `every`, recomputes its whole
+    forward in backward; an MoE block keeps its routing (see the module's docstring)."""
 
-    def checkpointed(*args, **kwargs):
-        return checkpoint(branch, *args, use_reentrant=False, **options, **kwargs)
+    every = 1
 
-    setattr(block, name, checkpointed)
+    def wrap_block(self, index, block, model):
+        if index % self.every:
+            return block, None
+        kind = "full AC" if self.every == 1 else f"full AC on one block in {self.every}"
+        if not block.is_moe:
+            return self._checkpoint(block), kind
+        replay = self.config.full_ac_all_to_all == "replay"
+        skip = replay and self._skips_all_to_all_inputs(block)
+        context_fn = _selective_context_fn(lambda: _full_ac_moe_policy(replay), skip)
+        kind += f" (MoE: routing saved, all-to-alls {self.config.full_ac_all_to_all})"
+        return self._checkpoint(block, context_fn), kind
 
 
-def _forced_recompute_mm_shapes(model: nn.Module, fqns: list[str]) -> set[tuple[int, int]]:
-    """The (in, out) weight shapes of the nn.Linear modules whose FQN contains an entry of `fqns`.
+class EveryNthBlockAC(FullAC):
+    """mode = "selective" with option "N": blocks 0, N, 2N, ... get full AC."""
 
-    The policy sees a matmul's weight shape, not its module, so an entry forces every matmul of
-    its Linears' shapes: a user's entry whose shapes other Linears share is warned about, and a
-    default entry (which names modules only some models have) leaves such shapes out (the
-    DeepSeek debug model's square shared experts).
+    def __init__(self, config, facts):
+        super().__init__(config, facts)
+        self.every = int(config.selective_ac_option)
+
+
+class OpSAC(ACPlan):
+    """mode = "selective" with option "op": per-op selective AC (see `op_sac_context_fn`)."""
+
+    def apply(self, model):
+        self.forced = forced_recompute_linears(
+            model, self.config.per_op_sac_force_recompute_mm_shapes_by_fqns
+        )
+        super().apply(model)
+
+    def wrap_block(self, index, block, model):
+        roles = _LinearRoles.of_block(block, self.forced, track_end=self.config.early_stop)
+        context_fn = op_sac_context_fn(self.facts.save_list, roles, self._skips_all_to_all_inputs(block))
+        sac = lambda m: self._checkpoint(m, context_fn)  # noqa: E731
+        if self.facts.flex_attention and not self.facts.compile_enabled:
+            _warn_once(
+                "flex_attention with per-op SAC and compile off: the attention branch (its norm "
+                f"included) gets full AC and the {block.mlp_name} branch gets SAC, so that SAC does "
+                "not discard flex_attention's compile. Enable compile to keep attention under SAC."
+            )
+            self._checkpoint_branch(block, "attention_branch")
+            self._checkpoint_branch(block, "mlp_branch", context_fn)
+            return block, f"attention branch full + {block.mlp_name} branch op-SAC (norms inside)"
+        if self.facts.flex_attention and self.facts.compile_enabled and block.is_moe:
+            _warn_once(
+                "flex_attention with per-op SAC, compile on and MoE blocks: attention and moe "
+                "are checkpointed as separate SAC regions, since routing splits the block's graph."
+            )
+            block.register_module("attention", sac(block.attention))
+            block.register_module(block.mlp_name, sac(block.mlp))
+            return block, f"attention op-SAC + {block.mlp_name} op-SAC"
+        return sac(block), "op-SAC"
+
+
+class MemoryBudgetAC(ACPlan):
+    """mode = "memory_budget": no block is wrapped; torch.compile's partitioner keeps what fits.
+
+    Pitfall: torch's budget (`activation_memory_budget`) is process-wide and read when a block
+    compiles (its first step): build and compile one model before planning another."""
+
+    def apply(self, model):
+        c = self.config
+        torch._functorch.config.activation_memory_budget = c.memory_budget
+        # Under tensor parallelism the compiled graphs take the DeviceMesh as an input (an
+        # opaque object on recent torch), and the budgeted partitioner refuses to size it
+        # ("Cannot compute the size of FakeScriptObject"). A mesh holds no tensor memory.
+        if hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size"):
+            torch._functorch.config.unsafe_treat_script_objects_as_zero_size = True
+        if c.visualize_memory_budget_pareto:
+            torch._functorch.config.visualize_memory_budget_pareto = True
+            torch._functorch.config.memory_budget_pareto_dir = self.facts.dump_folder or "."
+        logger.info(self.describe())
+
+    def describe(self):
+        return (
+            f"Activation checkpointing: mode memory_budget ({self.config.memory_budget}) through "
+            "torch.compile's partitioner; no block is wrapped"
+        )
+
+
+# ----- building the plan: every AC refusal --------------------------------------------------
+
+
+def plan_activation_checkpointing(config: ActivationCheckpoint, facts: ACFacts) -> ACPlan:
+    """The plan of `[activation_checkpoint]` = `config` for a run with `facts`.
+
+    Raises:
+        ConfigError: for a setting that is invalid, or that the rest of the run cannot
+            support; it names the key, its value and the fix.
+    """
+    modes = ("none", "full", "selective", "memory_budget")
+    if config.mode not in modes:
+        raise ConfigError(
+            f"'activation_checkpoint.mode' = '{config.mode}' is unknown; use one of {', '.join(modes)}."
+        )
+    if config.mode == "selective":
+        _check_selective_option(config.selective_ac_option)
+    if config.mode == "memory_budget":
+        _check_memory_budget(config, facts)
+    if config.debug and config.mode != "none":
+        _check_debug(config, facts)
+    if facts.compile_enabled and facts.compiles and config.mode != "none":
+        _refuse_what_torchs_compiler_fails(config, facts)
+    if config.mode == "none":
+        return NoAC(config, facts)
+    if config.mode == "full":
+        return FullAC(config, facts)
+    if config.mode == "memory_budget":
+        return MemoryBudgetAC(config, facts)
+    if config.selective_ac_option == "op":
+        return OpSAC(config, facts)
+    return EveryNthBlockAC(config, facts)
+
+
+def _check_selective_option(option: str) -> None:
+    every_nth = option.isascii() and option.isdigit() and int(option) > 0
+    if option != "op" and not every_nth:
+        raise ConfigError(
+            f"'activation_checkpoint.selective_ac_option' = '{option}' is invalid: use \"op\" "
+            'for per-op selective AC or a positive integer N (as a string, e.g. "2").'
+        )
+
+
+def _check_memory_budget(config: ActivationCheckpoint, facts: ACFacts) -> None:
+    if not 0.0 <= config.memory_budget <= 1.0:
+        raise ConfigError(
+            f"'activation_checkpoint.memory_budget' = {config.memory_budget} is outside [0, 1]: "
+            "0 recomputes everything, 1 saves everything."
+        )
+    if not facts.compile_enabled:
+        raise ConfigError(
+            "'activation_checkpoint.mode' = 'memory_budget' works through torch.compile's "
+            'partitioner: set compile.enable = true with "model" in compile.components.'
+        )
+    if facts.compile_backend not in MEMORY_BUDGET_BACKENDS:
+        raise ConfigError(
+            f"'activation_checkpoint.mode' = 'memory_budget' has no effect with 'compile.backend' = "
+            f"'{facts.compile_backend}', which does not apply the budget; use one of "
+            f"{', '.join(MEMORY_BUDGET_BACKENDS)}, or another AC mode."
+        )
+
+
+def _check_debug(config: ActivationCheckpoint, facts: ACFacts) -> None:
+    """torch's checkpoint debug mode replaces a checkpoint's `context_fn` with its own tracer,
+    refuses one that is set (op-SAC, full AC of MoE blocks), and fails inside compile."""
+    conflict = None
+    if facts.compile_enabled:
+        conflict = 'compiled blocks (compile.enable with "model" in compile.components)'
+    elif config.mode == "selective" and config.selective_ac_option == "op":
+        conflict = 'per-op selective AC (selective_ac_option = "op"), which checkpoints by a policy'
+    elif facts.has_moe:
+        conflict = "MoE blocks, whose full AC saves the routing by a policy"
+    if conflict:
+        raise ConfigError(
+            f"'activation_checkpoint.debug' = true cannot trace {conflict}: torch's checkpoint "
+            'debug mode only wraps blocks checkpointed without a policy. Trace with mode "full" (or '
+            "selective N) on a dense model with compile off, or set debug = false."
+        )
+
+
+def _refuse_what_torchs_compiler_fails(config: ActivationCheckpoint, facts: ACFacts) -> None:
+    """Compiled AC combinations this torch is known to get wrong.
+
+    Full AC (or selective N) of compiled blocks under TP fails in the first step where torch
+    passes the TP DeviceMesh into compiled graphs as an opaque object and does not yet keep it
+    out of the saved tensors (torch 2.13 here; 2.11, which passes no mesh, and 2.14.1 run it):
+    the recomputed attention kernel, tagged random for its dropout, gets its RNG state saved
+    after the mesh, where AOTAutograd expects only tensors. A checkpointed MoE block traced with
+    capture_scalar_outputs fails inside inductor before 2.12.
+    """
+    version = facts.torch_version
+    if facts.capture_scalar_outputs and facts.has_moe and not compiles_checkpointed_scalars(version):
+        need = ".".join(map(str, FIRST_TORCH_TO_COMPILE_CHECKPOINTED_SCALARS))
+        raise ConfigError(
+            f"'compile.capture_scalar_outputs' = true with 'activation_checkpoint.mode' = '{config.mode}' "
+            f"on MoE blocks fails inside inductor in torch {version}. Set "
+            f"compile.capture_scalar_outputs = false (the MoE blocks then fall back where they read "
+            f"counts on the host), or use torch >= {need}."
+        )
+    wraps_whole_blocks = config.mode == "full" or (
+        config.mode == "selective" and config.selective_ac_option != "op"
+    )
+    fixed = release(version) >= FIRST_TORCH_TO_RECOMPUTE_WITH_MESH_INPUTS
+    if not (wraps_whole_blocks and facts.tensor_parallel > 1 and compile_sees_device_meshes()) or fixed:
+        return
+    mode = f"'{config.mode}'"
+    if config.mode == "selective":
+        mode += f" with 'activation_checkpoint.selective_ac_option' = '{config.selective_ac_option}'"
+    raise ConfigError(
+        f"'activation_checkpoint.mode' = {mode} with compile.enable and "
+        f"'parallelism.tensor_parallel_degree' = {facts.tensor_parallel} fails in torch {version}'s "
+        "compiler (it saves the tensor-parallel DeviceMesh among the tensors for backward when it "
+        'recomputes attention). Set mode = "selective" and selective_ac_option = "op" (both: the '
+        'option\'s default is "2"), or mode = "memory_budget", or compile.enable = false; torch '
+        "2.11 and torch >= 2.14.1 run this combination."
+    )
+
+
+def apply_ac(
+    model: nn.Module,
+    ac_config: ActivationCheckpoint,
+    *,
+    model_compile_enabled: bool = False,
+    use_flex_attn: bool = False,
+    op_sac_save_list: frozenset | set | None = None,
+    base_folder: str = "",
+    compile_backend: str = "inductor",
+    tensor_parallel: int = 1,
+    expert_parallel: int = 1,
+) -> ACPlan:
+    """Plan `[activation_checkpoint]` for `model` (its blocks tell whether it has MoE) with
+    these facts, apply the plan, and return it; see `ACFacts` for the arguments.
+
+    Raises:
+        ConfigError: see `plan_activation_checkpointing`.
+    """
+    facts = ACFacts(
+        compile_enabled=model_compile_enabled,
+        compile_backend=compile_backend,
+        flex_attention=use_flex_attn,
+        tensor_parallel=tensor_parallel,
+        expert_parallel=expert_parallel,
+        has_moe=any(block.is_moe for block in model.layers.children()),
+        save_list=DEFAULT_SAVE_LIST if op_sac_save_list is None else frozenset(op_sac_save_list),
+        dump_folder=base_folder,
+    )
+    plan = plan_activation_checkpointing(ac_config, facts)
+    plan.apply(model)
+    return plan
+
+
+# ----- forced recompute, by module -------------------------------------------------------
+
+
+def forced_recompute_linears(model: nn.Module, entries: list[str]) -> set[nn.Module]:
+    """The nn.Linear modules inside the blocks (`model.layers`) whose FQN contains an entry of
+    `per_op_sac_force_recompute_mm_shapes_by_fqns`: op-SAC recomputes exactly their matmuls.
+
+    An entry that matches nothing is skipped when it is a default one (they name modules only
+    some models have) and refused when the user wrote it.
 
     Raises:
         ConfigError: an entry is empty (it would match every module), matches a non-Linear
-            module, or matches no Linear inside the blocks AC wraps (`model.layers`); a default
-            entry may match nothing.
+            module, or matches no Linear inside the blocks AC wraps.
     """
-    default_fqns = ActivationCheckpoint().per_op_sac_force_recompute_mm_shapes_by_fqns
-    key = "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns"
-    names_by_shape = defaultdict(set)
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            names_by_shape[module.in_features, module.out_features].add(name)
-    shapes = set()
-    for pattern in fqns:
+    defaults = ActivationCheckpoint().per_op_sac_force_recompute_mm_shapes_by_fqns
+    named = [(clean_fqn(name), module) for name, module in model.named_modules()]
+    forced = set()
+    for pattern in entries:
         if not pattern.strip():
-            raise ConfigError(f"'{key}' has an empty entry, which would match every module; remove it.")
-        matches = [(n, m) for n, m in model.named_modules() if pattern in n]
-        if not matches and pattern in default_fqns:
+            raise ConfigError(
+                f"'{FORCE_RECOMPUTE_KEY}' has an empty entry, which would match every module; remove it."
+            )
+        matches = [(n, m) for n, m in named if pattern in n]
+        if not matches and pattern in defaults:
             continue
         non_linear = [(n, m) for n, m in matches if not isinstance(m, nn.Linear)]
         if non_linear:
             name, module = non_linear[0]
             raise ConfigError(
-                f"'{key}' entry '{pattern}' matches {name} ({type(module).__name__}), not an "
+                f"'{FORCE_RECOMPUTE_KEY}' entry '{pattern}' matches {name} ({type(module).__name__}), not an "
                 "nn.Linear; name Linear modules only (e.g. 'attention.wo', not 'attention')."
             )
         if not matches:
             raise ConfigError(
-                f"'{key}' entry '{pattern}' matches no module of the model; give a substring of "
-                "an nn.Linear's name inside a block (e.g. 'moe.router.gate')."
+                f"'{FORCE_RECOMPUTE_KEY}' entry '{pattern}' matches no module of the model; give a "
+                "substring of an nn.Linear's name inside a block (e.g. 'moe.router.gate')."
             )
-        if not any(n.startswith("layers.") for n, _ in matches):
+        in_blocks = [m for n, m in matches if n.startswith("layers.")]
+        if not in_blocks:
+            outside = ", ".join(n for n, _ in matches[:3])
             raise ConfigError(
-                f"'{key}' entry '{pattern}' matches only {', '.join(n for n, _ in matches[:3])}, "
+                f"'{FORCE_RECOMPUTE_KEY}' entry '{pattern}' matches only {outside}, "
                 "outside the transformer blocks AC wraps (model.layers), so it would force nothing; "
                 "give a substring of a Linear inside a block (e.g. 'moe.router.gate')."
             )
-        matched = {n for n, _ in matches}
-        named = {(m.in_features, m.out_features) for _, m in matches}
-        if pattern in default_fqns:
-            named = {shape for shape in named if names_by_shape[shape] <= matched}
-        else:
-            _warn_about_shared_shapes(key, pattern, named, names_by_shape, matched)
-        shapes |= named
-    return shapes
+        forced.update(in_blocks)
+    return forced
 
 
-def _warn_about_shared_shapes(key, pattern, shapes, names_by_shape, matched) -> None:
-    for shape in sorted(shapes):
-        others = sorted(names_by_shape[shape] - matched)
-        if others:
-            _warn_once(
-                f"'{key}' entry '{pattern}' forces every matmul of weight shape {shape}, so also "
-                f"{len(others)} Linear(s) it does not name, e.g. {', '.join(others[:3])}: op-SAC "
-                "tells matmuls apart by weight shape only."
-            )
+class _LinearRoles:
+    """Which Linear of one block runs each matmul op-SAC's policy sees, and its role: forced
+    to recompute, or one of the block's `end_linears` (after whose matmul the block's last
+    sequence-parallel reduce-scatter comes).
+
+    Eager, a forward pre-hook on each of the block's Linears notes the one running (and its
+    forward hook clears it), in forward and in recompute alike. Compiled, the policy runs while
+    torch traces the block, where hooks have run already; there the traced op's module path
+    (its `nn_module_stack`) names the Linear.
+    """
+
+    _running = threading.local()
+
+    def __init__(self, forced: dict[str, nn.Module], end: dict[str, nn.Module]):
+        self.forced_names, self.end_names = set(forced), set(end)
+        self.forced_modules = set(forced.values())
+        self.end_modules = set(end.values())
+
+    @classmethod
+    def of_block(cls, block: nn.Module, forced: set[nn.Module], track_end: bool) -> "_LinearRoles":
+        linears = {clean_fqn(n): m for n, m in block.named_modules() if isinstance(m, nn.Linear)}
+        end = set(block.end_linears()) if track_end else set()
+        roles = cls(
+            {n: m for n, m in linears.items() if m in forced}, {n: m for n, m in linears.items() if m in end}
+        )
+        if roles.forced_modules or roles.end_modules:
+            for module in linears.values():
+                module.register_forward_pre_hook(_note_running_linear)
+                module.register_forward_hook(_clear_running_linear)
+        return roles
+
+    def role(self) -> tuple[bool, bool]:
+        """(forced, ends the block) of the Linear whose matmul the policy sees now."""
+        if fx_traceback.has_preserved_node_meta():
+            stack = fx_traceback.get_current_meta().get("nn_module_stack")
+            if stack:
+                path = _module_path(next(reversed(stack.values()))[0])
+                return _ends_with_any(path, self.forced_names), _ends_with_any(path, self.end_names)
+        module = getattr(self._running, "module", None)
+        return module in self.forced_modules, module in self.end_modules
 
 
-def _block_end_mm_shapes(model: nn.Module) -> frozenset:
-    """The (in, out) weight shapes of the Linears in the blocks' last parts (`BLOCK_END_PARTS`)
-    that no other Linear in the blocks has. A reduce-scatter that follows a matmul of one of
-    these, with no other matmul between, is the sequence-parallel one that ends the block:
-    after a dense feed-forward's w2, an MoE's shared experts' w2, or (routed experts run as
-    grouped mm) an MoE router's gate. A shape that attention shares is left out, so its
-    reduce-scatter, which the next norm's recompute reads, is never taken for the block's end."""
-    end_part, elsewhere = set(), set()
-    for name, module in model.layers.named_modules():
-        if isinstance(module, nn.Linear):
-            in_end_part = any(part in name.split(".") for part in BLOCK_END_PARTS)
-            (end_part if in_end_part else elsewhere).add((module.in_features, module.out_features))
-    return frozenset(end_part - elsewhere)
+def _note_running_linear(module, args) -> None:
+    if not torch.compiler.is_compiling():
+        _LinearRoles._running.module = module
+
+
+def _clear_running_linear(module, args, output) -> None:
+    if not torch.compiler.is_compiling():
+        _LinearRoles._running.module = None
+
+
+def _module_path(source: str) -> str:
+    """A traced module's source ("L['self']._checkpoint_wrapped_module.moe.router.gate", or
+    "L['self'].layers['0'].attention.wq") as a clean dotted path ("moe.router.gate")."""
+    path = source.replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")
+    path = path.replace(".__dict__._modules", "")  # how dynamo names a submodule it reached by attribute
+    return clean_fqn(path.split(".", 1)[1] if "." in path else "")
+
+
+def _ends_with_any(path: str, names: set[str]) -> bool:
+    return any(path == name or path.endswith("." + name) for name in names)
+
+
+# ----- the policies -------------------------------------------------------------------------
 
 
 def _is_device_to_host_copy(func, args, kwargs) -> bool:
@@ -227,13 +611,6 @@ def _is_device_to_host_copy(func, args, kwargs) -> bool:
         and args[0].device.type != "cpu"
         and kwargs.get("device") == torch.device("cpu")
     )
-
-
-def _mm_weight_shape(func, args) -> tuple[int, int] | None:
-    """(in, out) of the weight of an mm (x @ W^T: an nn.Linear's matmul), else None."""
-    if func == _aten.mm.default:
-        return tuple(args[1].shape)
-    return None
 
 
 def _is_looped_expert_mm(func, args) -> bool:
@@ -245,9 +622,7 @@ def _is_looped_expert_mm(func, args) -> bool:
     return base is not None and base.dim() == 3
 
 
-def _op_sac_policy(
-    save_ops: frozenset, forced_mm_shapes: set, counts: dict, block_end_mm_shapes: set = frozenset()
-):
+def _op_sac_policy(save_ops: frozenset, roles: _LinearRoles | None, counts: dict):
     def policy(ctx, func, *args, **kwargs):
         if _is_device_to_host_copy(func, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
@@ -256,10 +631,10 @@ def _op_sac_policy(
             # Recomputed like grouped experts' matmuls, and kept out of the every-second-matmul
             # rule and of the block-end reduce-scatter's detection.
             return CheckpointPolicy.PREFER_RECOMPUTE
-        weight_shape = _mm_weight_shape(func, args)
-        if weight_shape is not None:
-            counts[phase, "after block-end mm"] = weight_shape in block_end_mm_shapes
-            if weight_shape in forced_mm_shapes:
+        if func == _aten.mm.default:
+            forced, ends_block = roles.role() if roles is not None else (False, False)
+            counts[phase, "after block-end mm"] = ends_block
+            if forced:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             counts[phase] += 1
             # Recomputing every second matmul halves their memory for half their time.
@@ -295,25 +670,23 @@ def full_ac_moe_context_fn(replay_all_to_all: bool, skip_all_to_all_inputs: bool
     """A `context_fn` for full AC of an MoE block: recompute everything but the routing, the
     split sizes and, with `replay_all_to_all`, the token all-to-alls. `skip_all_to_all_inputs`
     (only with `replay_all_to_all`): see `all_to_all_input`."""
-    policy = _full_ac_moe_policy(replay_all_to_all)
-    return _selective_context_fn(lambda: policy, skip_all_to_all_inputs and replay_all_to_all)
+    return _selective_context_fn(
+        lambda: _full_ac_moe_policy(replay_all_to_all), skip_all_to_all_inputs and replay_all_to_all
+    )
 
 
 def op_sac_context_fn(
-    save_ops: frozenset,
-    forced_mm_shapes: set = frozenset(),
-    block_end_mm_shapes: set = frozenset(),
-    skip_all_to_all_inputs: bool = False,
+    save_ops: frozenset, roles: _LinearRoles | None = None, skip_all_to_all_inputs: bool = False
 ):
     """A `context_fn` for op-SAC; each checkpointed call gets fresh matmul counters, shared
-    by its forward and its recompute so that both make the same choices. The reduce-scatter
-    right after a matmul of `block_end_mm_shapes` is not saved: give them only under
-    `early_stop` (the checkpoint's), which never recomputes it; without, recompute would
-    re-issue it. `skip_all_to_all_inputs` (only when `save_ops` holds the all-to-all): see
+    by its forward and its recompute so that both make the same choices. `roles` tells the
+    block's forced Linears (always recomputed) and its end Linears: the reduce-scatter right
+    after one of their matmuls is not saved, which holds only under `early_stop` (that never
+    recomputes it). `skip_all_to_all_inputs` (only when `save_ops` holds the all-to-all): see
     `all_to_all_input`."""
 
     def new_policy():
-        return _op_sac_policy(save_ops, forced_mm_shapes, defaultdict(int), block_end_mm_shapes)
+        return _op_sac_policy(save_ops, roles, defaultdict(int))
 
     skip = skip_all_to_all_inputs and _c10d.all_to_all_single.default in save_ops
     return _selective_context_fn(new_policy, skip)
@@ -328,6 +701,8 @@ def _selective_context_fn(new_policy, skip_all_to_all_inputs: bool):
 
     return context_fn
 
+
+# ----- the recompute that skips the all-to-all's input ----------------------------------------
 
 # The matmuls `all_to_all_input` may mark; other ops in its region run as usual.
 _SKIPPABLE_MATMULS = (_aten.mm.default, _aten._grouped_mm.default)
@@ -349,12 +724,12 @@ def all_to_all_input():
 
     Everywhere else (the forward, a recompute that re-issues the all-to-all, a block without
     expert parallelism, a compiled block, whose graph drops the unused matmul by itself) it
-    does nothing. `apply_ac` turns it on per block only when a module of the block sets
-    `output_feeds_all_to_all` (as `apply_expert_parallel` does for the routed experts).
+    does nothing. The plan turns it on for the MoE blocks of an expert-parallel run.
 
     Pitfalls: mark only matmuls whose output reaches nothing but that all-to-all (through
-    reindexing at most); anything else reading it in a recompute would read garbage. The
-    recompute of such a block passes each op through one more Python dispatch mode, a few
+    reindexing at most); anything else reading it in a recompute would read garbage
+    (`tests/unit/test_moe.py` fills the skipped outputs with NaN to prove that nothing does).
+    The recompute of such a block passes each op through one more Python dispatch mode, a few
     microseconds each (less than the skipped matmul saves even on the debug models' experts:
     see `benchmarks/moe_expert_parallel.py`).
     """
@@ -395,150 +770,3 @@ def _skipping_all_to_all_inputs(recompute_context):
     # forward's order: the ops it runs reach this mode, and what this mode creates bypasses it.
     with _SkipAllToAllInputs(), recompute_context:
         yield
-
-
-def _output_feeds_all_to_all(block: nn.Module) -> bool:
-    return any(getattr(m, "output_feeds_all_to_all", False) for m in block.modules())
-
-
-def _wrap_child(block: nn.Module, name: str, wrap) -> str:
-    child = getattr(block, name)
-    block.register_module(name, wrap(child))
-    return name
-
-
-def _apply_op_sac_to_block(block, ac_config, context_fn, use_flex_attn, model_compile_enabled):
-    """Wrap one block for op-SAC; returns what was wrapped, for the log.
-
-    flex_attention is itself a compiled higher-order op. Under SAC without compile its
-    saved outputs would be recomputed eagerly, so the attention branch gets full AC and only
-    the feed-forward/MoE branch gets SAC, each branch with its norm (`DecoderBlock`'s
-    `attention_branch` and `mlp_branch`), so that no norm tensor is held between the regions.
-    With compile on, an MoE block's data-dependent routing breaks the block's graph, so its
-    attention and MoE are wrapped as separate regions.
-    """
-    sac = lambda m: _checkpoint(m, ac_config, context_fn)  # noqa: E731
-    ffn_name = "moe" if hasattr(block, "moe") else "feed_forward"
-    if use_flex_attn and not model_compile_enabled:
-        _warn_once(
-            "flex_attention with per-op SAC and compile off: the attention branch (its norm "
-            f"included) gets full AC and the {ffn_name} branch gets SAC, so that SAC does not "
-            "discard flex_attention's compile. Enable compile to keep attention under SAC."
-        )
-        _checkpoint_branch(block, "attention_branch", ac_config)
-        _checkpoint_branch(block, "mlp_branch", ac_config, context_fn)
-        return block, f"attention branch full + {ffn_name} branch op-SAC (norms inside)"
-    if use_flex_attn and model_compile_enabled and hasattr(block, "moe"):
-        _warn_once(
-            "flex_attention with per-op SAC, compile on and MoE blocks: attention and moe "
-            "are checkpointed as separate SAC regions, since routing splits the block's graph."
-        )
-        _wrap_child(block, "attention", sac)
-        _wrap_child(block, "moe", sac)
-        return block, "attention op-SAC + moe op-SAC"
-    return sac(block), "op-SAC"
-
-
-def apply_ac(
-    model: nn.Module,
-    ac_config: ActivationCheckpoint,
-    *,
-    model_compile_enabled: bool = False,
-    use_flex_attn: bool = False,
-    op_sac_save_list: frozenset | set | None = None,
-    base_folder: str = "",
-    compile_backend: str = "inductor",
-) -> None:
-    """Apply `[activation_checkpoint]` to every block in `model.layers`, in place.
-
-    Args:
-        model: has `layers`, a ModuleDict or ModuleList of transformer blocks.
-        ac_config: the `[activation_checkpoint]` section (`ActivationCheckpoint`).
-        model_compile_enabled: whether blocks will be compiled; memory_budget requires it,
-            and it changes how op-SAC treats flex-attention blocks.
-        use_flex_attn: whether attention runs flex_attention.
-        op_sac_save_list: ops whose outputs op-SAC saves; default `DEFAULT_SAVE_LIST`.
-        base_folder: where memory_budget writes its pareto plot (the dump folder).
-        compile_backend: the torch.compile backend of the blocks; memory_budget needs one of
-            `torchtitan.config.validation.MEMORY_BUDGET_BACKENDS`.
-
-    Pitfalls: call after tensor parallelism and before torch.compile and FSDP, so that the
-    checkpoint sees the collectives TP adds and FSDP's hooks stay outside it. Models with
-    dropout need `preserve_rng_state = true`, or recompute draws different masks. Every mode
-    sets torch's process-wide partitioner budget (`activation_memory_budget`, 1.0 = none
-    outside memory_budget), which compiles read when they happen: build and compile (first
-    step) one model before applying AC to another with a different budget.
-
-    Raises:
-        ConfigError: for an invalid setting or one the rest of the config cannot support.
-    """
-    check_activation_checkpoint(ac_config, model_compile_enabled, compile_backend)
-    _refuse_debug_with_moe_blocks(ac_config, model)
-    if ac_config.mode == "memory_budget":
-        _apply_memory_budget(ac_config, base_folder)
-        return
-    # The partitioner's budget is process-wide and read when a block compiles: left at a
-    # previous model's memory_budget, it would override this model's policy (at 0, compiled
-    # op-SAC recomputes everything).
-    torch._functorch.config.activation_memory_budget = 1.0
-    if ac_config.mode == "none":
-        return
-    is_op_sac = ac_config.mode == "selective" and ac_config.selective_ac_option == "op"
-    every = int(ac_config.selective_ac_option) if ac_config.mode == "selective" and not is_op_sac else 1
-    if is_op_sac:
-        fqns = ac_config.per_op_sac_force_recompute_mm_shapes_by_fqns
-        shapes = _forced_recompute_mm_shapes(model, fqns)
-        block_end_shapes = _block_end_mm_shapes(model) if ac_config.early_stop else frozenset()
-        save_ops = DEFAULT_SAVE_LIST if op_sac_save_list is None else frozenset(op_sac_save_list)
-        context_fn = op_sac_context_fn(save_ops, shapes, block_end_shapes)
-        skipping_context_fn = op_sac_context_fn(save_ops, shapes, block_end_shapes, not model_compile_enabled)
-    full_kind = "full AC" if every == 1 else f"full AC on one block in {every}"
-    blocks_by_kind: dict[str, list[str]] = defaultdict(list)
-    for index, (name, block) in enumerate(list(model.layers.named_children())):
-        if index % every:
-            continue
-        feeds_all_to_all = _output_feeds_all_to_all(block)
-        if is_op_sac:
-            block, kind = _apply_op_sac_to_block(
-                block,
-                ac_config,
-                skipping_context_fn if feeds_all_to_all else context_fn,
-                use_flex_attn,
-                model_compile_enabled,
-            )
-        elif hasattr(block, "moe"):
-            replay = ac_config.full_ac_all_to_all == "replay"
-            skip = feeds_all_to_all and not model_compile_enabled
-            block = _checkpoint(block, ac_config, full_ac_moe_context_fn(replay, skip))
-            kind = f"{full_kind} (MoE: routing saved, all-to-alls {ac_config.full_ac_all_to_all})"
-        else:
-            block, kind = _checkpoint(block, ac_config), full_kind
-        model.layers.register_module(name, block)
-        blocks_by_kind[kind].append(name)
-    described = "; ".join(
-        f"{kind} on {len(names)}/{len(model.layers)} blocks: {', '.join(names)}"
-        for kind, names in blocks_by_kind.items()
-    )
-    logger.info(
-        f"Activation checkpointing: mode {ac_config.mode}"
-        + (f" ({ac_config.selective_ac_option})" if ac_config.mode == "selective" else "")
-        + f", {described}"
-        + (", recompute check off" if ac_config.determinism_check == "none" else "")
-        + (", debug traces on (slower)" if ac_config.debug else "")
-    )
-
-
-def _apply_memory_budget(ac_config: ActivationCheckpoint, base_folder: str) -> None:
-    torch._functorch.config.activation_memory_budget = ac_config.memory_budget
-    # Under tensor parallelism the compiled graphs take the DeviceMesh as an input (an opaque
-    # object on recent torch), and the budgeted partitioner refuses to size it ("Cannot compute
-    # the size of FakeScriptObject"). A mesh holds no tensor memory, so zero is its size.
-    if hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size"):
-        torch._functorch.config.unsafe_treat_script_objects_as_zero_size = True
-    if ac_config.visualize_memory_budget_pareto:
-        torch._functorch.config.visualize_memory_budget_pareto = True
-        torch._functorch.config.memory_budget_pareto_dir = base_folder or "."
-    logger.info(
-        f"Activation checkpointing: mode memory_budget ({ac_config.memory_budget}) through "
-        "torch.compile's partitioner; no block is wrapped"
-    )

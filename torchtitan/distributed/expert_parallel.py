@@ -55,8 +55,11 @@ from torchtitan.tools.fqn import clean_fqn
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
-def _tokens_per_rank_to_host(counts: torch.Tensor, counts_recv: torch.Tensor, ep: int) -> tuple[list, list]:
-    """(input_splits, output_splits): rows this rank sends to / receives from each EP rank."""
+def tokens_per_rank_to_host(
+    x: torch.Tensor, counts: torch.Tensor, counts_recv: torch.Tensor, ep: int
+) -> tuple[list, list]:
+    """(input_splits, output_splits): rows this rank sends to / receives from each EP rank, read
+    from the exchanged token counts (a host sync); `x` is the rows to dispatch."""
     both = torch.stack([counts, counts_recv]).view(2, ep, -1).sum(dim=-1).to("cpu")
     send, recv = both.tolist()
     return send, recv
@@ -72,10 +75,11 @@ class _ExpertParallelHooks:
     those.
     """
 
-    def __init__(self, ep_group: dist.ProcessGroup, data_ranks: int | None = None):
+    def __init__(self, ep_group: dist.ProcessGroup, data_ranks: int | None = None, split_sizes=None):
         self.group = ep_group
         self.ep = dist.get_world_size(ep_group)
         self.data_ranks = data_ranks or self.ep
+        self.split_sizes = split_sizes or tokens_per_rank_to_host
         self._ctx: tuple | None = None
 
     def dispatch(self, module: nn.Module, args: tuple):
@@ -83,7 +87,7 @@ class _ExpertParallelHooks:
         ep = self.ep
         counts_recv = funcol.all_to_all_single(counts, None, None, self.group)
         counts_recv = funcol.wait_tensor(counts_recv)
-        send, recv = _tokens_per_rank_to_host(counts, counts_recv, ep)
+        send, recv = self.split_sizes(x, counts, counts_recv, ep)
         x_recv = funcol.all_to_all_single_autograd(x, recv, send, self.group)
         # Received rows come grouped by (source rank, local expert); the experts want them
         # grouped by (local expert, source rank).
@@ -186,10 +190,9 @@ def _mark_params(experts: nn.Module) -> None:
 
 
 def routed_experts(model: nn.Module) -> list[nn.Module]:
-    """The routed experts (a `GroupedExperts`) of each MoE block of `model.layers`, found by name:
-    a block's MoE is its `moe` (as in the TP plans and the FQNs of the save lists), so that this
-    layer needs no import of the models. Wrapped blocks (AC, compile) forward the attribute."""
-    return [block.moe.experts for block in model.layers.values() if hasattr(block, "moe")]
+    """The routed experts (a `GroupedExperts`) of each MoE block of `model.layers`, as each block
+    (a `DecoderBlock`) names them. Wrapped blocks (AC, compile) forward the attribute."""
+    return [block.routed_experts for block in model.layers.children() if block.is_moe]
 
 
 def apply_expert_parallel(
@@ -197,6 +200,7 @@ def apply_expert_parallel(
     ep_mesh: DeviceMesh,
     data_ranks: int | None = None,
     rows_split_mesh: DeviceMesh | None = None,
+    split_sizes=None,
 ) -> list[nn.Module]:
     """Shard and hook every block's routed experts (`routed_experts`) over the 1-D `ep_mesh`, in place.
 
@@ -207,6 +211,8 @@ def apply_expert_parallel(
         data_ranks: ranks of the EP group that see different data (default: all of them).
         rows_split_mesh: the TP mesh when the EP group spans the TP ranks: each TP rank then
             dispatches its own share of the routed rows (`_SplitRowsOverTP`).
+        split_sizes: `(x, counts, counts_recv, ep) -> (send, recv)`, the rows this rank sends to
+            and receives from each EP rank; default `tokens_per_rank_to_host`.
 
     Returns:
         The sharded `GroupedExperts` modules, for data parallelism to shard or ignore.
@@ -222,11 +228,9 @@ def apply_expert_parallel(
         split = _SplitRowsOverTP(rows_split_mesh) if rows_split_mesh is not None else None
         if split is not None:
             experts.register_forward_pre_hook(split.keep_own_rows)
-        hooks = experts._ep_hooks = _ExpertParallelHooks(ep_mesh.get_group(), data_ranks)
+        hooks = experts._ep_hooks = _ExpertParallelHooks(ep_mesh.get_group(), data_ranks, split_sizes)
         experts.register_forward_pre_hook(hooks.dispatch)
         experts.register_forward_hook(hooks.combine)
-        # Read by activation checkpointing: see its `all_to_all_input`.
-        experts.output_feeds_all_to_all = True
         # Forward hooks run in registration order: the rows come back, then are padded.
         if split is not None:
             experts.register_forward_hook(split.restore_all_rows)

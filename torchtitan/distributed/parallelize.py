@@ -13,7 +13,7 @@ import torch.nn as nn
 from torchtitan.components.compile import apply_compile, checked_backend
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig, model_compile_enabled
-from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.activation_checkpoint import ACFacts, plan_activation_checkpointing
 from torchtitan.distributed.data_parallel import apply_data_parallel
 from torchtitan.distributed.expert_parallel import apply_expert_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -36,15 +36,22 @@ def parallelize_decoder(
     apply_tp: Callable | None,
     op_sac_save_list: frozenset,
     use_flex_attn: bool = False,
+    wrap_as_compiled: bool = False,
+    expert_split_sizes: Callable | None = None,
 ) -> nn.Module:
     """Apply TP, EP, `[activation_checkpoint]`, `[compile]` and data parallelism in place.
 
     Args:
-        model: a decoder with `args` (n_heads, kv_heads, tie_word_embeddings) and `layers`.
+        model: a decoder with `args` (n_heads, kv_heads, tie_word_embeddings) and `layers` of
+            `DecoderBlock`s.
         apply_tp: `(model, tp_mesh, loss_parallel) -> None`, the model's TP plan; None when
             the model has none yet, which refuses tensor_parallel_degree > 1.
         op_sac_save_list: the model's op-SAC save list (see `activation_checkpoint.save_list`).
         use_flex_attn: whether attention runs flex_attention (changes op-SAC wrapping).
+        wrap_as_compiled: AC wraps the blocks as a compiled run does though compile is off (the
+            memory estimator's eager estimate of a compiled run).
+        expert_split_sizes: how expert parallelism learns the rows to send and receive (see
+            `apply_expert_parallel`); the memory estimator simulates them.
 
     Pitfall: the order matters. AC wraps after TP and EP so that the per-op policy sees their
     collectives, compile sees the wrapped blocks, and FSDP's hooks stay outside AC.
@@ -52,6 +59,10 @@ def parallelize_decoder(
     compile_model = model_compile_enabled(job_config)
     if compile_model:
         checked_backend(job_config)
+    ac_plan = plan_activation_checkpointing(
+        job_config.activation_checkpoint,
+        _ac_facts(model, parallel_dims, job_config, op_sac_save_list, use_flex_attn, wrap_as_compiled),
+    )
     maybe_enable_async_tp(parallel_dims, job_config, device)
     if parallel_dims.tp_enabled:
         if apply_tp is None:
@@ -78,21 +89,31 @@ def parallelize_decoder(
             parallel_dims.submesh("ep"),
             data_ranks=parallel_dims.ep_from_dp_shard,
             rows_split_mesh=parallel_dims.submesh("tp") if parallel_dims.ep_borrows_tp else None,
+            split_sizes=expert_split_sizes,
         )
         _log_expert_layout(model, parallel_dims)
-    apply_ac(
-        model,
-        job_config.activation_checkpoint,
-        model_compile_enabled=compile_model,
-        use_flex_attn=use_flex_attn,
-        op_sac_save_list=op_sac_save_list,
-        base_folder=job_config.job.dump_folder,
-        compile_backend=job_config.compile.backend,
-    )
+    ac_plan.apply(model)
     if compile_model:
         apply_compile(model, job_config, device)
     apply_data_parallel(model, parallel_dims, job_config, device, experts)
     return model
+
+
+def _ac_facts(model, parallel_dims, job_config, save_list, use_flex_attn, wrap_as_compiled) -> ACFacts:
+    """What the AC plan needs to know of this run (see `ACFacts`)."""
+    compile_model = model_compile_enabled(job_config)
+    return ACFacts(
+        compile_enabled=compile_model or wrap_as_compiled,
+        compiles=compile_model,
+        compile_backend=job_config.compile.backend,
+        capture_scalar_outputs=job_config.compile.capture_scalar_outputs,
+        flex_attention=use_flex_attn,
+        tensor_parallel=parallel_dims.tp,
+        expert_parallel=job_config.parallelism.expert_parallel_degree,
+        has_moe=any(block.is_moe for block in model.layers.children()),
+        save_list=frozenset(save_list),
+        dump_folder=job_config.job.dump_folder,
+    )
 
 
 def _log_expert_layout(model: nn.Module, parallel_dims: ParallelDims) -> None:

@@ -317,5 +317,5 @@ def shard_experts_over_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 
 def mlp_plan(block: nn.Module, tp: int) -> dict[str, ParallelStyle]:
-    """The TP plan of `block`'s MLP, whichever it has: `feed_forward` or `moe`."""
-    return moe_plan(block.moe, tp) if hasattr(block, "moe") else dense_mlp_plan(block.feed_forward, tp)
+    """The TP plan of `block`'s MLP (a `DecoderBlock`'s), whichever it has: dense or MoE."""
+    return moe_plan(block.mlp, tp) if block.is_moe else dense_mlp_plan(block.mlp, tp)

@@ -299,9 +299,10 @@ def depth_scaled_std(layer_id: int, n_layers: int, depth_init: bool) -> float:
 class DecoderBlock(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then h + mlp(norm(h)).
 
-    `mlp` is registered as `feed_forward` (dense) or `moe` (routed experts), the names the AC
-    module's flex rules and the TP plans look for; `self.mlp` is whichever is present.
-    Subclasses build the model's own attention and mlp and pass them in.
+    `mlp` is registered as `feed_forward` (dense) or `moe` (routed experts), the names of the
+    FQNs that state dicts, TP plans and save lists use. The parallelizers (AC, TP, EP, compile)
+    ask the block for its parts: `attention`, `mlp` and `mlp_name`, `is_moe`, `routed_experts`
+    and `end_linears`. Subclasses build the model's own attention and mlp and pass them in.
     """
 
     def __init__(self, dim: int, norm_eps: float, attention: nn.Module, mlp: nn.Module, mlp_name: str,
@@ -316,6 +317,23 @@ class DecoderBlock(nn.Module):
     @property
     def mlp(self) -> nn.Module:
         return getattr(self, self.mlp_name)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLP is a Mixture of Experts (`moe`) rather than a dense feed-forward."""
+        return self.mlp_name == "moe"
+
+    @property
+    def routed_experts(self) -> nn.Module | None:
+        """The MoE's routed experts (whose output the expert-parallel combine all-to-all sends
+        back), or None for a dense block."""
+        return self.mlp.experts if self.is_moe else None
+
+    def end_linears(self) -> list[nn.Linear]:
+        """The Linears of the block's last part, its MLP (a dense feed-forward's, or an MoE's
+        router gate and shared experts): under sequence parallelism the block's last
+        reduce-scatter follows one of their matmuls, with no other matmul between."""
+        return [m for m in self.mlp.modules() if isinstance(m, nn.Linear)]
 
     def forward(
         self, x: torch.Tensor, rope_cache: torch.Tensor, masks: AttentionMasks | None = None

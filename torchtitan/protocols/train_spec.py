@@ -19,8 +19,9 @@ class TrainSpec:
         name: the `model.name` users write in TOML.
         model_cls: built as `model_cls(args)` on the meta device; must have `init_weights()`.
         flavors: flavor name -> args.
-        parallelize_fn: `(model, parallel_dims, job_config) -> model`, applies AC, compile and
-            data parallelism in the order the model needs.
+        parallelize_fn: `(model, parallel_dims, job_config, device, **options) -> model`,
+            applies TP, EP, AC, compile and data parallelism in the order the model needs;
+            `options` are `parallelize_decoder`'s (the memory estimator's seams).
         build_optimizer_fn, build_lr_scheduler_fn, build_dataloader_fn, build_tokenizer_fn,
         build_loss_fn: the components; shared defaults live in `torchtitan.components`.
         extra_loss_fn: optional `(model) -> Tensor | None`, a loss the model adds to the

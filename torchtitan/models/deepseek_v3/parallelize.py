@@ -59,9 +59,10 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
 
 
 def parallelize_deepseek_v3(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device
+    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device, **options
 ) -> nn.Module:
-    """Apply TP, EP, `[activation_checkpoint]`, `[compile]` and data parallelism to `model` in place."""
+    """Apply TP, EP, `[activation_checkpoint]`, `[compile]` and data parallelism to `model` in place;
+    `options`: `parallelize_decoder`'s."""
     return parallelize_decoder(
         model,
         parallel_dims,
@@ -70,4 +71,5 @@ def parallelize_deepseek_v3(
         apply_tp=apply_tp,
         op_sac_save_list=DEEPSEEK_V3_SAVE_LIST,
         use_flex_attn=model.args.attn_backend == "flex",
+        **options,
     )

@@ -46,9 +46,10 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
 
 
 def parallelize_llama(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device
+    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig, device: torch.device, **options
 ) -> nn.Module:
-    """Apply TP, `[activation_checkpoint]`, `[compile]` and data parallelism to `model` in place."""
+    """Apply TP, `[activation_checkpoint]`, `[compile]` and data parallelism to `model` in place;
+    `options`: `parallelize_decoder`'s."""
     return parallelize_decoder(
         model,
         parallel_dims,
@@ -57,4 +58,5 @@ def parallelize_llama(
         apply_tp=apply_tp,
         op_sac_save_list=LLAMA3_SAVE_LIST,
         use_flex_attn=model.args.attn_backend == "flex",
+        **options,
     )
