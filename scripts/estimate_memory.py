@@ -368,7 +368,7 @@ def parallel_dims_for(cfg: JobConfig, ngpu: int) -> ParallelDims:
 
 def build_model(
     cfg: JobConfig, parallel_dims: ParallelDims, device: torch.device, compiled_run: bool = False,
-    ep_imbalance: float | None = 1.0,
+    ep_imbalance: float | None = None,
 ) -> torch.nn.Module:  # fmt: skip
     """The spec's model on the meta device, parallelized as the trainer builds it
     (`torchtitan.preflight.build_parallelized_model`), with AC wrapped as the run does, compiled
