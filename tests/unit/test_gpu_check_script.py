@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh, on a machine without a GPU: it parses, and it stops at once with the
 dry-run advice instead of failing step after step. (The dry run itself takes minutes; the
-README records its runs.)"""
+runs are recorded in docs/gpu_check.md and docs/performance.md.)"""
 
 import os
 import subprocess

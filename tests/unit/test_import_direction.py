@@ -1,6 +1,6 @@
-"""The package's import direction (../shared/ARCHITECTURE.md, README "Layout"), lazy imports included:
-tools, then config, then protocols, then components / distributed / datasets, then models, then the
-entry points (train.py, launch.py).
+"""The package's import direction (../shared/ARCHITECTURE.md; docs/architecture.md, "Direction of
+imports"), lazy imports included: tools, then config, then protocols, then components /
+distributed / datasets, then models, then the entry points (train.py, launch.py).
 A package may import its own layer and those before it, never one after it."""
 
 import ast

@@ -47,7 +47,7 @@ class Job:
     custom_config_module: str = opt(
         "",
         "module whose JobConfig dataclass adds [sections] and keys of your own to this schema "
-        "(see 'Keys of your own' in the README); set in the TOML file or on the command line",
+        "(see 'Keys of your own' in docs/configuration.md); set in the TOML file or on the command line",
     )
 
 
