@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchtitan.components.checkpoint_checksums import ChecksummedWriter, verify_share  # noqa: E402
-from torchtitan.protocols.train_spec import get_train_spec  # noqa: E402
+from torchtitan.models import get_train_spec  # noqa: E402
 from torchtitan.tools.dtypes import TORCH_DTYPES  # noqa: E402
 
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 from torchtitan.components.hf_io import DEFAULT_FP8_BLOCK, FP8_SCALE_SUFFIX, dequantize_fp8
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.models import get_train_spec
 
 
 def rank_share_of_one_moe_layer(flavor: str, ep: int) -> dict[str, torch.Size]:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.models import get_train_spec
 from torchtitan.tools.op_counter import BACKWARD, OpCall, OpCounter, collectives
 
 MODELS = [("llama3", "debugmodel"), ("qwen3", "debugmodel_moe"), ("deepseek_v3", "debugmodel")]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan.config.manager import parse_args
-from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.distributed.grad_norm import clip_grad_norm_
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.tools.logging import init_logger

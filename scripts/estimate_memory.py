@@ -68,13 +68,13 @@ from torchtitan.components.training_step import (
 )
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig, parse_args
 from torchtitan.config.job_config import model_compile_enabled
-from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.expert_parallel import is_ep_local
+from torchtitan.distributed.grad_norm import clip_grad_norm_
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models import attention
+from torchtitan.models import attention, get_train_spec
 from torchtitan.models.moe import MoE
 from torchtitan.preflight import build_parallelized_model, fake_world
-from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
+from torchtitan.protocols.train_spec import import_custom_module
 
 GiB = 2**30
 
@@ -506,7 +506,7 @@ def train_step(
         )
     if isinstance(optimizer, OptimizerInBackward):
         return  # each parameter stepped, and its gradient was freed, during backward
-    dist_utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+    clip_grad_norm_(model.parameters(), cfg.training.max_norm)
     optimizer.step()
 
 

@@ -33,9 +33,10 @@ from torchtitan.config import check
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import wants_help
+from torchtitan.distributed.device import device_type
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.utils import device_type
-from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
+from torchtitan.models import get_train_spec
+from torchtitan.protocols.train_spec import import_custom_module
 from torchtitan.tools.dtypes import TORCH_DTYPES
 
 USAGE = "usage: python -m torchtitan.preflight [--errors-only] [--world-size N] [the trainer's arguments]"

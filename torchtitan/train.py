@@ -7,7 +7,6 @@ or under torchrun. The same code runs on CUDA (nccl) and on the CPU (gloo).
 import gc
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -24,10 +23,17 @@ from torchtitan.components.model_converter import build_model_converters
 from torchtitan.components.optimizer import OptimizerInBackward, check_early_step_in_backward
 from torchtitan.components.outputs import check_run_outputs
 from torchtitan.components.profiling import MemorySnapshotter, maybe_profile
-from torchtitan.components.stop import STOP_FILE_ENV, StopRequested, StopRequests
+from torchtitan.components.stop import (
+    STOP_FILE_ENV,
+    StopRequested,
+    StopRequests,
+    exit_code_of_stop,
+    stop_building_on_sigterm,
+)
 from torchtitan.components.training_step import (
     autocast_context,
     describe_layout,
+    finite_or_raise,
     forward_backward,
     gradient_accumulation_steps,
 )
@@ -37,15 +43,20 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import format_help, parse_args, wants_help
 from torchtitan.config.toml_writer import to_toml
 from torchtitan.config.validation import dump_folder_error
-from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.data_parallel import set_gradient_sync
+from torchtitan.distributed.determinism import set_determinism
+from torchtitan.distributed.device import local_device
+from torchtitan.distributed.grad_norm import clip_grad_norm_
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.process_exit import exit_skipping_interpreter_teardown, report_to_torchrun
+from torchtitan.distributed.process_group import init_distributed, set_collective_timeout
+from torchtitan.distributed.rank_agreement import agree_on_config_errors, mean_and_max_over_ranks
 from torchtitan.distributed.tensor_parallel import loss_context
-from torchtitan.protocols.state_dict_adapter import build_run_state_dict_adapter
-from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
+from torchtitan.models import build_run_state_dict_adapter, get_train_spec
+from torchtitan.protocols.train_spec import import_custom_module
 from torchtitan.tools.device_info import device_name
 from torchtitan.tools.dtypes import TORCH_DTYPES
-from torchtitan.tools.exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED
+from torchtitan.tools.exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from torchtitan.tools.logging import init_logger
 
 logger = logging.getLogger("torchtitan")
@@ -60,8 +71,8 @@ class Trainer:
         import_custom_module(cfg.job.custom_import)
         self.spec = get_train_spec(cfg.model.name)
         self.model_args = self.spec.get_flavor(cfg.model.flavor).update_from_config(cfg)
-        self.device = dist_utils.local_device()
-        world_size = dist_utils.init_distributed(
+        self.device = local_device()
+        world_size = init_distributed(
             self.device,
             cfg.comm.init_timeout_seconds,
             cfg.comm.trace_buf_size,
@@ -77,18 +88,16 @@ class Trainer:
         logger.info(f"Parallelism: {describe_layout(cfg, self.parallel_dims)}")
         # Before anything is allocated, so that the snapshots see every allocation.
         self.memory_snapshotter = MemorySnapshotter(cfg, self.rank, self.device)
-        dist_utils.set_determinism(
-            cfg.training.seed, cfg.training.deterministic, cfg.training.deterministic_warn_only
-        )
+        set_determinism(cfg.training.seed, cfg.training.deterministic, cfg.training.deterministic_warn_only)
         self._write_resolved_config()
-        dist_utils.agree_on_config_errors(lambda: check_run_outputs(cfg, self.rank, self.rank == 0))
+        agree_on_config_errors(lambda: check_run_outputs(cfg, self.rank, self.rank == 0))
 
         self.tokenizer = self.spec.build_tokenizer_fn(cfg)
         self._check_vocab()
         self.accum_steps = gradient_accumulation_steps(cfg, self.parallel_dims.dp_degree)
         check_early_step_in_backward(cfg, self.parallel_dims, self.accum_steps)
         dp_rank, dp_degree = self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
-        self.dataloader = dist_utils.agree_on_config_errors(  # a hub stream may leave one rank empty
+        self.dataloader = agree_on_config_errors(  # a hub stream may leave one rank empty
             lambda: self.spec.build_dataloader_fn(cfg, self.tokenizer, dp_rank, dp_degree)
         )
 
@@ -97,7 +106,7 @@ class Trainer:
         self.lr_scheduler = self.spec.build_lr_scheduler_fn(self.optimizer, cfg)
         self.loss_fn = self.spec.build_loss_fn(cfg)
         self.validator = self._build_validator(dp_rank, dp_degree)
-        self.metrics = dist_utils.agree_on_config_errors(  # rank 0's wandb may refuse to start
+        self.metrics = agree_on_config_errors(  # rank 0's wandb may refuse to start
             lambda: MetricsProcessor(cfg, self.device, self.flops_per_token, self.rank == 0, self.rank)
         )
         self.step = 0
@@ -125,7 +134,7 @@ class Trainer:
     # ----- construction -------------------------------------------------------------------
 
     def _write_resolved_config(self) -> None:
-        dist_utils.agree_on_config_errors(self._write_config_file)
+        agree_on_config_errors(self._write_config_file)
 
     def _write_config_file(self) -> None:
         text = to_toml(self.job_config)
@@ -236,7 +245,7 @@ class Trainer:
         if steps_in_backward:
             grad_norm = self.optimizer.grad_norm()
         else:
-            grad_norm = dist_utils.clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm)
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm)
             self.checkpointer.wait_for_staging()
             self.optimizer.step()
         # Read before the scheduler advances: the log line reports the lr this step used.
@@ -258,9 +267,9 @@ class Trainer:
         Raises:
             FloatingPointError: naming the step.
         """
-        global_loss, max_loss = dist_utils.mean_and_max_over_ranks(loss.item(), self.device)
+        global_loss, max_loss = mean_and_max_over_ranks(loss.item(), self.device)
         norm = grad_norm.item()
-        dist_utils.finite_or_raise(self.step, global_loss, norm)
+        finite_or_raise(self.step, global_loss, norm)
         return global_loss, max_loss, norm
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, started: float) -> None:
@@ -337,9 +346,7 @@ class Trainer:
                 self._log(loss, grad_norm, started)
                 unchecked = None
             if first:
-                dist_utils.set_collective_timeout(
-                    cfg.comm.train_timeout_seconds, keep=self.checkpointer.own_groups
-                )
+                set_collective_timeout(cfg.comm.train_timeout_seconds, keep=self.checkpointer.own_groups)
             if self.validator and self._validates_at(self.step):
                 with self.metrics.paused():
                     self._validate()
@@ -369,26 +376,11 @@ class Trainer:
         gc.enable()
 
 
-def _stop_while_building(signum, frame) -> None:
-    logger.warning(f"Received signal {signum} while starting: stopping before training")
-    raise StopRequested
-
-
 def _stopped(trainer: "Trainer | None") -> int:
-    """Log a requested stop and return its exit code: resumable unless steps were trained with
-    saving off (checkpointing off, or load_only)."""
     if trainer is None:
-        logger.warning("Stopped on request (SIGTERM) before training")
-        return EXIT_STOPPED
-    logger.warning(f"Stopped on request ({trainer.stop.reason}) after step {trainer.step}")
+        return exit_code_of_stop(None)
     unsaved = why_nothing_is_saved(trainer.job_config)
-    if trainer.step >= trainer.first_step and unsaved:
-        logger.warning(
-            f"Nothing was saved ({unsaved}): steps {trainer.first_step} to "
-            f"{trainer.step} are lost, and the same command starts over."
-        )
-        return EXIT_STOPPED_UNSAVED
-    return EXIT_STOPPED
+    return exit_code_of_stop(trainer.stop, trainer.first_step, trainer.step, unsaved)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -416,17 +408,15 @@ def main(argv: list[str] | None = None) -> None:
     exit_code = 0
     finished = False
     joined_process_group = False
-    # Until the trainer exists, nothing is trained: a SIGTERM stops building it (token caches
-    # being written clean up as on Ctrl-C), where by default it killed the rank.
-    signal.signal(signal.SIGTERM, _stop_while_building)
+    stop_building_on_sigterm()
     try:
         trainer = Trainer(parse_args(argv))
-        signal.signal(signal.SIGTERM, trainer.stop.on_signal)
+        trainer.stop.stop_between_steps_on_sigterm()
         trainer.train()
         finished = True
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        dist_utils.report_to_torchrun(f"error: {e}")
+        report_to_torchrun(f"error: {e}")
         exit_code = EXIT_BAD_INPUT
     except StopRequested:
         exit_code = _stopped(trainer)
@@ -444,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
             joined_process_group = True
             dist.destroy_process_group()
     if joined_process_group:
-        dist_utils.exit_skipping_interpreter_teardown(exit_code)
+        exit_skipping_interpreter_teardown(exit_code)
     if exit_code:
         sys.exit(exit_code)
 

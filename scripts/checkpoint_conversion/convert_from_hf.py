@@ -41,13 +41,13 @@ from torchtitan.components.hf_io import (
     read_hf_layout,
 )
 from torchtitan.config.errors import ConfigError
+from torchtitan.models import build_state_dict_adapter, get_train_spec
 from torchtitan.protocols.state_dict_adapter import (
     StateDictMismatchError,
-    build_state_dict_adapter,
     config_differences_from_folder,
     describe_mismatch,
 )
-from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
+from torchtitan.protocols.train_spec import import_custom_module
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.exit_codes import EXIT_BAD_INPUT
 from torchtitan.tools.folders import check_new_folder, written_whole

@@ -41,15 +41,14 @@ from torchtitan.components.hf_io import save_hf
 from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args as parse_run_config
+from torchtitan.models import build_run_state_dict_adapter, build_state_dict_adapter, get_train_spec
 from torchtitan.protocols.state_dict_adapter import (
     HFConfigError,
     StateDictAdapter,
     StateDictMismatchError,
-    build_run_state_dict_adapter,
-    build_state_dict_adapter,
     describe_mismatch,
 )
-from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
+from torchtitan.protocols.train_spec import import_custom_module
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.exit_codes import EXIT_BAD_INPUT
 from torchtitan.tools.folders import check_new_folder, written_whole

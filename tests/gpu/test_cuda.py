@@ -22,15 +22,15 @@ from torchtitan.components.optimizer import build_optimizer
 from torchtitan.config import ActivationCheckpoint
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.grad_norm import clip_grad_norm_
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.models import get_train_spec
 from torchtitan.models.attention import FlexAttention, build_attention_masks
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import TransformerBlock
 from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
 from torchtitan.models.moe import GroupedExperts
 from torchtitan.models.rope import precompute_rope_cache
-from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.op_counter import BACKWARD, OpCounter, ops
 
 pytestmark = [

@@ -11,9 +11,9 @@ from torch.distributed.tensor import DTensor
 
 from tests.integration.workers import build_debug_model, shut_down
 from torchtitan.config.manager import parse_args
+from torchtitan.distributed.grad_norm import GradSquareSums
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
-from torchtitan.distributed.utils import GradSquareSums
 from torchtitan.tools.op_counter import OpCounter, ops
 
 TP2 = ("--parallelism.tensor_parallel_degree", "2")

@@ -25,10 +25,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+import torchtitan.train
 from tests.integration.workers import shut_down
 from torchtitan.config.manager import parse_args
-from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed import grad_norm
 from torchtitan.distributed.expert_parallel import expert_parallel_params, full_expert_tensor
+from torchtitan.distributed.rank_agreement import mean_and_max_over_ranks
 from torchtitan.tools.fqn import clean_fqn
 from torchtitan.tools.logging import init_logger
 from torchtitan.train import Trainer
@@ -54,7 +56,7 @@ def full_tensors(model: torch.nn.Module, grads: bool) -> dict[str, torch.Tensor]
 
 
 def _leave_one_partial_gradient_unreduced() -> None:
-    reduce = dist_utils._reduce_partial_grads
+    reduce = grad_norm._reduce_partial_grads
 
     def leaving_one(params):
         partial = [
@@ -72,18 +74,18 @@ def _leave_one_partial_gradient_unreduced() -> None:
                 local, grad.device_mesh, placements, run_check=False, shape=grad.shape, stride=grad.stride()
             )
 
-    dist_utils._reduce_partial_grads = leaving_one
+    grad_norm._reduce_partial_grads = leaving_one
 
 
 def _change_a_gradient_before_clipping(change) -> None:
-    clip = dist_utils.clip_grad_norm_
+    clip = torchtitan.train.clip_grad_norm_
 
     def changed_then_clipped(parameters, max_norm):
         parameters = list(parameters)
         change(parameters)
         return clip(parameters, max_norm)
 
-    dist_utils.clip_grad_norm_ = changed_then_clipped
+    torchtitan.train.clip_grad_norm_ = changed_then_clipped  # where the trainer looks it up
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
@@ -124,7 +126,7 @@ def main(out: str, steps: int, bug: str, argv: list[str]) -> None:
     for step in range(1, steps + 1):
         trainer.step = step
         loss, grad_norm, _ = trainer.train_step(data)
-        record["losses"].append(dist_utils.mean_and_max_over_ranks(loss.item(), trainer.device)[0])
+        record["losses"].append(mean_and_max_over_ranks(loss.item(), trainer.device)[0])
         record["grad_norms"].append(grad_norm.item())
         record["step_metrics"].append({name: value.item() for name, value in trainer.step_metrics.items()})
         if step == 1:

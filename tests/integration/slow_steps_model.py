@@ -6,7 +6,8 @@ import os
 import time
 from dataclasses import replace
 
-from torchtitan.protocols import get_train_spec, register_train_spec
+from torchtitan.models import get_train_spec
+from torchtitan.protocols import register_train_spec
 
 _steps_done = 0
 

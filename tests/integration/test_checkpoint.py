@@ -151,8 +151,9 @@ def test_checkpoint_of_fsdp2_x_tp2_loads_into_another_layout(
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_in_use(uninterrupted, tmp_path):
-    crash = {**os.environ, "TORCHTITAN_TEST_CRASH_DURING_SAVE": "10"}
-    _train(tmp_path, extra=["--checkpoint.no_last_save_model_only"], env=crash, expect=17)
+    crash = {**os.environ, "CRASH_DURING_SAVE_STEP": "10"}  # exit code 17 (crash_during_save.py)
+    fault = ["--job.custom_import", "tests.integration.crash_during_save"]
+    _train(tmp_path, extra=["--checkpoint.no_last_save_model_only", *fault], env=crash, expect=17)
     assert _steps(tmp_path) == ["step-10.partial", "step-5"]
     proc = _train(tmp_path, extra=["--checkpoint.no_last_save_model_only"])
     assert "Resumed from checkpoint" in proc.stderr and "step-5 (step 5)" in proc.stderr

@@ -20,8 +20,8 @@ from tests.model_testing import init_on_cpu
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models import get_train_spec
 from torchtitan.models.moe import pop_aux_loss
-from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.activation_memory import bytes_saved_for_backward
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_context
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.models import get_train_spec
 from torchtitan.tools.op_counter import BACKWARD, OpCounter, collectives
 
 pytestmark = pytest.mark.integration

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.process_group import init_distributed, set_collective_timeout
 
 STARTUP_TIMEOUT, TRAIN_TIMEOUT, LATE_BY = 120, 1, 6
 
@@ -28,17 +28,17 @@ def main(group_name: str, phase: str) -> None:
     cfg = JobConfig()
     cfg.parallelism.tensor_parallel_degree = 2
     startup_timeout = TRAIN_TIMEOUT if phase == "startup" else STARTUP_TIMEOUT
-    world = dist_utils.init_distributed(torch.device("cpu"), startup_timeout, 0)
+    world = init_distributed(torch.device("cpu"), startup_timeout, 0)
     dims = ParallelDims.from_config(cfg.parallelism, world)
     dims.build_mesh("cpu", timeout_seconds=startup_timeout)
     if phase == "startup":
         group = dims.submesh(group_name).get_group()
     elif group_name == "kept":  # as the checkpointer's async-save group, which the trainer keeps
         group = dist.new_group(backend="gloo")
-        dist_utils.set_collective_timeout(TRAIN_TIMEOUT, keep=(group,))
+        set_collective_timeout(TRAIN_TIMEOUT, keep=(group,))
     else:
         group = dims.submesh(group_name).get_group()
-        dist_utils.set_collective_timeout(TRAIN_TIMEOUT)
+        set_collective_timeout(TRAIN_TIMEOUT)
     ranks = dist.get_process_group_ranks(group)
     if dist.get_rank() == ranks[-1]:
         time.sleep(LATE_BY)

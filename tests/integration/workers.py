@@ -45,7 +45,7 @@ def shut_down() -> None:
     """End a worker's distributed work: free what still refers to collective work (models,
     autograd graphs), wait for every rank, then destroy the process groups. Collective work
     freed during interpreter teardown can abort the process ('terminate called without an active
-    exception'; `torchtitan.distributed.utils.exit_skipping_interpreter_teardown` says why);
+    exception'; `torchtitan.distributed.process_exit.exit_skipping_interpreter_teardown` says why);
     the forked ranks skip that teardown, and under plain torchrun this makes it rarer."""
     gc.collect()
     dist.barrier()

@@ -2,7 +2,8 @@
 
 from dataclasses import replace
 
-from torchtitan.protocols import get_train_spec, register_train_spec
+from torchtitan.models import get_train_spec
+from torchtitan.protocols import register_train_spec
 
 _llama3 = get_train_spec("llama3")
 register_train_spec(

@@ -23,11 +23,12 @@ from torchtitan.distributed.activation_checkpoint import (
     save_list,
 )
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models import get_train_spec
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import Transformer, TransformerBlock
 from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
 from torchtitan.models.rope import precompute_rope_cache
-from torchtitan.protocols.train_spec import _REGISTRY, get_train_spec
+from torchtitan.protocols.train_spec import _REGISTRY
 from torchtitan.tools.activation_memory import bytes_held_for_backward
 from torchtitan.tools.fqn import clean_fqn
 from torchtitan.tools.op_counter import BACKWARD, OpCounter, collectives, ops

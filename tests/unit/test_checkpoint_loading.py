@@ -15,7 +15,7 @@ from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.components.hf_io import INDEX_FILE, load_hf, save_hf
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.models import get_train_spec
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

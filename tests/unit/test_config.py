@@ -12,7 +12,7 @@ from torchtitan.config import ConfigError, JobConfig, parse_args
 from torchtitan.config.manager import find_config_dirs, format_help, resolve_config_path
 from torchtitan.config.toml_writer import to_toml
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.models import get_train_spec
 from torchtitan.train import main
 
 SHIPPED = sorted(p for d in find_config_dirs() for p in d.glob("*.toml"))
@@ -131,7 +131,7 @@ def test_a_mistyped_number_gets_an_example_spelled_where_it_was_written(tmp_path
 
 @pytest.mark.parametrize("flavor, suggested", [("8b", "8B"), ("debugmodle", "debugmodel")])
 def test_a_misspelled_flavor_gets_the_closest_one(flavor, suggested):
-    from torchtitan.protocols.train_spec import get_train_spec
+    from torchtitan.models import get_train_spec
 
     with pytest.raises(ConfigError, match=f"Did you mean '{suggested}'\\?"):
         get_train_spec("llama3").get_flavor(flavor)

@@ -11,7 +11,8 @@ from torchtitan.config import ConfigError, JobConfig, parse_args
 from torchtitan.config.check import main as check_main
 from torchtitan.config.manager import _is_own_key
 from torchtitan.config.toml_writer import to_toml
-from torchtitan.protocols import get_train_spec, train_spec
+from torchtitan.models import get_train_spec
+from torchtitan.protocols import train_spec
 from torchtitan.train import main
 
 EXTENSION = "tests.unit.custom_config_extension"
@@ -227,7 +228,8 @@ from dataclasses import replace
 
 from torchtitan.config import opt
 from torchtitan.models.llama3.args import TransformerModelArgs
-from torchtitan.protocols import get_train_spec, register_train_spec
+from torchtitan.models import get_train_spec
+from torchtitan.protocols import register_train_spec
 
 
 @dataclass

@@ -9,8 +9,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.data_parallel import apply_fsdp, cpu_offload_policy
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models import get_train_spec
 from torchtitan.models.llama3 import model as llama3_model
-from torchtitan.protocols.train_spec import get_train_spec
 
 
 def test_blocks_under_bf16_fsdp_get_the_rope_table_in_fp32(monkeypatch):

@@ -17,13 +17,13 @@ from tests.model_testing import (
 from torchtitan.config import ActivationCheckpoint, ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models import get_train_spec
 from torchtitan.models.deepseek_v3 import deepseek_v3_flavors
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model, MultiHeadLatentAttention
 from torchtitan.models.deepseek_v3.parallelize import DEEPSEEK_V3_SAVE_LIST
 from torchtitan.models.moe import MoE
 from torchtitan.models.rope import precompute_rope_cache
-from torchtitan.protocols.train_spec import get_train_spec
 
 # Sources of the shapes below (Hugging Face config.json):
 #   671B: deepseek-ai/DeepSeek-V3. Published total: 671B for the main model; the repository's

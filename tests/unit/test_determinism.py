@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torchtitan.distributed.utils import set_determinism
+from torchtitan.distributed.determinism import set_determinism
 
 
 @pytest.fixture(autouse=True)

@@ -11,12 +11,11 @@ from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.config import ActivationCheckpoint, ConfigError, parse_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models import layers
+from torchtitan.models import get_train_spec, layers
 from torchtitan.models.deepseek_v3.parallelize import DEEPSEEK_V3_SAVE_LIST
 from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
 from torchtitan.models.qwen3.parallelize import QWEN3_MOE_SAVE_LIST, QWEN3_SAVE_LIST
 from torchtitan.models.rope import YaRNScaling
-from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.train import main
 
 SEQ_LEN = 32

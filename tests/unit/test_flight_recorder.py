@@ -5,8 +5,7 @@ import os
 import pytest
 import torch
 
-from torchtitan.distributed import utils as dist_utils
-from torchtitan.distributed.utils import _configure_flight_recorder
+from torchtitan.distributed.process_group import _configure_flight_recorder, init_distributed
 
 FR_VARIABLES = (
     "TORCH_FR_BUFFER_SIZE",
@@ -69,8 +68,8 @@ def test_a_zero_buffer_records_nothing_and_creates_no_folder(clean_env, tmp_path
 @pytest.mark.parametrize("device, dumps", [("cuda", True), ("cpu", False)])
 def test_only_an_nccl_run_sets_up_the_dump(clean_env, tmp_path, device, dumps):
     clean_env.setenv("WORLD_SIZE", "2")
-    clean_env.setattr(dist_utils.dist, "init_process_group", lambda **kwargs: None)
-    clean_env.setattr(dist_utils.dist, "get_world_size", lambda: 2)
+    clean_env.setattr(torch.distributed, "init_process_group", lambda **kwargs: None)
+    clean_env.setattr(torch.distributed, "get_world_size", lambda: 2)
     folder = tmp_path / "comm_traces"
-    dist_utils.init_distributed(torch.device(device), 60, 100, trace_dump_prefix=str(folder / "rank_"))
+    init_distributed(torch.device(device), 60, 100, trace_dump_prefix=str(folder / "rank_"))
     assert folder.is_dir() == dumps and ("TORCH_FR_DUMP_TEMP_FILE" in os.environ) == dumps

@@ -17,11 +17,11 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models import get_train_spec
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import TransformerBlock
 from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
 from torchtitan.models.rope import precompute_rope_cache
-from torchtitan.protocols.train_spec import get_train_spec
 
 CPU = torch.device("cpu")
 ONE_PROCESS = ParallelDims(1, 1, 1, 1)

@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
+import torchtitan.distributed.grad_norm as grad_norm_module
 from tests.conftest import python_path
-from torchtitan.distributed import utils
-from torchtitan.distributed.utils import clip_grad_norm_, finite_or_raise
+from torchtitan.components.training_step import finite_or_raise
+from torchtitan.distributed.grad_norm import GradSquareSums, clip_grad_norm_
 
 
 def _params_with_grads(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -83,9 +84,9 @@ def test_a_partial_gradient_is_reduced_once_so_the_optimizer_step_issues_no_coll
 
 
 def test_a_cpu_gradient_larger_than_a_piece_has_its_float64_norm(monkeypatch):
-    monkeypatch.setattr(utils, "CPU_NORM_PIECE", 100)
+    monkeypatch.setattr(grad_norm_module, "CPU_NORM_PIECE", 100)
     params = _params_with_grads()  # 2048, 32 and 105 elements: pieces of 100 and the rest
-    sums = utils.GradSquareSums()
+    sums = GradSquareSums()
     sums.add(params)
     assert sums.global_norm().item() == pytest.approx(_float64_norm(params), rel=1e-12)
 
@@ -94,7 +95,7 @@ def test_a_cpu_gradients_norm_holds_no_float64_copy_of_it():
     """torch converts a CPU tensor to float64 whole for a float64 norm: 2x the gradient."""
     script = """
 import resource, torch
-from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.distributed.grad_norm import clip_grad_norm_
 p = torch.nn.Parameter(torch.zeros(16_000_000)); p.grad = torch.randn(16_000_000)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 clip_grad_norm_([p], max_norm=0.0)

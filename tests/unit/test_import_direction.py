@@ -23,10 +23,6 @@ LAYER_OF_PACKAGE = {
     "preflight": 5,  # the launch scripts' dry build of a layout
 }
 
-# The registry's lookup imports every model so that each registers its TrainSpec, as upstream
-# torchtitan's get_train_spec does; nothing else may look upward.
-ALLOWED_UPWARD = {("torchtitan.protocols.train_spec", "torchtitan.models")}
-
 # The AC module knows no model by name: torch, the config dataclasses and the tools layer only.
 AC_MODULE = "torchtitan.distributed.activation_checkpoint"
 AC_MAY_IMPORT = ("torchtitan.config", "torchtitan.tools")
@@ -38,14 +34,19 @@ def _module_name(path: Path) -> str:
 
 
 def _imported_modules(path: Path) -> set[str]:
-    """Every torchtitan module `path` imports, at module level or inside a function."""
+    """Every torchtitan module `path` imports, at module level or inside a function; for
+    `from package import name`, the package and, where `name` is a module of it, that module."""
     imported = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             imported.add(node.module)
+            imported.update(f"{node.module}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
             imported.update(alias.name for alias in node.names)
-    return {name for name in imported if name == "torchtitan" or name.startswith("torchtitan.")}
+    return {name for name in imported if name in _MODULES}
+
+
+_MODULES = {_module_name(path) for path in PACKAGE.rglob("*.py")}
 
 
 def _layer(module: str) -> int | None:
@@ -71,12 +72,57 @@ def test_no_module_imports_a_later_layer():
     upward = [
         f"{source} -> {target}"
         for source, target in _all_imports()
-        if _layer(target) is not None
-        and _layer(source) is not None
-        and _layer(target) > _layer(source)
-        and not any(source == s and target.startswith(t) for s, t in ALLOWED_UPWARD)
+        if _layer(target) is not None and _layer(source) is not None and _layer(target) > _layer(source)
     ]
     assert not upward, "imports against the layer order: " + "; ".join(upward)
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module in `graph` (module -> the modules
+    it imports), found with Tarjan's algorithm; each group sorted."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while not group or group[-1] != node:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1 or node in graph.get(node, ()):
+                cycles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports. A package's `__init__` naming its own submodules
+    (`from torchtitan.models import llama3`) gives edges to them, not to itself."""
+    graph: dict[str, set[str]] = {}
+    for source, target in _all_imports():
+        if target != source:
+            graph.setdefault(source, set()).add(target)
+    return graph
+
+
+def test_the_package_has_no_import_cycle():
+    assert import_cycles(_import_graph()) == []
+
+
+def test_a_cycle_through_a_lazy_import_is_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
 
 
 def test_nothing_imports_the_trainer():

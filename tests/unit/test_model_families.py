@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.model_testing import SEQ_LEN, VOCAB, tiny_deepseek_v3, tiny_llama3, tiny_qwen3
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.models import get_train_spec
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from tests.model_testing import init_on_cpu
 from torchtitan.config import ActivationCheckpoint, ConfigError, parse_args
 from torchtitan.distributed import activation_checkpoint as ac_module
 from torchtitan.distributed.activation_checkpoint import DEFAULT_SAVE_LIST, apply_ac
+from torchtitan.models import get_train_spec
 from torchtitan.models.moe import (
     GroupedExperts,
     MoE,
@@ -21,7 +22,6 @@ from torchtitan.models.moe import (
     pop_aux_loss,
     update_expert_bias,
 )
-from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.fqn import clean_fqn
 from torchtitan.tools.grouped_mm import grouped_mm_supported
 from torchtitan.tools.op_counter import OpCounter, ops

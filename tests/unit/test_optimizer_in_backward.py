@@ -17,9 +17,9 @@ from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.optimizer import OptimizerInBackward, build_optimizer, check_early_step_in_backward
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
+from torchtitan.distributed.grad_norm import clip_grad_norm_
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.utils import clip_grad_norm_
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.models import get_train_spec
 
 CPU = torch.device("cpu")
 STEPS = 4

@@ -191,7 +191,7 @@ def test_cpu_offload_runs_get_gloo_for_their_cpu_tensors_besides_the_accelerator
     device, cpu_collectives, backend
 ):
     """FSDP's CPU offload keeps gradients on the CPU, and their norm is all-reduced there."""
-    from torchtitan.distributed.utils import backend_for
+    from torchtitan.distributed.device import backend_for
 
     assert backend_for(device, cpu_collectives) == backend
 

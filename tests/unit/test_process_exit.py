@@ -12,7 +12,7 @@ import pytest
 EXITING_PROGRAM = textwrap.dedent(
     """
     import atexit, concurrent.futures, pathlib, sys, threading, time
-    from torchtitan.distributed.utils import exit_skipping_interpreter_teardown
+    from torchtitan.distributed.process_exit import exit_skipping_interpreter_teardown
 
     out = pathlib.Path(sys.argv[1])
 

@@ -20,17 +20,17 @@ from tests.model_testing import init_on_cpu
 from torchtitan.components.hf_io import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, load_hf, save_hf
 from torchtitan.config.manager import parse_args
 from torchtitan.config.toml_writer import to_toml
+from torchtitan.models import build_state_dict_adapter, get_train_spec
 from torchtitan.models.rope import RoPEScaling, YaRNScaling
 from torchtitan.protocols.state_dict_adapter import (
     HFConfigError,
     StateDictMismatchError,
-    build_state_dict_adapter,
     describe_mismatch,
     half_split_to_interleaved,
     hf_config_differences,
     interleaved_to_half_split,
 )
-from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
+from torchtitan.protocols.train_spec import import_custom_module
 
 # The tests save and load DCP checkpoints in one process on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

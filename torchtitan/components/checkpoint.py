@@ -24,7 +24,6 @@ Pitfalls:
 
 import datetime
 import logging
-import os
 import pickle
 import shutil
 import time
@@ -83,16 +82,13 @@ from torchtitan.distributed.expert_parallel import (
     full_expert_tensor,
     global_expert_view,
 )
-from torchtitan.distributed.utils import agree_on_config_errors
+from torchtitan.distributed.rank_agreement import agree_on_config_errors
 from torchtitan.protocols.state_dict_adapter import describe_mismatch
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.fqn import clean_fqn
 
 logger = logging.getLogger(__name__)
 
-# Test hook: a rank that reads this step from the environment dies after writing its shards and
-# before the checkpoint becomes visible, as a preempted or crashed save would.
-CRASH_DURING_SAVE_ENV = "TORCHTITAN_TEST_CRASH_DURING_SAVE"
 # torch before 2.13 closes a DefaultStager's copier at the end of every copy, which drops its
 # host buffers and empties its deepcopy table: a second copy fails (KeyError: <class 'type'>).
 # There each save gets a stager of its own.
@@ -432,9 +428,6 @@ class CheckpointManager:
     def _publish(
         self, partial: Path, final: Path, start: float, collective: bool = True, kind: str = ""
     ) -> None:
-        crash_step = os.environ.get(CRASH_DURING_SAVE_ENV)
-        if crash_step is not None and step_of(final) == int(crash_step):
-            os._exit(17)
         if collective:
             self._barrier()
         if _rank() == 0:

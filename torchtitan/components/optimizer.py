@@ -10,8 +10,8 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.expert_parallel import routed_experts
+from torchtitan.distributed.grad_norm import GradSquareSums
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.utils import GradSquareSums
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from torchtitan.tools.exit_codes import EXIT_STOPPED, EXIT_STOPPED_UNSAVED
+
 logger = logging.getLogger(__name__)
 
 STOP_FILE_ENV = "TORCHTITAN_STOP_FILE"
@@ -44,6 +46,10 @@ class StopRequests:
         if dist.is_initialized():
             timeout = datetime.timedelta(seconds=timeout_seconds)
             self.group = dist.new_group(backend="gloo", timeout=timeout)
+
+    def stop_between_steps_on_sigterm(self) -> None:
+        """From now on, a SIGTERM to this rank is a request that stops the run after its step."""
+        signal.signal(signal.SIGTERM, self.on_signal)
 
     def on_signal(self, signum, frame) -> None:
         """A signal handler (SIGTERM): stop after the current step."""
@@ -98,3 +104,38 @@ class StopRequests:
                 "silence this warning."
             )
         return mtime
+
+
+def _stop_while_building(signum, frame) -> None:
+    logger.warning(f"Received signal {signum} while starting: stopping before training")
+    raise StopRequested
+
+
+def stop_building_on_sigterm() -> None:
+    """Until the trainer exists nothing is trained, so a SIGTERM raises StopRequested at once
+    (token caches being written clean up as on Ctrl-C), where by default it killed the rank.
+    `StopRequests.stop_between_steps_on_sigterm` takes over once training can start."""
+    signal.signal(signal.SIGTERM, _stop_while_building)
+
+
+def exit_code_of_stop(
+    requests: StopRequests | None, first_step: int = 0, step: int = 0, unsaved: str | None = None
+) -> int:
+    """Log a requested stop and return the run's exit code: 143 (`EXIT_STOPPED`), resumable,
+    unless steps `first_step`..`step` were trained while nothing is saved (`unsaved` says why:
+    checkpointing off, or load_only), then 3 (`EXIT_STOPPED_UNSAVED`).
+
+    Args:
+        requests: the run's `StopRequests`; None when the stop came before the trainer existed.
+    """
+    if requests is None:
+        logger.warning("Stopped on request (SIGTERM) before training")
+        return EXIT_STOPPED
+    logger.warning(f"Stopped on request ({requests.reason}) after step {step}")
+    if step >= first_step and unsaved:
+        logger.warning(
+            f"Nothing was saved ({unsaved}): steps {first_step} to {step} are lost, and the same "
+            "command starts over."
+        )
+        return EXIT_STOPPED_UNSAVED
+    return EXIT_STOPPED

@@ -1,6 +1,7 @@
 """The pieces of one training step that the trainer and the memory estimator share."""
 
 import contextlib
+import math
 
 import torch
 import torch.nn as nn
@@ -8,8 +9,8 @@ import torch.nn as nn
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_helpers import plain_tensor
 from torchtitan.distributed.tensor_parallel import loss_context
-from torchtitan.distributed.utils import plain_tensor
 from torchtitan.tools.dtypes import TORCH_DTYPES
 
 
@@ -94,3 +95,15 @@ def forward_backward(
         # Under loss parallel the loss is a (replicated) DTensor and the extra a local tensor.
         (loss if extra is None else plain_tensor(loss) + extra / accum_steps).backward()
     return plain_tensor(loss.detach())
+
+
+def finite_or_raise(step: int, loss: float, grad_norm: float) -> None:
+    """Stop at the first non-finite loss or gradient norm, naming the step, rather than train on
+    (or checkpoint) the NaN weights the optimizer step made of them."""
+    for name, value in (("loss", loss), ("gradient norm", grad_norm)):
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"{name} is {value} at step {step}, so the weights are no longer finite; lower "
+                "optimizer.lr or check the data, then resume from the last checkpoint (none was "
+                "written of this step)"
+            )

@@ -3,7 +3,8 @@
 import torch
 import torch.nn as nn
 
-from torchtitan.distributed.utils import all_reduce_mean, plain_tensor
+from torchtitan.distributed.rank_agreement import all_reduce_mean
+from torchtitan.distributed.tensor_helpers import plain_tensor
 
 
 class Validator:

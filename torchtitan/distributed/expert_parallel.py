@@ -49,7 +49,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from torchtitan.distributed.utils import scale_grad
+from torchtitan.distributed.tensor_helpers import scale_grad
 from torchtitan.tools.fqn import clean_fqn
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")

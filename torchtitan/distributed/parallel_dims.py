@@ -6,7 +6,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.validation import expert_parallel_conflict
-from torchtitan.distributed.utils import set_group_timeouts
+from torchtitan.distributed.process_group import set_group_timeouts
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 # With expert parallelism dp_shard is built from two dims: EP groups are runs of consecutive

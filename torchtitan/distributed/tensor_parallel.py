@@ -27,7 +27,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig, model_compile_enabled
 from torchtitan.distributed.expert_parallel import routed_experts
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.utils import scale_grad
+from torchtitan.distributed.tensor_helpers import scale_grad
 
 
 def loss_parallel_enabled(parallel_dims: ParallelDims, job_config: JobConfig) -> bool:

@@ -16,7 +16,7 @@ from torchtitan.config.validation import (
     global_layers_conflict,
     split_documents_conflict,
 )
-from torchtitan.distributed.utils import init_param_
+from torchtitan.distributed.param_init import init_param_
 from torchtitan.models.attention import (
     ATTENTION_BACKENDS,
     MASK_TYPES,

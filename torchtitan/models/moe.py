@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.activation_checkpoint import all_to_all_input
-from torchtitan.distributed.utils import init_param_
+from torchtitan.distributed.param_init import init_param_
 from torchtitan.models.layers import FeedForward, trunc_normal
 from torchtitan.tools.fqn import clean_fqn
 from torchtitan.tools.grouped_mm import grouped_mm_supported

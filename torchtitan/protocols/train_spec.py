@@ -84,11 +84,13 @@ def register_train_spec(spec: TrainSpec) -> None:
     _REGISTRY[spec.name] = spec
 
 
-def get_train_spec(name: str, key: str = "model.name") -> TrainSpec:
-    """The spec registered as `name`; raises ConfigError listing the registered models, naming
-    `name` as the config key or command-line option `key` it came from."""
-    import torchtitan.models  # noqa: F401  (registers every model)
+def registered_train_spec(name: str, key: str = "model.name") -> TrainSpec:
+    """The spec registered as `name` so far; raises ConfigError listing the registered models,
+    naming `name` as the config key or command-line option `key` it came from.
 
+    Pitfall: this module imports no model, so the built-in families are registered only once
+    `torchtitan.models` is imported; look specs up with `torchtitan.models.get_train_spec`.
+    """
     if name not in _REGISTRY:
         hint = did_you_mean(name, _REGISTRY, always=False)
         raise ConfigError(

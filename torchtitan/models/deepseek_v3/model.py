@@ -9,7 +9,7 @@ embedding -> blocks -> norm -> logits, and its `init_weights`), the shared `MoE`
 import torch
 import torch.nn as nn
 
-from torchtitan.distributed.utils import init_param_
+from torchtitan.distributed.param_init import init_param_
 from torchtitan.models.attention import AttentionMasks, build_attention
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from torchtitan.models.layers import DecoderBlock, FeedForward, RMSNorm, depth_scaled_std, trunc_normal

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torchtitan.distributed.utils import init_param_
+from torchtitan.distributed.param_init import init_param_
 from torchtitan.models.attention import AttentionMasks, build_attention
 from torchtitan.models.layers import DecoderBlock, FeedForward, RMSNorm, depth_scaled_std, trunc_normal
 from torchtitan.models.llama3.args import TransformerModelArgs

@@ -10,7 +10,7 @@ modules (`build_attention`, `apply_rope`).
 import torch
 import torch.nn as nn
 
-from torchtitan.distributed.utils import init_param_
+from torchtitan.distributed.param_init import init_param_
 from torchtitan.models.layers import DecoderBlock, FeedForward, RMSNorm, depth_scaled_std
 from torchtitan.models.llama3.model import Attention, Transformer
 from torchtitan.models.moe import MoE
