@@ -102,20 +102,31 @@ def assert_metrics_match(got: list[dict], want: list[dict], *, steps: int = 5, k
             assert abs(g[key] - w[key]) <= rtols[key] * abs(w[key]), (context, key, g["step"], g[key], w[key])
 
 
+def launch_ranks(target: tuple[str, str], argv: list[str], nproc: int, env: dict | None = None,
+                 timeout: float = 600, cwd: Path = PROJECT_ROOT):  # fmt: skip
+    """Run `target` (("module", name) or ("script", path)) with `argv` on `nproc` ranks, as
+    torchrun would, forked from the test launcher's pre-imported interpreter (see
+    tests/forked_launcher.py); returns the finished process. The one way tests start ranks.
+
+    The ranks get this process's environment, the repository on PYTHONPATH, one intra-op
+    thread each when there are several (two cores hold two ranks), and `env` on top."""
+    threads = "1" if nproc > 1 else "2"
+    full_env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": python_path(), **(env or {})}
+    return launch(target, argv, nproc, full_env, cwd, timeout)
+
+
 def run_trainer(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None,
                 uneven: str | None = None):  # fmt: skip
-    """Run `python -m torchtitan.train` on `nproc` ranks (forked from the test launcher's
-    pre-imported interpreter; see tests/forked_launcher.py); returns the finished process.
+    """Run `python -m torchtitan.train` on `nproc` ranks (`launch_ranks`); returns the finished
+    process.
 
     `uneven` makes one rank slower or different, as tests/integration/uneven_ranks_worker.py
     describes for each of its modes."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", "PYTHONPATH": python_path(),
-                **(env or {})}  # fmt: skip
     target = ("module", "torchtitan.train")
     if uneven is not None:
         target = ("script", str(PROJECT_ROOT / "tests" / "integration" / "uneven_ranks_worker.py"))
         args = [uneven, *args]
-    return launch(target, args, nproc, full_env, PROJECT_ROOT, timeout)
+    return launch_ranks(target, args, nproc, env, timeout)
 
 
 @contextlib.contextmanager

@@ -143,7 +143,9 @@ def _preload() -> None:
         raise RuntimeError(f"the fork server started threads: {threading.enumerate()}")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now, for a rendezvous (the OS picks it; a race with another
+    process taking it first is possible, and unlikely)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -219,7 +221,7 @@ def _kill(pids, sig) -> None:
 
 def _serve_one(request: dict) -> dict:
     nproc = request["nproc"]
-    port = _free_port() if nproc > 1 else 0
+    port = free_port() if nproc > 1 else 0
     ranks = {}
     for rank in range(nproc):
         pid = os.fork()

@@ -28,15 +28,13 @@ rounding may step either way in the two runs: 2 lr for that element.
 """
 
 import math
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tests.conftest import PROJECT_ROOT, python_path
-from tests.forked_launcher import launch
+from tests.conftest import PROJECT_ROOT, launch_ranks
 
 FP32_RTOL = 1e-5
 PARAM_RTOL = 1e-4
@@ -60,10 +58,8 @@ def train_for_parity(argv: list[str], nproc: int, steps: int = 2, plant: str = "
     `plant`); returns what the worker read."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "parity.pt"
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", "PYTHONPATH": python_path()}
-        full_env |= env or {}
         args = [str(out), str(steps), plant, *argv, "--job.dump_folder", str(Path(folder) / "dump")]
-        proc = launch(("script", str(WORKER)), args, nproc, full_env, PROJECT_ROOT, timeout=600)
+        proc = launch_ranks(("script", str(WORKER)), args, nproc, env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         record = torch.load(out)
     return ParityRun(

@@ -2,24 +2,18 @@
 c10d rendezvous, train together exactly as one 2-process launch does, with global ranks where they matter."""
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from tests.conftest import PROJECT_ROOT, python_path, read_metrics, run_trainer
+from tests.forked_launcher import free_port
 
 pytestmark = pytest.mark.integration
 
 ARGS = ["--config", "debug_model.toml", "--training.seq_len", "64", "--training.local_batch_size", "4",
         "--training.steps", "5", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2"]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 CHECKPOINT_AT_3 = ["--checkpoint.enable", "--checkpoint.interval", "3"]
@@ -37,7 +31,7 @@ def _node(node_rank: int, port: int, dump) -> subprocess.Popen:
 
 
 def test_two_nodes_joined_by_c10d_rendezvous_train_like_one_two_process_node(tmp_path):
-    port = _free_port()
+    port = free_port()
     nodes = [_node(rank, port, tmp_path / "two_nodes") for rank in (0, 1)]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]

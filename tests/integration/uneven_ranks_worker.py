@@ -24,7 +24,7 @@ import datasets
 from torch.distributed.checkpoint import FileSystemWriter
 
 from torchtitan import train
-from torchtitan.components import checkpoint, stop
+from torchtitan.components import checkpoint_hf_export, stop
 
 SLOW_SECONDS = 12
 
@@ -62,7 +62,7 @@ _load_dataset = datasets.load_dataset
 def main(how: str, argv: list[str]) -> None:
     rank = int(os.environ["RANK"])
     if how == "slow-export":
-        checkpoint.save_hf = _slowed(checkpoint.save_hf)
+        checkpoint_hf_export.save_hf = _slowed(checkpoint_hf_export.save_hf)
     elif how == "slow-write" and rank == 1:
         FileSystemWriter.write_data = _slowed(FileSystemWriter.write_data)
     elif how == "slow-delete" and rank == 0:

@@ -3,13 +3,11 @@ parallelize.py for a given AC mode, and launching a worker from a test."""
 
 import gc
 import json
-import os
 
 import torch
 import torch.distributed as dist
 
-from tests.conftest import PROJECT_ROOT, python_path
-from tests.forked_launcher import launch
+from tests.conftest import PROJECT_ROOT, launch_ranks
 from tests.model_testing import init_on_cpu
 from torchtitan.config.manager import parse_args
 from torchtitan.models.llama3 import llama3_flavors
@@ -56,7 +54,6 @@ def run_worker(name: str, nproc: int = 2, argv: list[str] | None = None) -> dict
     """Run tests/integration/<name>.py with `argv` on `nproc` ranks, as torchrun would (see
     tests/forked_launcher.py), and return the JSON its rank 0 printed last."""
     script = PROJECT_ROOT / "tests" / "integration" / f"{name}.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
-    proc = launch(("script", str(script)), argv or [], nproc, env, PROJECT_ROOT, timeout=600)
+    proc = launch_ranks(("script", str(script)), argv or [], nproc, {"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -8,7 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from torchtitan.components import checkpoint, checkpoint_folders
+from torchtitan.components import checkpoint_folders, checkpoint_staging
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.config.manager import parse_args
 
@@ -18,7 +18,7 @@ class _LoaderStub:
         return {"sample_index": 0}
 
 
-class _GatedStager(checkpoint.DefaultStager):
+class _GatedStager(checkpoint_staging.DefaultStager):
     """DCP's stager, holding each copy back until the test opens the gate."""
 
     gate = threading.Event()
@@ -30,7 +30,7 @@ class _GatedStager(checkpoint.DefaultStager):
 
 @pytest.fixture
 def manager(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "DefaultStager", _GatedStager)
+    monkeypatch.setattr(checkpoint_staging, "DefaultStager", _GatedStager)
     _GatedStager.gate.clear()
     cfg = parse_args(["--job.dump_folder", str(tmp_path), "--checkpoint.enable",
                       "--checkpoint.async_mode", "async_with_pinned_mem"], env={})  # fmt: skip
@@ -57,7 +57,7 @@ def _saved_model(folder, like: dict) -> dict:
 def test_the_save_returns_before_the_state_is_copied(manager):
     manager.save(TrainState(step=1))
 
-    assert manager.staging is not None and not manager.staging.done()
+    assert manager.host_staging.pending is not None and not manager.host_staging.pending.done()
     assert manager.pending is not None
 
 
@@ -81,11 +81,11 @@ def test_a_save_holds_its_own_steps_weights_when_the_next_step_waits_for_staging
 def test_the_stager_and_its_host_buffers_are_reused_by_the_next_save(manager):
     _GatedStager.gate.set()
     manager.save(TrainState(step=1))
-    first = manager.stager
+    first = manager.host_staging.stager
     manager.save(TrainState(step=2))  # waits for step 1's write first
 
     # Before torch 2.13 a used stager cannot copy again; there the second save gets a new one.
-    assert (manager.stager is first) == checkpoint.STAGER_REUSABLE
+    assert (manager.host_staging.stager is first) == checkpoint_staging.STAGER_REUSABLE
     manager.wait()
     assert checkpoint_folders.complete_steps(manager.folder) == [1, 2]
 
@@ -109,4 +109,4 @@ def test_three_saves_in_a_row_each_hold_their_own_steps_weights(manager):
 
 def test_wait_for_staging_returns_at_once_with_nothing_pending(manager):
     manager.wait_for_staging()
-    assert manager.staging is None and manager.stager is None
+    assert manager.host_staging.pending is None and manager.host_staging.stager is None

@@ -207,14 +207,21 @@ def test_a_final_hf_export_that_cannot_be_written_is_refused_at_startup(tmp_path
         _manager(tmp_path, argv, adapter=spec.state_dict_adapter(sliding))
 
 
+def _saved_dtypes(folder) -> dict:
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    return {key: meta.properties.dtype for key, meta in metadata.state_dict_metadata.items()
+            if hasattr(meta, "properties")}  # fmt: skip
+
+
 def test_a_model_only_export_keeps_buffers_in_their_dtype(tmp_path):
     model, _ = _model("qwen3", "debugmodel_moe")
     manager = _manager(tmp_path, ["--checkpoint.enable", "--checkpoint.export_dtype", "bfloat16"], model)
 
-    exported = manager._export_model_state()
+    manager.save(TrainState(step=1), last=True)  # model only: last_save_model_only's default
+    exported = _saved_dtypes(manager.folder / "step-1")
 
-    assert exported["layers.0.moe.expert_bias"].dtype == torch.float32
-    assert exported["layers.0.moe.router.gate.weight"].dtype == torch.bfloat16
+    assert exported["model.layers.0.moe.expert_bias"] == torch.float32
+    assert exported["model.layers.0.moe.router.gate.weight"] == torch.bfloat16
 
 
 def test_an_hf_export_replaces_an_older_one_without_leaving_its_shards(tmp_path):

@@ -1,19 +1,18 @@
 """A resume under another data-parallel degree, local batch or seq_len reads the next unread data.
 
 Each rank of the saving run is simulated in one process: its dataloader state goes into a real
-DCP checkpoint, and every rank of the resuming layout loads it through `CheckpointManager`.
+DCP checkpoint, and every rank of the resuming layout loads it as a resume does
+(`restore_data_position`).
 """
 
 import logging
 
 import numpy as np
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.config.manager import parse_args
+from torchtitan.components.checkpoint_data_position import restore_data_position
 from torchtitan.datasets.text_datasets import PackedTokenDataset
 
 TOKENS = np.arange(10_000, dtype=np.int64)  # token t sits at position t, so inputs name their windows
@@ -45,14 +44,12 @@ def _save(folder, loaders, batch: int) -> dict:
 
 
 def _resume(folder, saved_train_state, dp: int, batch: int, seq_len: int = 4, tokens=TOKENS):
-    cfg = parse_args([], env={})
     loaders = []
     for rank in range(dp):
         loader = _loader(rank, dp, batch, seq_len, tokens)
-        manager = CheckpointManager(
-            cfg, None, None, None, loader, dp_rank=rank, dp_degree=dp, device=torch.device("cpu")
+        restore_data_position(
+            loader, folder, saved_train_state, dp_rank=rank, dp_degree=dp, dataset_name="smoke"
         )
-        manager._load_dataloader(folder, saved_train_state)
         loaders.append(loader)
     return loaders
 

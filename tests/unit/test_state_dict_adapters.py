@@ -14,8 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from tests.conftest import load_script, python_path
-from tests.forked_launcher import launch
+from tests.conftest import launch_ranks, load_script
 from tests.model_testing import init_on_cpu
 from torchtitan.components.hf_io import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, load_hf, save_hf
 from torchtitan.config.manager import parse_args
@@ -486,8 +485,7 @@ def test_to_hf_names_the_keys_of_a_checkpoint_of_another_model(tmp_path, to_hf_s
 
 def _run_script(name: str, *argv: str) -> subprocess.CompletedProcess:
     """`python scripts/checkpoint_conversion/<name>.py argv` (forked, see tests/forked_launcher.py)."""
-    env = {**os.environ, "PYTHONPATH": python_path()}
-    return launch(("script", str(SCRIPTS / f"{name}.py")), list(argv), 1, env, REPO, timeout=120)
+    return launch_ranks(("script", str(SCRIPTS / f"{name}.py")), list(argv), 1, timeout=120, cwd=REPO)
 
 
 @pytest.fixture(scope="module")

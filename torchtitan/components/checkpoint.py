@@ -24,7 +24,6 @@ Pitfalls:
 
 import datetime
 import logging
-import pickle
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -33,66 +32,55 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
-from torchtitan.components.checkpoint_checksums import (
-    ChecksumError,
-    ChecksummedWriter,
-    has_checksums,
-    is_intact,
-    verify_share,
-)
+from torchtitan.components.checkpoint_checksums import ChecksummedWriter, verify_before_load
+from torchtitan.components.checkpoint_data_position import restore_data_position, saved_data_position
 from torchtitan.components.checkpoint_folders import (
     PARTIAL_SUFFIX,
     RESUME_KEY,
-    SUPERSEDED_SUFFIX,
     BackgroundFileWork,
     complete_steps,
     delete_folders,
-    hf_export_steps,
-    incomplete_steps,
     is_dcp,
-    keep_incomplete_aside,
     load_from,
     prune_checkpoints,
     read_metadata,
     replace_folder,
-    resumable_steps,
     saved_keys,
     saved_shapes,
-    set_aside,
     step_folder,
     step_of,
 )
-from torchtitan.components.hf_io import save_hf
+from torchtitan.components.checkpoint_hf_export import (
+    check_exportable,
+    in_export_dtype,
+    whole_model_state,
+    write_hf_export,
+)
+from torchtitan.components.checkpoint_resume import (
+    choose_resume_step,
+    rename_newer_than,
+    use_the_schedulers_lr,
+)
+from torchtitan.components.checkpoint_staging import HostStaging
 from torchtitan.components.hf_load import load_hf_checkpoint
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import CHECKPOINT_STATE_KEYS as STATE_KEYS
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.expert_parallel import (
     expert_parallel_params,
-    full_expert_tensor,
     global_expert_view,
 )
 from torchtitan.distributed.rank_agreement import agree_on_config_errors
 from torchtitan.protocols.state_dict_adapter import describe_mismatch
-from torchtitan.tools.dtypes import TORCH_DTYPES
-from torchtitan.tools.fqn import clean_fqn
 
 logger = logging.getLogger(__name__)
-
-# torch before 2.13 closes a DefaultStager's copier at the end of every copy, which drops its
-# host buffers and empties its deepcopy table: a second copy fails (KeyError: <class 'type'>).
-# There each save gets a stager of its own.
-STAGER_REUSABLE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
 
 
 def why_nothing_is_saved(config: JobConfig) -> str | None:
@@ -167,8 +155,7 @@ class CheckpointManager:
         self.pending = None  # (future, partial folder, final folder) of an async save
         self.resumable_step: int | None = None  # the step of the last full checkpoint saved or loaded
         self.set_aside_after_first_save = False  # see `load`
-        self.stager: DefaultStager | None = None  # async_with_pinned_mem's, built at its first save
-        self.staging = None  # future of the pending save's copy to host memory
+        self.host_staging = HostStaging(device)  # async_with_pinned_mem's copies to host memory
         self._check(job_config)
         if c.enable and c.load_only:
             logger.info(f"Checkpoints: loading from {self.folder} as on a resume, saving none (load_only)")
@@ -223,27 +210,7 @@ class CheckpointManager:
                 "'checkpoint.initial_load_in_hf' and 'checkpoint.last_save_in_hf' cannot be used."
             )
         if c.enable and c.last_save_in_hf and self.hf_adapter is not None:
-            self._check_exportable()
-
-    def _check_exportable(self) -> None:
-        """Refuse at startup, not after the last step, a run whose final HF export would fail,
-        and warn about state the export would leave out (an expert bias HF has no place for)."""
-        from torchtitan.protocols.state_dict_adapter import HFConfigError
-
-        try:
-            self.hf_adapter.hf_config()
-        except HFConfigError as error:
-            raise ConfigError(
-                f"'checkpoint.last_save_in_hf' = true, but this model cannot be exported: {error} "
-                "Set it to false (the final checkpoint is then DCP)."
-            ) from None
-        if dropped := self.hf_adapter.left_out_of_hf([clean_fqn(k) for k in self.model.state_dict()]):
-            logger.warning(
-                f"'checkpoint.last_save_in_hf' = true: the Hugging Face export leaves out {dropped[0]} "
-                f"and {len(dropped) - 1} more like it, which that architecture has no place for. Once "
-                "training changes them (the expert bias of load balancing does), the export computes "
-                "differently from this run's model; its DCP checkpoints keep them."
-            )
+            check_exportable(self.hf_adapter, self.model)
 
     # ----- state ------------------------------------------------------------------------
 
@@ -281,9 +248,7 @@ class CheckpointManager:
             "model": self._model_state(),
             "optimizer": self._optimizer_state(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
-            # Pickled whole: DCP restores nested non-tensor values only where the loading run's
-            # own state has the same keys, and a streaming dataset's nested state varies.
-            "dataloader": {f"dp{self.dp_rank}": pickle.dumps(self.dataloader.state_dict())},
+            "dataloader": saved_data_position(self.dataloader, self.dp_rank),
             "train_state": {
                 "step": train_state.step,
                 "tokens_seen": train_state.tokens_seen,
@@ -315,7 +280,8 @@ class CheckpointManager:
             self._save_hf(step_folder(self.folder, step, hf=True))
             return
         if last and c.last_save_model_only:
-            state = self._on_disk({"model": self._export_model_state()})
+            export_dtype = self.config.export_dtype
+            state = self._on_disk({"model": in_export_dtype(self._model_state(), self.model, export_dtype)})
         else:
             state = self._on_disk(self._full_state(train_state))
             self.resumable_step = step
@@ -326,15 +292,11 @@ class CheckpointManager:
         self._barrier()
         start = time.perf_counter()
         if c.async_mode == "async_with_pinned_mem" and not (last or force_sync):
-            if self.device.type != "cpu":
-                # The stager copies on a stream of its own that does not wait for this one:
-                # without this, the copy could read weights the optimizer step is still writing.
-                torch.accelerator.current_stream(self.device).synchronize()
             response = dcp.async_save(
                 state, storage_writer=ChecksummedWriter(partial), process_group=self.async_group,
-                async_stager=self._stager(),
+                async_stager=self.host_staging.stager_for_this_step(),
             )  # fmt: skip
-            self.staging = response.staging_completion
+            self.host_staging.copying(response.staging_completion)
             self.pending = (response.upload_completion, partial, final, start)
             return
         if c.async_mode == "async" and not (last or force_sync):
@@ -351,36 +313,13 @@ class CheckpointManager:
             partial, final, start, kind=" (model only: an export, not resumable)" if model_only else ""
         )
 
-    def _stager(self) -> DefaultStager:
-        """The one stager of `async_with_pinned_mem`, reused by every save so that its host
-        buffers (pinned on an accelerator) are allocated once. Built at the first save: its
-        copy stream must come after the training stream exists. Before torch 2.13 (see
-        STAGER_REUSABLE) each save builds a new one; the previous save's copy is done by then."""
-        if self.stager is not None and not STAGER_REUSABLE:
-            self.stager.close()
-            self.stager = None
-        if self.stager is None:
-            accelerator = self.device.type != "cpu"
-            if not accelerator:
-                logger.info("checkpoint.async_mode 'async_with_pinned_mem' on the CPU: staging unpinned")
-            options = StagingOptions(
-                use_pinned_memory=accelerator,
-                use_shared_memory=False,  # the upload runs in a thread of this process
-                use_async_staging=True,
-                use_non_blocking_copy=accelerator,
-            )
-            self.stager = DefaultStager(options)
-        return self.stager
-
     def wait_for_staging(self) -> None:
         """Block until a pending `async_with_pinned_mem` save has copied the state to host memory.
 
         Call it before changing any saved tensor in place (the optimizer step); with the other
         async modes, or with no save pending, it returns at once.
         """
-        if self.staging is not None:
-            staging, self.staging = self.staging, None
-            staging.result()
+        self.host_staging.wait()
 
     def save_seed(self) -> None:
         """Write the freshly initialized weights as `step-0` (model only), for `create_seed_checkpoint`."""
@@ -390,16 +329,6 @@ class CheckpointManager:
         start = time.perf_counter()
         dcp.save({"model": self._model_state()}, storage_writer=ChecksummedWriter(partial))
         self._publish(partial, final, start)
-
-    def _export_model_state(self) -> dict:
-        return self._in_export_dtype(self._model_state())
-
-    def _in_export_dtype(self, state: dict) -> dict:
-        """Floating parameters in `export_dtype`; buffers (e.g. the fp32 expert bias, whose
-        rounding would move routing) keep theirs."""
-        dtype = TORCH_DTYPES[self.config.export_dtype]
-        buffers = {clean_fqn(name) for name, _ in self.model.named_buffers()}
-        return {k: v.to(dtype) if v.is_floating_point() and k not in buffers else v for k, v in state.items()}
 
     def poll(self) -> None:
         """Make a pending async save visible as soon as it has finished; call once per step.
@@ -446,7 +375,7 @@ class CheckpointManager:
         """Rank 0, once this run's first checkpoint or export of `step` is published: set aside
         what a restarting load left (see `load`)."""
         if self.set_aside_after_first_save:
-            self._rename_newer_than(step)
+            rename_newer_than(self.folder, step, self.file_work)
 
     def _keep_latest(self) -> None:
         folder, keep = self.folder, self.config.keep_latest_k
@@ -454,26 +383,10 @@ class CheckpointManager:
             self.file_work.submit(lambda: delete_folders(prune_checkpoints(folder, keep)))
 
     def _save_hf(self, folder: Path) -> None:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_model_state_dict(self.model, options=options)
-        # full_state_dict gathers FSDP and TP shards, not expert-parallel slices: gather those
-        # one tensor at a time (every rank takes part), keeping them on rank 0.
-        sharded = self._model_state()
-        for fqn, param in expert_parallel_params(self.model).items():
-            whole = full_expert_tensor(sharded[fqn], param)
-            if _rank() == 0:
-                full[fqn] = whole.cpu()
-            del whole
+        whole = whole_model_state(self.model)
         if _rank() == 0:
-            # Written aside and renamed, like the DCP saves: a crash leaves no half export, and
-            # an older export of another shard count leaves no stale shards.
-            partial = folder.with_name(folder.name + PARTIAL_SUFFIX)
-            shutil.rmtree(partial, ignore_errors=True)
-            dtype = TORCH_DTYPES[self.config.export_dtype]
-            save_hf(
-                self.hf_adapter.to_hf(self._in_export_dtype(full)), self.hf_adapter.hf_config(dtype), partial
-            )
-            self.file_work.delete(replace_folder(folder, partial))
+            export_dtype = self.config.export_dtype
+            self.file_work.delete(write_hf_export(folder, whole, self.hf_adapter, self.model, export_dtype))
             # The abandoned run's step-N folders would otherwise be the next resume's newest.
             self._after_first_save(step_of(folder))
             logger.info(f"Saved the model as Hugging Face safetensors in {folder}")
@@ -493,98 +406,14 @@ class CheckpointManager:
         network file system's attribute cache) still load the same step.
         """
         # Agreed first: a folder rank 0 cannot read is every rank's error, not rank 0's alone.
-        choice = [agree_on_config_errors(lambda: self._choose_resume_step() if _rank() == 0 else None)]
+        choice = [
+            agree_on_config_errors(
+                lambda: choose_resume_step(self.folder, self.config) if _rank() == 0 else None
+            )
+        ]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(choice, src=0)
         return choice[0]
-
-    def _choose_resume_step(self) -> int | None:
-        """See `resume_step`; raises ConfigError for a missing `load_step`, a folder of exports
-        only, or an unreadable checkpoint."""
-        c = self.config
-        self._keep_incomplete_aside()
-        steps = complete_steps(self.folder)
-        if c.load_step >= 0:
-            if c.load_step not in steps:
-                raise ConfigError(
-                    f"'checkpoint.load_step' = {c.load_step} has no complete checkpoint in {self.folder} "
-                    f"(complete: {steps or 'none'}); choose one of those, or -1 for the newest."
-                )
-            return c.load_step
-        resumable = resumable_steps(self.folder)
-        if resumable:
-            return resumable[-1]
-        if exports := [s for s in steps if s > 0]:
-            raise ConfigError(
-                f"{self.folder} holds only model-only checkpoints (steps {exports}: the exports a "
-                "run writes at its end with checkpoint.last_save_model_only), which a run cannot "
-                "resume from. To train on from those weights, start a new job.dump_folder with "
-                f"checkpoint.initial_load_path = '{self.folder / f'step-{exports[-1]}'}'; to end runs "
-                "resumably, set checkpoint.last_save_model_only = false."
-            )
-        if hf_exports := hf_export_steps(self.folder):
-            raise ConfigError(
-                f"{self.folder} holds only Hugging Face exports (steps {hf_exports}: what a run "
-                "writes at its end with checkpoint.last_save_in_hf), which a run cannot resume from. "
-                "To train on from those weights, start a new job.dump_folder with "
-                f"checkpoint.initial_load_path = '{self.folder / f'step-{hf_exports[-1]}-hf'}' and "
-                "checkpoint.initial_load_in_hf = true; to end runs resumably, set last_save_in_hf = false."
-            )
-        return 0 if steps else None
-
-    def _keep_incomplete_aside(self) -> None:
-        """Rank 0: rename `step-N` folders without `.metadata` aside (`keep_incomplete_aside`),
-        so that neither a resume nor the next save of that step (which replaces the folder)
-        touches them; a load_only run, which leaves the folder as it is, only warns."""
-        if self.config.load_only:
-            for step in incomplete_steps(self.folder):
-                logger.warning(
-                    f"Checkpoint {step_folder(self.folder, step)} has no .metadata: not resumed from"
-                )
-            return
-        keep_incomplete_aside(self.folder)
-
-    def _verify_checksums(self, folder: Path, key: str) -> None:
-        """Check every file of the checkpoint in `folder` against the checksums its save wrote,
-        each rank a share, before anything is loaded (`checkpoint.verify_checksums`).
-        Collective: every rank calls it.
-
-        Raises:
-            ConfigError: on every rank, naming the damaged file, the step and, for a resume,
-                the newest intact step to load instead.
-        """
-        if not self.config.verify_checksums:
-            return
-        if not has_checksums(folder):
-            logger.info(f"Checkpoint {folder} has no checksums (written without them): loading it unverified")
-            return
-        start = time.perf_counter()
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        agree_on_config_errors(lambda: self._verify_share(folder, key, world))
-        logger.info(f"Checked the checksums of {folder} in {time.perf_counter() - start:.1f}s")
-
-    def _verify_share(self, folder: Path, key: str, world: int) -> None:
-        try:
-            verify_share(folder, _rank(), world)
-        except ChecksumError as error:
-            raise ConfigError(f"{error} {self._damaged_checkpoint_fix(folder, key)}") from None
-
-    def _damaged_checkpoint_fix(self, folder: Path, key: str) -> str:
-        """What to do about the damaged checkpoint in `folder`: for a resume, the newest older
-        step whose files all match their checksums."""
-        if key != RESUME_KEY:
-            return f"Point {key} at another checkpoint."
-        older = [s for s in complete_steps(folder.parent) if s < step_of(folder)]
-        intact = next((s for s in reversed(older) if is_intact(step_folder(folder.parent, s))), None)
-        if intact is None:
-            return (
-                f"No older checkpoint in {folder.parent} is intact: move {folder.name} aside to start "
-                "over, or set checkpoint.verify_checksums = false to load it anyway."
-            )
-        return (
-            f"The newest intact checkpoint is step {intact}: resume from it with checkpoint.load_step = "
-            f"{intact}, or move {folder.name} aside; checkpoint.verify_checksums = false loads it anyway."
-        )
 
     def load(self, train_state: TrainState) -> bool:
         """Restore the newest checkpoint (or `initial_load_path`) in place; True when one was read."""
@@ -619,7 +448,8 @@ class CheckpointManager:
                     "nothing. Point job.dump_folder or initial_load_path at the checkpoint to load."
                 )
             return False
-        self._use_the_schedulers_lr()
+        if self.optimizer is not None and self.lr_scheduler is not None:
+            use_the_schedulers_lr(self.optimizer, self.lr_scheduler, self.job_config.optimizer)
         if train_state.step >= (steps := self.job_config.training.steps):
             logger.warning(
                 f"The loaded checkpoint is at step {train_state.step}, and training.steps = {steps}: "
@@ -639,46 +469,6 @@ class CheckpointManager:
         if restart_step < loaded_step:
             self.set_aside_after_first_save = True
 
-    def _use_the_schedulers_lr(self) -> None:
-        """Set the optimizer's lr to the one this run's schedule gives the next step.
-
-        `LambdaLR.load_state_dict` restores the schedule's position but leaves the optimizer's
-        lr alone, and a loaded optimizer brings the lr of the step after its save: with only one
-        of the two loaded (`exclude_from_loading`, or an initial load with the optimizer), the
-        first step would use an lr the log does not show.
-        """
-        if self.optimizer is None or self.lr_scheduler is None:
-            return
-        self._use_this_runs_hyperparameters()
-        # Recomputed from this run's schedule rather than the saved `get_last_lr()`: a resume
-        # with another training.steps (or warmup, decay) would run its first step at the old
-        # schedule's lr. The multipliers are this run's: LambdaLR saves no plain function.
-        scheduler = self.lr_scheduler
-        factors = [factor(scheduler.last_epoch) for factor in scheduler.lr_lambdas]
-        for group, base, factor in zip(self.optimizer.param_groups, scheduler.base_lrs, factors, strict=True):
-            group["lr"] = base * factor
-
-    def _use_this_runs_hyperparameters(self) -> None:
-        """Put this run's `[optimizer]` peak lr, betas, eps and weight decay back over the
-        checkpoint's: a loaded optimizer and scheduler bring the saved ones, so a resume that
-        lowered `optimizer.lr` after a loss spike kept training at the old peak, silently.
-        Logs what changed."""
-        cfg = self.job_config.optimizer
-        configured = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
-                      "weight_decay": cfg.weight_decay}  # fmt: skip
-        saved = {
-            "lr": self.lr_scheduler.base_lrs[0],
-            **{k: self.optimizer.param_groups[0][k] for k in configured if k != "lr"},
-        }
-        changed = [f"{key} {_plain(saved[key])} -> {_plain(value)}" for key, value in configured.items()
-                   if _plain(saved[key]) != _plain(value)]  # fmt: skip
-        if not changed:
-            return
-        self.lr_scheduler.base_lrs = [cfg.lr] * len(self.optimizer.param_groups)
-        for group in self.optimizer.param_groups:
-            group.update({k: v for k, v in configured.items() if k != "lr"}, initial_lr=cfg.lr)
-        logger.info(f"[optimizer] of this run replaces the checkpoint's: {', '.join(changed)}")
-
     def _set_aside_newer_than(self, step: int) -> None:
         """After a rollback (`load_step` older than the newest, or a load that restarts at an
         earlier step), rename the newer checkpoints to `step-N.superseded`: left in place, the
@@ -686,27 +476,13 @@ class CheckpointManager:
         one by one, and `keep_latest_k` would delete this run's checkpoints before them.
         Collective: every rank calls it."""
         if _rank() == 0:
-            self._rename_newer_than(step)
+            rename_newer_than(self.folder, step, self.file_work)
         self._barrier()
-
-    def _rename_newer_than(self, step: int) -> None:
-        """`_set_aside_newer_than`'s renames; rank 0 only, no collective."""
-        newer = [s for s in complete_steps(self.folder) if s > step]
-        for s in newer:
-            folder = step_folder(self.folder, s)
-            superseded = folder.with_name(folder.name + SUPERSEDED_SUFFIX)
-            if superseded.exists():  # an earlier rollback's
-                self.file_work.delete([set_aside(superseded)])
-            folder.rename(superseded)
-        if newer:
-            logger.warning(
-                f"Set aside the checkpoints of steps {newer}, newer than step {step} of this run, as "
-                f"step-N{SUPERSEDED_SUFFIX} in {self.folder} (rename one back to resume from it)"
-            )
 
     def _load_full(self, folder: Path, train_state: TrainState, key: str = RESUME_KEY) -> None:
         excluded = set(self.config.exclude_from_loading)
-        self._verify_checksums(folder, key)
+        if self.config.verify_checksums:
+            verify_before_load(folder, key)
         metadata = read_metadata(folder, key)
         saved = {name.split(".")[0] for name in metadata.state_dict_metadata}
         wanted = [k for k in STATE_KEYS if k not in excluded and k in saved]
@@ -737,7 +513,10 @@ class CheckpointManager:
         if "train_state" in state:
             self._restore_train_state(state["train_state"], train_state)
         if "dataloader" in wanted:
-            self._load_dataloader(folder, state.get("train_state") or self._saved_layout(folder))
+            restore_data_position(
+                self.dataloader, folder, state.get("train_state") or self._saved_layout(folder),
+                dp_rank=self.dp_rank, dp_degree=self.dp_degree, dataset_name=self.job_config.training.dataset,
+            )  # fmt: skip
         logger.info(
             f"Resumed from checkpoint {folder} (step {train_state.step}); loaded {', '.join(state)}"
             + (", dataloader" if "dataloader" in wanted else "")
@@ -758,83 +537,6 @@ class CheckpointManager:
         if rng is not None and int(saved["dp_degree"]) == self.dp_degree:
             _set_rng_state(rng, self.device)
 
-    def _load_dataloader(self, folder: Path, saved_train_state: dict) -> None:
-        saved_dp = int(saved_train_state["dp_degree"])
-        saved_batch = int(saved_train_state["local_batch_size"])
-        dataset = self.dataloader.dataset
-        packed = hasattr(dataset, "state_continuing")
-        own_slot = f"dp{self.dp_rank}" if saved_dp == self.dp_degree else "dp0"
-        loader_state = self._read_loader_state(folder, own_slot, packed)
-        if ("sample_index" in _a_dataset_state(loader_state)) != packed:
-            raise ConfigError(
-                f"checkpoint {folder} holds the data position of a "
-                f"{'streamed' if packed else 'packed'} dataset, but training.dataset = "
-                f"'{self.job_config.training.dataset}' is {'packed' if packed else 'streamed'} here; "
-                "add 'dataloader' to checkpoint.exclude_from_loading to start its data from the beginning."
-            )
-        same_layout = saved_dp == self.dp_degree and (
-            not packed
-            or (saved_batch, loader_state["dataset_state"].get("seq_len", dataset.seq_len))
-            == (dataset.local_batch_size, dataset.seq_len)
-        )
-        if same_layout and not packed:
-            self._refuse_other_worker_count(folder, loader_state)
-        if same_layout:
-            self.dataloader.load_state_dict(loader_state)
-            return
-        if not packed:
-            raise ConfigError(
-                f"checkpoint {folder} was saved with data-parallel degree {saved_dp} and this run has "
-                f"{self.dp_degree}: a streaming dataset's position cannot move between layouts. Add "
-                "'dataloader' to checkpoint.exclude_from_loading to restart the data stream."
-            )
-        # Packed datasets deal global windows in order, so the number consumed is
-        # layout-independent and this layout continues from it. (The loader applies the
-        # dataset state when its iterator is created, so the saved state itself is rewritten.)
-        saved_seq_len = loader_state["dataset_state"].get("seq_len", dataset.seq_len)
-        loader_state["dataset_state"] = dataset.state_continuing(
-            loader_state["dataset_state"], saved_batch, saved_dp
-        )
-        self.dataloader.load_state_dict(loader_state)
-        seq_lens = ""
-        if saved_seq_len != dataset.seq_len:
-            seq_lens = f", seq_len {saved_seq_len} -> {dataset.seq_len}"
-        logger.info(
-            f"Data position carried over from data-parallel degree {saved_dp} x local batch {saved_batch} "
-            f"to {self.dp_degree} x {dataset.local_batch_size}{seq_lens}: "
-            f"{loader_state['dataset_state']['window_offset']} windows of {dataset.seq_len} tokens consumed"
-        )
-
-    def _refuse_other_worker_count(self, folder: Path, loader_state: dict) -> None:
-        """Each loader worker saves its own place in its own shards of a stream, so a position
-        restores only into as many workers as saved it."""
-        saved, workers = _loader_workers(loader_state), self.dataloader.num_workers
-        if saved != workers:
-            raise ConfigError(
-                f"checkpoint {folder} holds the stream's position as read by {saved} loader worker(s) "
-                f"('training.dataloader_num_workers' = {saved}) and this run sets {workers}: each worker "
-                f"keeps its own place in its own shards. Set it to {saved}, or add 'dataloader' to "
-                "checkpoint.exclude_from_loading to restart the data stream."
-            )
-
-    def _read_loader_state(self, folder: Path, slot: str, packed: bool) -> dict:
-        """The loader state saved under `slot`: pickled whole, or, by checkpoints written before
-        that, as DCP's nested keys, which restore a packed dataset's flat state only."""
-        if f"dataloader.{slot}" in read_metadata(folder).state_dict_metadata:
-            state = {"dataloader": {slot: b""}}
-            load_from(folder, state)
-            return pickle.loads(state["dataloader"][slot])
-        if not packed:
-            raise ConfigError(
-                f"checkpoint {folder} stores a streaming dataset's position in an older form that does "
-                "not restore exactly; add 'dataloader' to checkpoint.exclude_from_loading to restart "
-                "the data stream."
-            )
-        state = {"dataloader": {slot: self.dataloader.state_dict()}}
-        # Partial: keys added to the dataset state since then keep this run's values.
-        load_from(folder, state, planner=DefaultLoadPlanner(allow_partial_load=True))
-        return state["dataloader"][slot]
-
     def _load_initial(self, path: Path, train_state: TrainState) -> None:
         c = self.config
         if not path.exists():
@@ -850,7 +552,8 @@ class CheckpointManager:
             # position, step), less `exclude_from_loading`; this run saves to its own folder.
             self._load_full(path, train_state, "checkpoint.initial_load_path")
             return
-        self._verify_checksums(path, "checkpoint.initial_load_path")
+        if c.verify_checksums:
+            verify_before_load(path, "checkpoint.initial_load_path")
         state = {"model": self._model_state()}
         on_disk = self._on_disk(state)
         self._check_fits(path, on_disk["model"], "checkpoint.initial_load_path")
@@ -891,28 +594,6 @@ class CheckpointManager:
         """Finish a pending save; when the run `finished` (not a stop, which has little time
         left), also wait for the background deleting and pruning."""
         self.wait()
-        if self.stager is not None:
-            self.stager.close()
-            self.stager = None
+        self.host_staging.close()
         if finished:
             self.file_work.wait()
-
-
-def _plain(value):
-    """A hyperparameter as a comparable, printable value (betas load back as a list)."""
-    return tuple(value) if isinstance(value, (list, tuple)) else value
-
-
-def _loader_workers(loader_state: dict) -> int:
-    """The worker count of the StatefulDataLoader that saved `loader_state`."""
-    snapshot = loader_state.get("_snapshot")
-    return 0 if snapshot is None else int(snapshot["_main_snapshot"]["_num_workers"])
-
-
-def _a_dataset_state(loader_state: dict) -> dict:
-    """The dataset's state in `loader_state`, or, where loader workers saved it, worker 0's
-    (every worker's has the same keys, which tell a packed dataset from a streamed one)."""
-    if "_snapshot" not in loader_state:
-        return loader_state["dataset_state"]
-    workers = loader_state["_snapshot"]["_worker_snapshots"]
-    return workers[min(workers)]["dataset_state"]

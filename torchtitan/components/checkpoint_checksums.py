@@ -17,6 +17,7 @@ loaded unverified, with a log line saying so.
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -25,7 +26,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.futures import Future
 
+from torchtitan.components.checkpoint_folders import RESUME_KEY, complete_steps, step_folder, step_of
 from torchtitan.config.errors import ConfigError
+from torchtitan.distributed.rank_agreement import agree_on_config_errors
 
 logger = logging.getLogger(__name__)
 
@@ -150,3 +153,50 @@ def is_intact(folder: Path) -> bool:
         return first_mismatch(folder, expected_digests(folder)) is None
     except ChecksumError:
         return False
+
+
+def verify_before_load(folder: Path, key: str) -> None:
+    """Check every file of the checkpoint in `folder` against the checksums its save wrote, each
+    rank a share, before anything is loaded (`checkpoint.verify_checksums`). A checkpoint
+    written without checksums loads unverified. Collective: every rank calls it.
+
+    Args:
+        key: the setting the checkpoint was named by (`RESUME_KEY` for a resume), for messages.
+
+    Raises:
+        ConfigError: on every rank, naming the damaged file, the step and, for a resume, the
+            newest intact step to load instead.
+    """
+    if not has_checksums(folder):
+        logger.info(f"Checkpoint {folder} has no checksums (written without them): loading it unverified")
+        return
+    start = time.perf_counter()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    agree_on_config_errors(lambda: _verify_share(folder, key, rank, world))
+    logger.info(f"Checked the checksums of {folder} in {time.perf_counter() - start:.1f}s")
+
+
+def _verify_share(folder: Path, key: str, rank: int, world: int) -> None:
+    try:
+        verify_share(folder, rank, world)
+    except ChecksumError as error:
+        raise ConfigError(f"{error} {_damaged_checkpoint_fix(folder, key)}") from None
+
+
+def _damaged_checkpoint_fix(folder: Path, key: str) -> str:
+    """What to do about the damaged checkpoint in `folder`: for a resume, the newest older step
+    whose files all match their checksums."""
+    if key != RESUME_KEY:
+        return f"Point {key} at another checkpoint."
+    older = [s for s in complete_steps(folder.parent) if s < step_of(folder)]
+    intact = next((s for s in reversed(older) if is_intact(step_folder(folder.parent, s))), None)
+    if intact is None:
+        return (
+            f"No older checkpoint in {folder.parent} is intact: move {folder.name} aside to start "
+            "over, or set checkpoint.verify_checksums = false to load it anyway."
+        )
+    return (
+        f"The newest intact checkpoint is step {intact}: resume from it with checkpoint.load_step = "
+        f"{intact}, or move {folder.name} aside; checkpoint.verify_checksums = false loads it anyway."
+    )
