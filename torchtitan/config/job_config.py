@@ -245,8 +245,9 @@ class ActivationCheckpoint:
     selective_ac_option: str = opt("2", '"op" for per-op selective AC, or N to checkpoint every Nth block')
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = opt(
         ["moe.router.gate", "feed_forward.w2", "moe.shared_experts.w2"],
-        "Linear FQN substrings whose matmul shapes are always recomputed (the defaults: MoE routers, "
-        "and each block's last matmul, which with early_stop is then never recomputed at all)",
+        "substrings of the names of Linears inside the blocks whose matmuls op-SAC always recomputes "
+        "(the defaults: MoE routers, and each block's last matmul, which with early_stop is then never "
+        "recomputed at all)",
     )
     early_stop: bool = opt(
         True,
