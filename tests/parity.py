@@ -39,7 +39,16 @@ from tests.conftest import PROJECT_ROOT, launch_ranks
 FP32_RTOL = 1e-5
 PARAM_RTOL = 1e-4
 WORKER = PROJECT_ROOT / "tests" / "integration" / "parity_worker.py"
-NO_AC = ["--activation_checkpoint.mode", "none"]
+_AC = "--activation_checkpoint."
+NO_AC = [_AC + "mode", "none"]
+# The AC modes the parity tests run, as command-line overrides.
+AC_ARGV = {
+    "none": NO_AC,
+    "full": [_AC + "mode", "full"],
+    "full replay": [_AC + "mode", "full", _AC + "full_ac_all_to_all", "replay"],
+    "selective 2": [_AC + "mode", "selective", _AC + "selective_ac_option", "2"],
+    "op-SAC": [_AC + "mode", "selective", _AC + "selective_ac_option", "op"],
+}
 
 
 @dataclass

@@ -10,7 +10,7 @@ are in test_expert_parallel.py and test_parallelism.py under `full_matrix`.
 
 import pytest
 
-from tests.parity import FP32_RTOL, assert_parity, reference, train_for_parity
+from tests.parity import AC_ARGV, FP32_RTOL, assert_parity, reference, train_for_parity
 
 pytestmark = pytest.mark.integration
 
@@ -25,14 +25,6 @@ GLOBAL_BATCH = 4
 COMMON = ["--training.seq_len", "64", "--training.mixed_precision_param", "float32",
           "--training.global_batch_size", str(GLOBAL_BATCH)]  # fmt: skip
 
-_AC = "--activation_checkpoint."
-AC = {
-    "none": [_AC + "mode", "none"],
-    "full": [_AC + "mode", "full"],
-    "full replay": [_AC + "mode", "full", _AC + "full_ac_all_to_all", "replay"],
-    "selective 2": [_AC + "mode", "selective", _AC + "selective_ac_option", "2"],
-    "op-SAC": [_AC + "mode", "selective", _AC + "selective_ac_option", "op"],
-}
 _P = "--parallelism."
 TP2 = [_P + "tensor_parallel_degree", "2"]
 ETP2 = [*TP2, _P + "expert_tensor_parallel_degree", "2"]
@@ -96,7 +88,7 @@ def _argv(model: str, local_batch: int, extra=()) -> list[str]:
 
 def run_layout(name: str, plant: str = "none"):
     model, nproc, local_batch, argv, ac = LAYOUTS[name]
-    return train_for_parity(_argv(model, local_batch, argv + AC[ac]), nproc, plant=plant)
+    return train_for_parity(_argv(model, local_batch, argv + AC_ARGV[ac]), nproc, plant=plant)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

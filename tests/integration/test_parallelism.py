@@ -7,7 +7,7 @@ import pytest
 
 from tests.conftest import read_metrics, run_trainer
 from tests.integration.workers import run_worker
-from tests.parity import assert_parity, reference, train_for_parity
+from tests.parity import AC_ARGV, assert_parity, reference, train_for_parity
 
 pytestmark = pytest.mark.integration
 
@@ -71,13 +71,7 @@ def test_tokens_per_second_counts_each_devices_share_of_the_global_batch(single_
         assert tokens == pytest.approx([expected[name]] * 5, rel=1e-9), name
 
 
-_AC = "--activation_checkpoint."
-AC_MODES = {
-    "none": [_AC + "mode", "none"],
-    "full": [_AC + "mode", "full"],
-    "selective op": [_AC + "mode", "selective", _AC + "selective_ac_option", "op"],
-    "selective 2": [_AC + "mode", "selective", _AC + "selective_ac_option", "2"],
-}
+AC_MODES = {name: AC_ARGV[name] for name in ("none", "full", "op-SAC", "selective 2")}
 PARITY = ["--config", "debug_model.toml", "--training.seq_len", "64", "--training.mixed_precision_param",
           "float32", "--training.global_batch_size", str(GLOBAL_BATCH)]  # fmt: skip
 
