@@ -35,6 +35,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import wants_help
 from torchtitan.distributed.device import device_type
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_parallel import build_stages, merged_model
 from torchtitan.models import get_train_spec
 from torchtitan.protocols.train_spec import import_custom_module
 from torchtitan.tools.dtypes import TORCH_DTYPES
@@ -61,12 +62,18 @@ def build_parallelized_model(
 ) -> nn.Module:
     """The spec's model built in `training.dtype` on the meta device, converted and parallelized
     as the trainer builds it; no storage, no initialized weights. `options` go to the model's
-    `parallelize_fn` (see `parallelize_decoder`)."""
+    `parallelize_fn` (see `parallelize_decoder`). Under pipeline parallelism: rank 0's stages,
+    under one module (`merged_model`)."""
     spec = get_train_spec(cfg.model.name)
     model_args = spec.get_flavor(cfg.model.flavor).update_from_config(cfg)
     model = spec.build_meta_model(model_args, TORCH_DTYPES[cfg.training.dtype])
     build_model_converters(cfg, parallel_dims, device).convert(model)
-    return spec.parallelize_fn(model, parallel_dims, cfg, device, **options)
+    parallelize = lambda part: spec.parallelize_fn(part, parallel_dims, cfg, device, **options)  # noqa: E731
+    if not parallel_dims.pp_enabled:
+        return parallelize(model)
+    # Rank 0's stages; the split itself, checked here, is the same on every rank.
+    _, stages = build_stages(model, cfg, model_args, parallel_dims, parallelize)
+    return merged_model(stages)
 
 
 def check_layout(cfg: JobConfig, world_size: int, device: torch.device | None = None) -> None:

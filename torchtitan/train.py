@@ -36,6 +36,7 @@ from torchtitan.components.training_step import (
     finite_or_raise,
     forward_backward,
     gradient_accumulation_steps,
+    pipeline_forward_backward,
 )
 from torchtitan.components.validate import Validator
 from torchtitan.config.errors import ConfigError
@@ -48,6 +49,7 @@ from torchtitan.distributed.determinism import set_determinism
 from torchtitan.distributed.device import local_device
 from torchtitan.distributed.grad_norm import clip_grad_norm_
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_parallel import Pipeline, build_stages, describe_pipeline, merged_model
 from torchtitan.distributed.process_exit import exit_skipping_interpreter_teardown, report_to_torchrun
 from torchtitan.distributed.process_group import init_distributed, set_collective_timeout
 from torchtitan.distributed.rank_agreement import agree_on_config_errors, mean_and_max_over_ranks
@@ -101,10 +103,11 @@ class Trainer:
             lambda: self.spec.build_dataloader_fn(cfg, self.tokenizer, dp_rank, dp_degree)
         )
 
+        self.loss_fn = self.spec.build_loss_fn(cfg)
+        self.pipeline: Pipeline | None = None
         self.model = self._build_model()
         self.optimizer = self.spec.build_optimizer_fn(self.model, cfg, self.device)
         self.lr_scheduler = self.spec.build_lr_scheduler_fn(self.optimizer, cfg)
-        self.loss_fn = self.spec.build_loss_fn(cfg)
         self.validator = self._build_validator(dp_rank, dp_degree)
         self.metrics = agree_on_config_errors(  # rank 0's wandb may refuse to start
             lambda: MetricsProcessor(cfg, self.device, self.flops_per_token, self.rank == 0, self.rank)
@@ -125,11 +128,10 @@ class Trainer:
             dp_degree=dp_degree, device=self.device,
             hf_adapter=self._hf_adapter(),
         )  # fmt: skip
-        # Tensor-parallel ranks share their batch, so each device processes 1/tp of it.
-        t = cfg.training
-        self.tokens_per_device_per_step = (
-            t.local_batch_size * t.seq_len * self.accum_steps // self.parallel_dims.tp
-        )
+        # Tensor-parallel ranks share their batch, and pipeline stages split its layers, so
+        # each device does 1/(tp x pp) of its work.
+        t, d = cfg.training, self.parallel_dims
+        self.tokens_per_device_per_step = t.local_batch_size * t.seq_len * self.accum_steps // (d.tp * d.pp)
 
     # ----- construction -------------------------------------------------------------------
 
@@ -180,6 +182,16 @@ class Trainer:
                 "expert gets the same number of tokens whatever the router scores; for benchmarks, "
                 "not for training a model"
             )
+        if self.parallel_dims.pp_enabled:
+            return self._build_pipeline(model)
+        model = self._parallelize(model)
+        self.model_parts = [model]
+        return model
+
+    def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Parallelize `model` (a meta model, or a pipeline stage's part of one), then allocate and
+        initialize it."""
+        cfg = self.job_config
         model = self.spec.parallelize_fn(model, self.parallel_dims, cfg, self.device)
         model.to_empty(device=self.device)
         # Re-seed so the weights do not depend on any RNG use during construction.
@@ -187,6 +199,18 @@ class Trainer:
         model.init_weights(buffer_device=self.device)
         model.train()
         return model
+
+    def _build_pipeline(self, whole: torch.nn.Module) -> torch.nn.Module:
+        """Split `whole` (on the meta device) into this rank's stages, parallelize each, and build
+        the schedule; returns the module over all of this rank's stages (`merged_model`)."""
+        cfg, dims = self.job_config, self.parallel_dims
+        plan, self.model_parts = build_stages(whole, cfg, self.model_args, dims, self._parallelize)
+        scale = plan.n_microbatches * self.accum_steps
+        pp_group = dims.submesh("pp").get_group()
+        self.pipeline = Pipeline(plan, self.model_parts, self.loss_fn, pp_group, self.device, scale,
+                                 cfg.parallelism.pipeline_parallel_schedule_csv)  # fmt: skip
+        logger.info(describe_pipeline(plan, dims.pp_rank()))
+        return merged_model(self.model_parts)
 
     def _hf_adapter(self):
         """The model's Hugging Face state-dict adapter (None if it has none), built from the
@@ -228,10 +252,16 @@ class Trainer:
         data_seconds = 0.0
         for micro_batch in range(self.accum_steps):
             last = micro_batch == self.accum_steps - 1
-            set_gradient_sync(self.model, self.parallel_dims, sync=last)
+            for part in self.model_parts:
+                set_gradient_sync(part, self.parallel_dims, sync=last)
             start = time.perf_counter()
             inputs, labels = self._next_batch(data_iter)
             data_seconds += time.perf_counter() - start
+            if self.pipeline is not None:
+                total_loss += pipeline_forward_backward(
+                    self.pipeline, inputs, labels, self.parallel_dims, self.job_config
+                )
+                continue
             total_loss += forward_backward(
                 self.model,
                 self.loss_fn,
@@ -245,7 +275,8 @@ class Trainer:
         if steps_in_backward:
             grad_norm = self.optimizer.grad_norm()
         else:
-            grad_norm = clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm)
+            pp_group = self.parallel_dims.submesh("pp").get_group() if self.pipeline else None
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm, pp_group)
             self.checkpointer.wait_for_staging()
             self.optimizer.step()
         # Read before the scheduler advances: the log line reports the lr this step used.

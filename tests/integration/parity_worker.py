@@ -16,7 +16,8 @@ production code:
     unreduced-norm-grad: the first tensor-parallel partial gradient (a norm weight's) is used
         as this rank's partial sum, as a missing all-reduce would leave it;
     swapped-expert-rows: rank 0 swaps the first two rows of the first expert weight's gradient;
-    scaled-shard: rank 1 scales its shard of `layers.1.attention.wq.weight`'s gradient by 1 + 1e-3.
+    scaled-shard: rank 1 scales its shard of `layers.1.attention.wq.weight`'s gradient by 1 + 1e-3;
+    unscaled-microbatches: the pipeline's loss is not divided by its microbatch count.
 """
 
 import sys
@@ -55,6 +56,15 @@ def full_tensors(model: torch.nn.Module, grads: bool) -> dict[str, torch.Tensor]
     return out
 
 
+def whole_model(trainer: Trainer, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` of every pipeline stage, merged (each rank holds its stages' only)."""
+    if trainer.pipeline is None:
+        return tensors
+    stages: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(stages, tensors)
+    return {name: tensor for stage in stages for name, tensor in stage.items()}
+
+
 def _leave_one_partial_gradient_unreduced() -> None:
     reduce = grad_norm._reduce_partial_grads
 
@@ -80,10 +90,10 @@ def _leave_one_partial_gradient_unreduced() -> None:
 def _change_a_gradient_before_clipping(change) -> None:
     clip = torchtitan.train.clip_grad_norm_
 
-    def changed_then_clipped(parameters, max_norm):
+    def changed_then_clipped(parameters, max_norm, *pipeline_group):
         parameters = list(parameters)
         change(parameters)
-        return clip(parameters, max_norm)
+        return clip(parameters, max_norm, *pipeline_group)
 
     torchtitan.train.clip_grad_norm_ = changed_then_clipped  # where the trainer looks it up
 
@@ -92,7 +102,8 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
-def plant(bug: str, model: torch.nn.Module) -> None:
+def plant(bug: str, trainer: Trainer) -> None:
+    model = trainer.model
     rank = dist.get_rank() if dist.is_initialized() else 0
     if bug == "unreduced-norm-grad":
         _leave_one_partial_gradient_unreduced()
@@ -113,6 +124,10 @@ def plant(bug: str, model: torch.nn.Module) -> None:
                 _local(target.grad).mul_(1 + 1e-3)
 
         _change_a_gradient_before_clipping(scale)
+    elif bug == "unscaled-microbatches":
+        schedule = trainer.pipeline.schedule
+        loss_fn, microbatches = schedule._loss_fn, trainer.pipeline.plan.n_microbatches
+        schedule._loss_fn = lambda output, labels: loss_fn(output, labels) * microbatches
     elif bug != "none":
         raise ValueError(f"unknown bug to plant: {bug}")
 
@@ -120,7 +135,7 @@ def plant(bug: str, model: torch.nn.Module) -> None:
 def main(out: str, steps: int, bug: str, argv: list[str]) -> None:
     init_logger()
     trainer = Trainer(parse_args(argv))
-    plant(bug, trainer.model)
+    plant(bug, trainer)
     data = iter(trainer.dataloader)
     record = {"losses": [], "grad_norms": [], "step_metrics": []}
     for step in range(1, steps + 1):
@@ -130,8 +145,8 @@ def main(out: str, steps: int, bug: str, argv: list[str]) -> None:
         record["grad_norms"].append(grad_norm.item())
         record["step_metrics"].append({name: value.item() for name, value in trainer.step_metrics.items()})
         if step == 1:
-            record["grads"] = full_tensors(trainer.model, grads=True)
-    record["params"] = full_tensors(trainer.model, grads=False)
+            record["grads"] = whole_model(trainer, full_tensors(trainer.model, grads=True))
+    record["params"] = whole_model(trainer, full_tensors(trainer.model, grads=False))
     if trainer.rank == 0:
         torch.save(record, out)
     trainer.close()

@@ -72,6 +72,40 @@ LAYOUTS = {
     "DeepSeek-V3 FSDP 2 x TP 2, EP 4 over TP": ("deepseek_v3", 4, 2, EP4 + EP_OVER_TP2, "op-SAC"),
 }
 
+
+def _pp(degree: int, schedule: str, *extra: str) -> list[str]:
+    return [_P + "pipeline_parallel_degree", str(degree), _P + "pipeline_parallel_schedule", schedule, *extra]
+
+
+# Pipeline layouts (fp32, 4 microbatches of 1 per step where dp is 1), the same tolerance: a
+# stage computes what the whole model computes for its blocks, and the microbatches' gradients
+# add up as the batch's. Every schedule torch has, each AC mode, and PP with FSDP, TP and EP.
+FULL = pytest.mark.full_matrix
+PIPELINE_LAYOUTS = {
+    "PP 2, 1F1B": (("llama3", 2, 4, _pp(2, "1F1B"), "op-SAC"), ()),
+    "PP 2, ZBVZeroBubble": (("llama3", 2, 4, _pp(2, "ZBVZeroBubble"), "full"), ()),
+    "PP 2 x FSDP 2, Interleaved1F1B": (("llama3", 4, 2, _pp(2, "Interleaved1F1B"), "selective 2"), ()),
+    "DeepSeek-V3 PP 2, 1F1B": (("deepseek_v3", 2, 4, _pp(2, "1F1B"), "full"), ()),
+    "PP 2, GPipe": (("llama3", 2, 4, _pp(2, "GPipe"), "none"), FULL),
+    "PP 2, GPipe, full AC": (("llama3", 2, 4, _pp(2, "GPipe"), "full"), FULL),
+    "PP 2, 1F1B, full AC": (("llama3", 2, 4, _pp(2, "1F1B"), "full"), FULL),
+    "PP 2, Interleaved1F1B": (("llama3", 2, 4, _pp(2, "Interleaved1F1B"), "op-SAC"), FULL),
+    "PP 2, LoopedBFS": (("llama3", 2, 4, _pp(2, "LoopedBFS"), "full"), FULL),
+    "PP 2, ZBVZeroBubble, op-SAC": (("llama3", 2, 4, _pp(2, "ZBVZeroBubble"), "op-SAC"), FULL),
+    "PP 2, ZBVZeroBubble, no AC": (("llama3", 2, 4, _pp(2, "ZBVZeroBubble"), "none"), FULL),
+    "PP 2, DualPipeV": (("llama3", 2, 4, _pp(2, "DualPipeV"), "op-SAC"), FULL),
+    "PP 2, DualPipeV, full AC": (("llama3", 2, 4, _pp(2, "DualPipeV"), "full"), FULL),
+    "PP 4, InterleavedZeroBubble": (("llama3", 4, 4, _pp(4, "InterleavedZeroBubble"), "full"), FULL),
+    "PP 2 x FSDP 2, 1F1B": (("llama3", 4, 2, _pp(2, "1F1B"), "op-SAC"), FULL),
+    "PP 2 x FSDP 2, ZBVZeroBubble": (("llama3", 4, 2, _pp(2, "ZBVZeroBubble"), "full"), FULL),
+    "PP 2 x TP 2, 1F1B": (("llama3", 4, 4, _pp(2, "1F1B") + TP2, "op-SAC"), FULL),
+    "PP 2 x TP 2, Interleaved1F1B": (("llama3", 4, 4, _pp(2, "Interleaved1F1B") + TP2, "full"), FULL),
+    "Qwen3 MoE PP 2": (("qwen3 moe", 2, 4, _pp(2, "1F1B"), "op-SAC"), FULL),
+    "Qwen3 MoE PP 2 x EP 2": (("qwen3 moe", 4, 2, _pp(2, "1F1B") + EP2, "full"), FULL),
+    "DeepSeek-V3 PP 2 x EP 2": (("deepseek_v3", 4, 2, _pp(2, "Interleaved1F1B") + EP2, "op-SAC"), FULL),
+}
+LAYOUTS.update({name: layout for name, (layout, _) in PIPELINE_LAYOUTS.items()})
+
 _references: dict = {}
 
 
@@ -91,7 +125,10 @@ def run_layout(name: str, plant: str = "none"):
     return train_for_parity(_argv(model, local_batch, argv + AC_ARGV[ac]), nproc, plant=plant)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout", [name if name not in PIPELINE_LAYOUTS else pytest.param(name, marks=PIPELINE_LAYOUTS[name][1])
+               for name in LAYOUTS]
+)  # fmt: skip
 def test_layout_gives_every_gradient_and_parameter_of_one_process_without_ac(layout, record_property):
     worst = assert_parity(run_layout(layout), reference_of(LAYOUTS[layout][0]))
     record_property("worst_step_1_gradient_error", worst)
@@ -99,16 +136,21 @@ def test_layout_gives_every_gradient_and_parameter_of_one_process_without_ac(lay
     print(f"\n{layout} ({ac}): worst step-1 gradient error {worst:.1e} (tolerance {FP32_RTOL:.0e})")
 
 
+GRADIENT_OFF = "gradients after step 1 off by more than 1e-05; the worst: "
+
+
 @pytest.mark.parametrize(
-    "layout, bug, named",
-    [("TP 2", "unreduced-norm-grad", "layers.0.attention_norm.weight"),
-     ("Qwen3 MoE EP 2", "swapped-expert-rows", "layers.0.moe.experts.w1"),
-     ("FSDP 2", "scaled-shard", "layers.1.attention.wq.weight")],
+    "layout, bug, expected",
+    [("TP 2", "unreduced-norm-grad", GRADIENT_OFF + "layers.0.attention_norm.weight"),
+     ("Qwen3 MoE EP 2", "swapped-expert-rows", GRADIENT_OFF + "layers.0.moe.experts.w1"),
+     ("FSDP 2", "scaled-shard", GRADIENT_OFF + "layers.1.attention.wq.weight"),
+     # Clipping hides a uniform gradient scale; the loss, logged from the schedule, shows it.
+     ("PP 2, 1F1B", "unscaled-microbatches", "losses off by more than 1e-05; the worst: loss at step")],
     ids=["a norm weight's TP partial gradient left unreduced", "two expert rows' gradients swapped under EP",
-         "one FSDP shard's gradient scaled by 1 + 1e-3"],
+         "one FSDP shard's gradient scaled by 1 + 1e-3", "a pipeline loss not divided by its microbatches"],
 )  # fmt: skip
-def test_a_planted_bug_fails_the_check_naming_the_parameter(layout, bug, named):
+def test_a_planted_bug_fails_the_check_naming_what_is_off(layout, bug, expected):
     with pytest.raises(AssertionError) as failed:
         assert_parity(run_layout(layout, plant=bug), reference_of(LAYOUTS[layout][0]))
     message = str(failed.value)
-    assert "gradients after step 1 off by more than 1e-05; the worst: " + named in message, message
+    assert expected in message, message

@@ -92,14 +92,16 @@ def test_async_tp_without_compile_or_cuda_is_refused():
         maybe_enable_async_tp(ParallelDims(1, 1, 2, 2), cfg, torch.device("cpu"))
 
 
-@pytest.mark.parametrize(
-    "key, feature",
-    [("context_parallel_degree", "context parallelism"),
-     ("pipeline_parallel_degree", "pipeline parallelism")],
-)  # fmt: skip
-def test_unbuilt_parallelism_is_refused_with_not_supported_yet(key, feature):
-    with pytest.raises(ConfigError, match=f"needs {feature}, which is not supported yet"):
-        parse_args([f"--parallelism.{key}", "2"], env={})
+def test_unbuilt_parallelism_is_refused_with_not_supported_yet():
+    with pytest.raises(ConfigError, match="needs context parallelism, which is not supported yet"):
+        parse_args(["--parallelism.context_parallel_degree", "2"], env={})
+
+
+def test_pipeline_degree_counts_in_the_world_size_and_is_the_outermost_mesh_dim():
+    dims = ParallelDims(1, -1, 1, 8, pp=2)
+    assert dims.dp_shard == 4 and dims.pp_enabled
+    with pytest.raises(ConfigError, match="pipeline_parallel_degree 2 x data_parallel_replicate_degree 1"):
+        ParallelDims(1, 3, 1, 8, pp=2)
 
 
 def test_mesh_mismatch_from_the_trainer_exits_2(tmp_path, capsys):

@@ -4,6 +4,7 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from torchtitan.config.errors import ConfigError
@@ -95,6 +96,18 @@ def forward_backward(
         # Under loss parallel the loss is a (replicated) DTensor and the extra a local tensor.
         (loss if extra is None else plain_tensor(loss) + extra / accum_steps).backward()
     return plain_tensor(loss.detach())
+
+
+def pipeline_forward_backward(
+    pipeline, inputs: torch.Tensor, labels: torch.Tensor, parallel_dims: ParallelDims, job_config: JobConfig
+) -> torch.Tensor:
+    """`forward_backward` of one micro-batch under pipeline parallelism: the schedule runs its
+    pipeline microbatches through this rank's stages. Returns the scaled loss on every rank of
+    the pipeline (summed from the last stage, so that it is logged as one process logs it)."""
+    with loss_context(parallel_dims, job_config), autocast_context(job_config, parallel_dims, inputs.device):
+        loss = plain_tensor(pipeline.step(inputs, labels))
+    dist.all_reduce(loss, group=parallel_dims.submesh("pp").get_group())
+    return loss
 
 
 def finite_or_raise(step: int, loss: float, grad_norm: float) -> None:

@@ -168,7 +168,7 @@ def _is_toml_type(tp) -> bool:
         return all(arg is NoneType or _is_toml_type(arg) for arg in typing.get_args(tp))
     if origin is list:
         (item,) = typing.get_args(tp)
-        return item in _SCALARS or typing.get_origin(item) is typing.Literal and _is_toml_type(item)
+        return item in _SCALARS or typing.get_origin(item) in (typing.Literal, list) and _is_toml_type(item)
     return tp in _SCALARS
 
 

@@ -208,7 +208,38 @@ class Parallelism:
     disable_loss_parallel: bool = opt(False, "gather logits instead of vocab-parallel loss")
     enable_async_tensor_parallel: bool = opt(False, "overlap TP comms with compute (compile)")
     context_parallel_degree: int = opt(1, "context parallel degree", min=1)
-    pipeline_parallel_degree: int = opt(1, "pipeline parallel degree", min=1)
+    pipeline_parallel_degree: int = opt(
+        1, "pipeline parallel degree: stages are split over this many ranks", min=1
+    )
+    pipeline_parallel_schedule: str = opt(
+        "1F1B",
+        "torch.distributed.pipelining schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
+        "InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (the last four hold several stages per rank)",
+    )
+    pipeline_parallel_schedule_csv: str = opt(
+        "", "a CSV of per-rank actions to run instead of a built-in schedule ('' = none)"
+    )
+    pipeline_parallel_microbatch_size: int = opt(
+        1, "samples per pipeline microbatch; it must divide training.local_batch_size", min=1
+    )
+    pipeline_parallel_layers_per_stage: int = opt(
+        0,
+        "blocks per stage (0 = as many stages as the schedule holds per rank x degree, blocks "
+        "spread evenly); the embedding and the output head count as one layer each",
+        min=0,
+    )
+    pipeline_parallel_first_stage_less_layers: int = opt(
+        1, "the first stage holds this many fewer blocks (its embedding counts as this many)", min=0
+    )
+    pipeline_parallel_last_stage_less_layers: int = opt(
+        1, "the last stage holds this many fewer blocks (its norm, head and loss count as this many)", min=0
+    )
+    module_fqns_per_model_part: list[list[str]] = opt(
+        [],
+        'the modules of each stage, e.g. [["tok_embeddings", "layers.0"], ["layers.1", "norm", '
+        '"output"]] (on the command line: "tok_embeddings,layers.0;layers.1,norm,output"); '
+        "overrides the automatic split",
+    )
     expert_parallel_degree: int = opt(
         1,
         "expert parallel degree; its ranks come from data_parallel_shard_degree (and from the TP "

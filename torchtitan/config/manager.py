@@ -254,7 +254,9 @@ def _parse_text(text: str, tp):
     origin = typing.get_origin(tp)
     if origin is list:
         item = typing.get_args(tp)[0]
-        return [_parse_text(s.strip(), item) for s in text.split(",") if s.strip()]
+        # A list of lists on the command line: ";" between the lists, "," within each.
+        separator = ";" if typing.get_origin(item) is list else ","
+        return [_parse_text(s.strip(), item) for s in text.split(separator) if s.strip()]
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if type(None) in args and text.lower() in ("none", "null"):

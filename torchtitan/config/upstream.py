@@ -89,10 +89,6 @@ UNBUILT_KEYS = {
     "parallelism.enable_compiled_autograd": UnbuiltKey("compiled autograd", False),
     "parallelism.context_parallel_rotate_method": UnbuiltKey("context parallelism", ANY),
     "parallelism.pipeline_parallel_split_points": UnbuiltKey("pipeline parallelism", ANY),
-    "parallelism.pipeline_parallel_layers_per_stage": UnbuiltKey("pipeline parallelism", ANY),
-    "parallelism.pipeline_parallel_schedule": UnbuiltKey("pipeline parallelism", ANY),
-    "parallelism.pipeline_parallel_schedule_csv": UnbuiltKey("pipeline parallelism", ANY),
-    "parallelism.pipeline_parallel_microbatch_size": UnbuiltKey("pipeline parallelism", ANY),
     "float8.force_recompute_fp8_weight_in_bwd": UnbuiltKey(
         "a float8 option that torchao has deprecated", ANY
     ),
@@ -109,10 +105,7 @@ UNBUILT_KEYS = {
         "with the same arguments builds and parallelizes the model for N ranks on a fake process "
         "group in one process and reports each rank's peak memory",
     ),
-    "parallelism.pipeline_parallel_first_stage_less_layers": UnbuiltKey("pipeline parallelism", ANY),
-    "parallelism.pipeline_parallel_last_stage_less_layers": UnbuiltKey("pipeline parallelism", ANY),
     "parallelism.pipeline_parallel_expert_parallel_overlap": UnbuiltKey("pipeline parallelism", ANY),
-    "parallelism.module_fqns_per_model_part": UnbuiltKey("pipeline parallelism", ANY),
     "parallelism.context_parallel_load_balancer": UnbuiltKey("context parallelism", ANY),
     "parallelism.expert_parallel_comm_backend": UnbuiltKey("DeepEP's all-to-all kernels", "standard"),
     "checkpoint.enable_ft_dataloader_checkpoints": UnbuiltKey("TorchFT fault tolerance", ANY),

@@ -28,7 +28,6 @@ logger = logging.getLogger(__name__)
 # Keys whose feature is not built yet: any value other than the default stops the run.
 NOT_BUILT_YET = {
     "parallelism.context_parallel_degree": "context parallelism",
-    "parallelism.pipeline_parallel_degree": "pipeline parallelism",
 }
 
 

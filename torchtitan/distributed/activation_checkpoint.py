@@ -40,7 +40,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper as ptd_checkpoint_wrapper,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import _CONSUMED as _SAC_CONSUMED
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _CachedTorchDispatchMode,
+    _sac_storage_key,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import ActivationCheckpoint
@@ -137,6 +144,9 @@ class ACFacts:
             not the refusals of what only fails inside torch's compiler.
         compile_backend, capture_scalar_outputs: `[compile]`'s.
         flex_attention: attention runs flex_attention.
+        split_backward: a pipeline schedule runs each stage's backward in two passes, input
+            gradients then weight gradients (the zero-bubble schedules); both passes recompute,
+            so SAC keeps what it saved for the second (see `_KeptSACCache`).
         tensor_parallel, expert_parallel: the degrees.
         has_moe: some block has an MoE.
         save_list: the ops whose outputs op-SAC saves (the model's own list).
@@ -149,6 +159,7 @@ class ACFacts:
     compile_backend: str = "inductor"
     capture_scalar_outputs: bool = False
     flex_attention: bool = False
+    split_backward: bool = False
     tensor_parallel: int = 1
     expert_parallel: int = 1
     has_moe: bool = False
@@ -190,8 +201,10 @@ class ACPlan:
         torch._functorch.config.activation_memory_budget = 1.0
         blocks = list(model.layers.named_children())
         self._block_count = len(blocks)
-        for index, (name, block) in enumerate(blocks):
-            wrapped, kind = self.wrap_block(index, block, model)
+        for name, block in blocks:
+            # The block's index in the whole model (its key), so that a pipeline stage, holding
+            # some of the blocks, wraps the ones one process would.
+            wrapped, kind = self.wrap_block(int(name), block, model)
             if kind is not None:
                 model.layers.register_module(name, wrapped)
                 self._wrapped[kind].append(name)
@@ -266,7 +279,8 @@ class FullAC(ACPlan):
             return self._checkpoint(block), kind
         replay = self.config.full_ac_all_to_all == "replay"
         skip = replay and self._skips_all_to_all_inputs(block)
-        context_fn = _selective_context_fn(lambda: _full_ac_moe_policy(replay), skip)
+        policy = lambda: _full_ac_moe_policy(replay)  # noqa: E731
+        context_fn = _selective_context_fn(policy, skip, keep=self.facts.split_backward)
         kind += f" (MoE: routing saved, all-to-alls {self.config.full_ac_all_to_all})"
         return self._checkpoint(block, context_fn), kind
 
@@ -290,7 +304,9 @@ class OpSAC(ACPlan):
 
     def wrap_block(self, index, block, model):
         roles = _LinearRoles.of_block(block, self.forced, track_end=self.config.early_stop)
-        context_fn = op_sac_context_fn(self.facts.save_list, roles, self._skips_all_to_all_inputs(block))
+        context_fn = op_sac_context_fn(
+            self.facts.save_list, roles, self._skips_all_to_all_inputs(block), keep=self.facts.split_backward
+        )
         sac = lambda m: self._checkpoint(m, context_fn)  # noqa: E731
         if self.facts.flex_attention and not self.facts.compile_enabled:
             _warn_once(
@@ -676,30 +692,55 @@ def full_ac_moe_context_fn(replay_all_to_all: bool, skip_all_to_all_inputs: bool
 
 
 def op_sac_context_fn(
-    save_ops: frozenset, roles: _LinearRoles | None = None, skip_all_to_all_inputs: bool = False
+    save_ops: frozenset,
+    roles: _LinearRoles | None = None,
+    skip_all_to_all_inputs: bool = False,
+    keep: bool = False,
 ):
     """A `context_fn` for op-SAC; each checkpointed call gets fresh matmul counters, shared
     by its forward and its recompute so that both make the same choices. `roles` tells the
     block's forced Linears (always recomputed) and its end Linears: the reduce-scatter right
     after one of their matmuls is not saved, which holds only under `early_stop` (that never
     recomputes it). `skip_all_to_all_inputs` (only when `save_ops` holds the all-to-all): see
-    `all_to_all_input`."""
+    `all_to_all_input`. `keep`: see `_KeptSACCache`."""
 
     def new_policy():
         return _op_sac_policy(save_ops, roles, defaultdict(int))
 
     skip = skip_all_to_all_inputs and _c10d.all_to_all_single.default in save_ops
-    return _selective_context_fn(new_policy, skip)
+    return _selective_context_fn(new_policy, skip, keep)
 
 
-def _selective_context_fn(new_policy, skip_all_to_all_inputs: bool):
+def _selective_context_fn(new_policy, skip_all_to_all_inputs: bool, keep: bool = False):
     def context_fn():
         forward, recompute = create_selective_checkpoint_contexts(new_policy())
+        if keep:
+            recompute = _KeptSACCache(None, forward.storage, recompute.allow_cache_entry_mutation)
         if skip_all_to_all_inputs:
             recompute = _skipping_all_to_all_inputs(recompute)
         return forward, recompute
 
     return context_fn
+
+
+class _KeptSACCache(_CachedTorchDispatchMode):
+    """The recompute side of SAC, reading the saved outputs without using them up.
+
+    Why: torch's cache hands each saved output out once, and refuses a second recompute of the
+    region ("Trying to backward an extra time"). A zero-bubble pipeline schedule runs a stage's
+    backward in two passes (input gradients, then weight gradients), and each pass recomputes
+    the checkpointed region. Kept, the saved outputs live until the region's graph is freed,
+    after the weight-gradient pass: what that schedule holds anyway.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        entries = self.storage.get(_sac_storage_key(func, args))
+        index = self.func_counter[_sac_storage_key(func, args)]
+        kept = entries.get(index) if entries else None
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if kept is not None and entries.get(index) is _SAC_CONSUMED:
+            entries[index] = kept
+        return out
 
 
 # ----- the recompute that skips the all-to-all's input ----------------------------------------

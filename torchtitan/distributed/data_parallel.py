@@ -48,7 +48,8 @@ def apply_fsdp(
 ) -> None:
     """Shard `model` in place: the embedding and each block of `model.layers` are FSDP units,
     the rest (final norm, output) the root. With tied embeddings (no `model.output`) the
-    embedding is the output projection too, and stays in the root.
+    embedding is the output projection too, and stays in the root. A pipeline stage's model
+    may lack any of these parts; each stage is a root of its own.
 
     `experts` (the expert-parallel `GroupedExperts`, already split over "ep") become FSDP units
     of their own over `parallel_dims.expert_dp_mesh()`. When no other rank holds the same
@@ -84,7 +85,7 @@ def apply_fsdp(
     elif experts:
         # Every unit needs them: the root would otherwise take the blocks' ignored ones.
         kwargs["ignored_params"] = {p for module in experts for p in module.parameters()}
-    if getattr(model, "output", None) is not None:
+    if model.tok_embeddings is not None and model.output is not None:
         # Its own unit, freed after its forward: in the root it stayed gathered through the
         # whole step, at the peak too (1 GiB per rank for Llama 3 8B in bf16).
         fully_shard(model.tok_embeddings, reshard_after_forward=reshard_blocks, **kwargs)

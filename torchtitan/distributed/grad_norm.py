@@ -6,16 +6,17 @@ from torch.distributed.tensor import DTensor, Replicate
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     """Clip gradients by their global 2-norm and return the norm before clipping.
 
     The norm is `GradSquareSums`' (float64, the true global one whatever the layout, expert
-    parallelism included). `max_norm <= 0` only measures.
+    parallelism included). `max_norm <= 0` only measures. `pp_group`: under pipeline
+    parallelism, the pipeline's ranks, whose stages' squares are summed too.
     """
     params = [p for p in parameters if p.grad is not None]
     squares = GradSquareSums()
     squares.add(params)
-    norm = squares.global_norm().float()
+    norm = squares.global_norm(pp_group).float()
     if max_norm > 0:
         # clip_grads_with_norm_ takes the parameters and scales their .grad; EP parameters live
         # on another mesh (or none), so each kind gets its own foreach call.
@@ -67,13 +68,20 @@ class GradSquareSums:
             square = norms[0].square() if len(norms) == 1 else torch.stack(norms).square().sum()
             self._by_layout[key] = self._by_layout[key] + square if key in self._by_layout else square
 
-    def global_norm(self) -> torch.Tensor:
-        """The global 2-norm of everything added, as a float64 tensor (0 for nothing); resets."""
+    def global_norm(self, across=None) -> torch.Tensor:
+        """The global 2-norm of everything added, as a float64 tensor (0 for nothing); resets.
+
+        `across`: a process group whose ranks added different parameters (pipeline stages);
+        their sums are added up too. Pitfall: the device is that of the first gradient added,
+        so every rank of `across` must add some.
+        """
         total = torch.zeros((), dtype=torch.float64, device=self._device)
         for groups, square in self._by_layout.items():
             for group in groups:
                 dist.all_reduce(square, group=group)
             total = total + square.to(total.device)
+        if across is not None:
+            dist.all_reduce(total, group=across)
         self._by_layout, self._device = {}, None
         return total.sqrt()
 

@@ -22,7 +22,8 @@ class ParallelDims:
 
     `dp_shard = -1` takes the ranks left over after the other degrees. The mesh always has
     the dims ("dp_replicate", "dp_shard", "tp"), some of size 1, plus the flattened "dp"
-    (replicate x shard: ranks that see different data).
+    (replicate x shard: ranks that see different data). Pipeline parallelism (`pp > 1`) adds
+    an outermost "pp" dim; the other dims then describe the ranks of one stage.
 
     Expert parallelism (`ep > 1`) borrows its ranks from dp_shard, as torchtitan does: dp_shard
     is then the flattening of ("dp_shard_mod_ep", "ep"). Experts are split over "ep" and
@@ -46,25 +47,27 @@ class ParallelDims:
     world_size: int
     ep: int = 1
     etp: int = 1
+    pp: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False)
     # Flattened and combined meshes, kept here because slicing them out of the root mesh by
     # name is deprecated (and warns) since torch 2.11.
     _derived: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        pp = f"pipeline_parallel_degree {self.pp} x " if self.pp > 1 else ""
         if self.dp_shard == -1:
-            others = self.dp_replicate * self.tp
+            others = self.pp * self.dp_replicate * self.tp
             if self.world_size % others:
                 raise ConfigError(
-                    f"data_parallel_replicate_degree {self.dp_replicate} x tensor_parallel_degree "
+                    f"{pp}data_parallel_replicate_degree {self.dp_replicate} x tensor_parallel_degree "
                     f"{self.tp} = {others} does not divide the world size {self.world_size}; "
                     "choose degrees whose product divides the number of processes."
                 )
             self.dp_shard = self.world_size // others
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
             raise ConfigError(
-                f"parallel degrees multiply to {product} (data_parallel_replicate_degree "
+                f"parallel degrees multiply to {product} ({pp}data_parallel_replicate_degree "
                 f"{self.dp_replicate} x data_parallel_shard_degree {self.dp_shard} x "
                 f"tensor_parallel_degree {self.tp}) but the world size is {self.world_size}; make "
                 "the product equal the number of processes, or set data_parallel_shard_degree = -1."
@@ -92,6 +95,7 @@ class ParallelDims:
             world_size,
             ep=p.expert_parallel_degree,
             etp=p.expert_tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree,
         )
 
     @property
@@ -107,6 +111,10 @@ class ParallelDims:
     def ddp_enabled(self) -> bool:
         """Pure replication: replicas but no sharding."""
         return self.dp_replicate > 1 and self.dp_shard == 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -152,7 +160,7 @@ class ParallelDims:
             in_ep = self.ep_from_dp_shard
             shape = (self.dp_replicate, self.dp_shard // in_ep, in_ep, self.tp)
             names = EP_OVER_TP_MESH_DIMS if self.ep_borrows_tp else EP_MESH_DIMS
-            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            mesh = self._init_mesh(device_type, shape, names)
             dp_shard = mesh["dp_shard_mod_ep", names[2]]._flatten("dp_shard")
             self._derived["dp_shard"] = dp_shard
             self._derived["dp"] = mesh["dp_replicate", "dp_shard_mod_ep", names[2]]._flatten("dp")
@@ -163,11 +171,18 @@ class ParallelDims:
                 self._derived["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], dp_shard])
         else:
             shape = (self.dp_replicate, self.dp_shard, self.tp)
-            mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+            mesh = self._init_mesh(device_type, shape, MESH_DIMS)
             self._derived["dp"] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
             self._derived["hsdp"] = mesh["dp_replicate", "dp_shard"]
         self._mesh = mesh
         return mesh
+
+    def _init_mesh(self, device_type: str, shape: tuple, names: tuple) -> DeviceMesh:
+        """The root mesh; under pipeline parallelism "pp" is its outermost dim, so that the
+        ranks of one stage are neighbours (the links FSDP and TP use most)."""
+        if self.pp_enabled:
+            shape, names = (self.pp, *shape), ("pp", *names)
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
     def mesh_group_names(self) -> list[str]:
         """The names `submesh` takes that name a 1-D group of this layout."""
@@ -202,6 +217,10 @@ class ParallelDims:
     def dp_group(self):
         """The process group of ranks that see different data; None for one process."""
         return None if self._mesh is None else self.submesh("dp").get_group()
+
+    def pp_rank(self) -> int:
+        """This rank's index along the pipeline (0 without pipeline parallelism)."""
+        return self.submesh("pp").get_local_rank() if self.pp_enabled else 0
 
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (0 without a mesh)."""

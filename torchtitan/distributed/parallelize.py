@@ -17,6 +17,7 @@ from torchtitan.distributed.activation_checkpoint import ACFacts, plan_activatio
 from torchtitan.distributed.data_parallel import apply_data_parallel
 from torchtitan.distributed.expert_parallel import apply_expert_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_parallel import splits_backward
 from torchtitan.distributed.tensor_parallel import (
     check_tp_divisibility,
     loss_parallel_enabled,
@@ -108,6 +109,7 @@ def _ac_facts(model, parallel_dims, job_config, save_list, use_flex_attn, wrap_a
         compile_backend=job_config.compile.backend,
         capture_scalar_outputs=job_config.compile.capture_scalar_outputs,
         flex_attention=use_flex_attn,
+        split_backward=splits_backward(job_config),
         tensor_parallel=parallel_dims.tp,
         expert_parallel=job_config.parallelism.expert_parallel_degree,
         has_moe=any(block.is_moe for block in model.layers.children()),

@@ -1,5 +1,7 @@
 """Parameter initialization that gives the same weights in every parallel layout."""
 
+import contextlib
+
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -27,3 +29,25 @@ def init_param_(param: torch.Tensor, fill_) -> None:
     if isinstance(param, DTensor):
         full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
     local.copy_(full)
+
+
+@contextlib.contextmanager
+def part_rng(index: int, device: torch.device):
+    """Draw from a stream of its own: the global RNG reseeded with the run's seed + `index`,
+    then restored on exit.
+
+    Models initialize each part (embedding, block, head) under its own index, so that a part's
+    weights do not depend on which other parts a process holds: a pipeline stage, holding a
+    few blocks, draws what the whole model draws for them.
+
+    Args:
+        index: the part's number, fixed by the model (e.g. 1 + block index).
+        device: where the parameters are drawn (its generator is forked with the CPU's).
+    """
+    if device.type == "cpu":
+        devices = []  # the CPU generator is always forked
+    else:
+        devices = [torch.get_device_module(device).current_device() if device.index is None else device.index]
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        torch.manual_seed(torch.initial_seed() + index)
+        yield

@@ -231,21 +231,22 @@ def apply_tp_to_ends(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool)
     (block 0, the loss) next. An un-waited collective's output that enters a compiled region
     breaks its backward (pytorch/pytorch#180614, #179506), or is read before it has arrived.
     """
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(
-                input_layouts=Shard(1),
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            ),
-        },
-    )
-    model.tok_embeddings.register_forward_hook(_wait_for_collective)
-    model.output.register_forward_hook(_wait_for_collective)
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    # A pipeline stage holds some of the ends, or none.
+    present = {name: style for name, style in plan.items() if getattr(model, name) is not None}
+    if present:
+        parallelize_module(model, tp_mesh, present)
+    for name in ("tok_embeddings", "output"):
+        if name in present:
+            getattr(model, name).register_forward_hook(_wait_for_collective)
 
 
 def _wait_for_collective(_module, _inputs, out):

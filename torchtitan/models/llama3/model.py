@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torchtitan.distributed.param_init import init_param_
+from torchtitan.distributed.param_init import init_param_, part_rng
 from torchtitan.models.attention import AttentionMasks, build_attention
 from torchtitan.models.layers import DecoderBlock, FeedForward, RMSNorm, depth_scaled_std, trunc_normal
 from torchtitan.models.llama3.args import TransformerModelArgs
@@ -76,26 +76,45 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Fill every parameter and buffer in place (after `to_empty`), same for any layout."""
+        """Fill every parameter and buffer in place (after `to_empty`), same for any layout.
+
+        Each part (the embedding, each block, the output projection) draws from its own
+        stream of the global seed (`part_rng`), so a pipeline stage that holds some of the
+        parts gets the weights the whole model has.
+        """
         rope_cache = self._rope_cache()
         self.rope_cache = rope_cache.to(buffer_device or self.rope_cache.device)
-        if self.output is None:
-            # Tied logits reuse the embedding, so it takes the output projection's scale.
-            init_param_(self.tok_embeddings.weight, trunc_normal(self.args.dim**-0.5))
-        else:
-            init_param_(self.tok_embeddings.weight, nn.init.normal_)
-        for block in self.layers.values():
-            block.init_weights()
-        init_param_(self.norm.weight, nn.init.ones_)
+        device = next(self.parameters()).device
+        if self.tok_embeddings is not None:
+            with part_rng(0, device):
+                if self.args.tie_word_embeddings:
+                    # Tied logits reuse the embedding, so it takes the output projection's scale.
+                    init_param_(self.tok_embeddings.weight, trunc_normal(self.args.dim**-0.5))
+                else:
+                    init_param_(self.tok_embeddings.weight, nn.init.normal_)
+        for layer_id, block in self.layers.items():
+            with part_rng(1 + int(layer_id), device):
+                block.init_weights()
+        if self.norm is not None:
+            init_param_(self.norm.weight, nn.init.ones_)
         if self.output is not None:
-            init_param_(self.output.weight, trunc_normal(self.args.dim**-0.5))
+            with part_rng(1 + self.args.n_layers, device):
+                init_param_(self.output.weight, trunc_normal(self.args.dim**-0.5))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of `tokens` ([batch, seq] ids).
+
+        A pipeline stage holds some of the parts (see `pipeline_parallel.prune_to_stage`): one
+        without the embedding takes the previous stage's hidden states instead of ids, one
+        without the final norm returns its hidden states.
+        """
         # Once per batch, not per layer: block_causal's mask depends on where this batch's EOS are.
         masks = self.args.build_layer_masks(tokens)
-        h = self.tok_embeddings(tokens)
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer_id, block in self.layers.items():
             h = block(h, self.rope_cache, masks[int(layer_id)])
+        if self.norm is None:
+            return h
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)

@@ -1,0 +1,388 @@
+"""Pipeline parallelism on `torch.distributed.pipelining`: the split of a decoder into stages,
+the stages this rank holds, and the schedule that runs them.
+
+A decoder is split by module name: the embedding, the blocks (`layers.N`), and the final norm
+with the output head. Every model family shares `split_module_names`; a stage is a pruned
+copy of the meta model (`prune_to_stage`), so each rank materializes only its own stages.
+"""
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    ScheduleDualPipeV,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+    _PipelineScheduleRuntime,
+    get_schedule_class,
+)
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.tensor_helpers import plain_tensor
+
+KEY = "parallelism.pipeline_parallel_schedule"
+EMBEDDING, HEAD = ["tok_embeddings"], ["norm", "output"]
+SPLIT_BACKWARD_SCHEDULES = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)
+
+
+def schedule_class(name: str) -> type:
+    """The torch schedule named `name` (case-insensitive).
+
+    Raises:
+        ConfigError: for a name torch does not provide.
+    """
+    try:
+        return get_schedule_class(name)
+    except ValueError:
+        choices = "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV"
+        raise ConfigError(f"'{KEY}' = '{name}' is not a schedule; use one of {choices}.") from None
+
+
+def is_v_schedule(cls: type) -> bool:
+    """Whether `cls` places a rank's two stages at both ends of a V (rank r: r and 2pp-1-r)."""
+    return issubclass(cls, (ScheduleZBVZeroBubble, ScheduleDualPipeV))
+
+
+def splits_backward(job_config: JobConfig) -> bool:
+    """Whether the run's pipeline schedule computes a stage's input and weight gradients in two
+    backward passes: the zero-bubble schedules, and a CSV schedule (which may)."""
+    p = job_config.parallelism
+    if p.pipeline_parallel_degree == 1:
+        return False
+    if p.pipeline_parallel_schedule_csv:
+        return True
+    return issubclass(schedule_class(p.pipeline_parallel_schedule), SPLIT_BACKWARD_SCHEDULES)
+
+
+def split_module_names(
+    n_layers: int, num_stages: int, first_stage_less_layers: int, last_stage_less_layers: int
+) -> list[list[str]]:
+    """The module names of each of `num_stages` stages, blocks spread as evenly as possible.
+
+    The embedding counts as `first_stage_less_layers` blocks and the norm with the head as
+    `last_stage_less_layers`, so the first and last stages hold that many fewer blocks. A
+    remainder goes to the middle stages first.
+
+    Raises:
+        ConfigError: when a stage would hold nothing at all.
+    """
+    units = n_layers + first_stage_less_layers + last_stage_less_layers
+    base, extra = divmod(units, num_stages)
+    middle_first = list(range(1, num_stages - 1)) + [0, num_stages - 1]
+    sizes = [base] * num_stages
+    for stage in middle_first[:extra]:
+        sizes[stage] += 1
+    sizes[0] -= first_stage_less_layers
+    sizes[-1] -= last_stage_less_layers
+    if min(sizes) < 0 or (num_stages > 1 and min(sizes[1:-1], default=1) < 1):
+        raise ConfigError(
+            f"{n_layers} blocks cannot fill {num_stages} pipeline stages (the embedding counting as "
+            f"{first_stage_less_layers} and the head as {last_stage_less_layers}): a stage would hold no "
+            "block; use fewer stages (parallelism.pipeline_parallel_layers_per_stage, _degree) or "
+            "lower pipeline_parallel_first/last_stage_less_layers."
+        )
+    names, layer = [], 0
+    for stage, size in enumerate(sizes):
+        blocks = [f"layers.{i}" for i in range(layer, layer + size)]
+        layer += size
+        names.append((EMBEDDING if stage == 0 else []) + blocks + (HEAD if stage == num_stages - 1 else []))
+    return names
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Which modules each stage holds and which stages this rank runs.
+
+    Built from `[parallelism]` by `PipelinePlan.from_config`; every rank builds the same plan.
+    """
+
+    schedule: type
+    modules_per_stage: list[list[str]]
+    stage_ids: tuple[int, ...]  # this rank's stages, in the order the schedule takes them
+    n_microbatches: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.modules_per_stage)
+
+    @property
+    def single_stage(self) -> bool:
+        return issubclass(self.schedule, PipelineScheduleSingle)
+
+    @classmethod
+    def from_config(cls, job_config: JobConfig, n_layers: int, pp: int, pp_rank: int) -> "PipelinePlan":
+        """The plan of rank `pp_rank` of `pp` for a model of `n_layers` blocks.
+
+        Raises:
+            ConfigError: naming the key to change, for a schedule torch does not have, a
+                microbatch size that does not divide the local batch, stage counts the schedule
+                cannot run, a stage with nothing in it, or module names that do not cover the
+                model exactly once.
+        """
+        p = job_config.parallelism
+        cls_ = schedule_class(p.pipeline_parallel_schedule)
+        single = issubclass(cls_, PipelineScheduleSingle)
+        if p.pipeline_parallel_schedule_csv:
+            cls_ = _PipelineScheduleRuntime
+        modules = cls._modules_per_stage(p, n_layers, pp, single)
+        num_stages = len(modules)
+        _check_stage_count(p.pipeline_parallel_schedule, cls_, single, num_stages, pp)
+        if is_v_schedule(cls_):
+            stage_ids = (pp_rank, 2 * pp - 1 - pp_rank)
+        else:
+            stage_ids = tuple(range(pp_rank, num_stages, pp))
+        return cls(cls_, modules, stage_ids, _microbatches(job_config))
+
+    @staticmethod
+    def _modules_per_stage(p, n_layers: int, pp: int, single: bool) -> list[list[str]]:
+        if p.module_fqns_per_model_part:
+            return _checked_module_names(p.module_fqns_per_model_part, n_layers)
+        first, last = p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
+        if p.pipeline_parallel_layers_per_stage:
+            units = n_layers + first + last
+            num_stages = math.ceil(units / p.pipeline_parallel_layers_per_stage)
+        else:
+            num_stages = pp if single else 2 * pp
+        return split_module_names(n_layers, num_stages, first, last)
+
+    def build_stage_models(self, whole: nn.Module) -> list[nn.Module]:
+        """One pruned deep copy of `whole` (on the meta device) per stage of this rank."""
+        return [prune_to_stage(copy.deepcopy(whole), self.modules_per_stage[s]) for s in self.stage_ids]
+
+
+def _check_stage_count(name: str, cls_: type, single: bool, num_stages: int, pp: int) -> None:
+    per_rank, rest = divmod(num_stages, pp)
+    if rest:
+        raise ConfigError(
+            f"{num_stages} pipeline stages do not divide over parallelism.pipeline_parallel_degree {pp}; "
+            "choose parallelism.pipeline_parallel_layers_per_stage (or module_fqns_per_model_part) so "
+            "that the number of stages is a multiple of the degree."
+        )
+    if single and per_rank != 1:
+        raise ConfigError(
+            f"'{KEY}' = '{name}' runs one stage per rank, but the split makes {per_rank}; use a "
+            "multi-stage schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, "
+            "DualPipeV) or make as many stages as pipeline_parallel_degree."
+        )
+    if not single and per_rank < 2:
+        raise ConfigError(
+            f"'{KEY}' = '{name}' runs several stages per rank, but the split makes {per_rank}; lower "
+            "parallelism.pipeline_parallel_layers_per_stage, or use 1F1B or GPipe."
+        )
+    if is_v_schedule(cls_) and per_rank != 2:
+        raise ConfigError(
+            f"'{KEY}' = '{name}' is a V schedule and needs exactly 2 stages per rank, but the split "
+            f"makes {per_rank}; set parallelism.pipeline_parallel_layers_per_stage so that there are "
+            f"{2 * pp} stages."
+        )
+
+
+def _microbatches(job_config: JobConfig) -> int:
+    local = job_config.training.local_batch_size
+    size = job_config.parallelism.pipeline_parallel_microbatch_size
+    if local % size:
+        raise ConfigError(
+            f"'parallelism.pipeline_parallel_microbatch_size' = {size} does not divide "
+            f"'training.local_batch_size' = {local}; choose a divisor of the local batch."
+        )
+    return local // size
+
+
+def _checked_module_names(parts: list[list[str]], n_layers: int) -> list[list[str]]:
+    known = EMBEDDING + [f"layers.{i}" for i in range(n_layers)] + HEAD
+    named = [name for part in parts for name in part]
+    problems = [f"'{n}' is not a module of the model" for n in named if n not in known]
+    problems += [f"'{n}' is in more than one stage" for n in set(named) if named.count(n) > 1]
+    problems += [f"'{n}' is in no stage" for n in known if n not in named]
+    problems += [f"stage {i} is empty" for i, part in enumerate(parts) if not part]
+    if problems:
+        raise ConfigError(
+            f"'parallelism.module_fqns_per_model_part': {'; '.join(problems)}; list each of "
+            f"tok_embeddings, layers.0 ... layers.{n_layers - 1}, norm and output in exactly one stage."
+        )
+    return [list(part) for part in parts]
+
+
+def prune_to_stage(model: nn.Module, module_names: list[str]) -> nn.Module:
+    """Remove from `model`, in place, every part not in `module_names`: blocks are deleted from
+    `model.layers` (the others keep their index as key), other top-level modules set to None.
+
+    The model's forward then runs just its stage (see the models' `forward`). Returns `model`.
+    """
+    keep = set(module_names)
+    for name, child in list(model.named_children()):
+        if name == "layers":
+            for key in list(child.keys()):
+                if f"layers.{key}" not in keep:
+                    del child[key]
+        elif name not in keep:
+            setattr(model, name, None)
+    return model
+
+
+def merged_model(stage_models: list[nn.Module]) -> nn.Module:
+    """One module over this rank's stages, with the whole model's parameter names: what the
+    optimizer, the checkpoint and the grad norm see. It holds the stages' own modules (shared,
+    not copied) and is never run; the schedule runs the stages."""
+    merged = nn.Module()
+    merged.layers = nn.ModuleDict()
+    for part in stage_models:
+        for name, child in part.named_children():
+            if name == "layers":
+                merged.layers.update(child)
+            elif child is not None:
+                merged.add_module(name, child)
+    return merged
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs one batch through all stages.
+
+    Args:
+        plan: the split (`PipelinePlan`).
+        stage_models: this rank's parallelized stage modules, in `plan.stage_ids` order.
+        loss_fn: `(output, labels) -> loss` of one microbatch; the schedule divides by
+            `scale` (microbatches x accumulation steps) so that the gradients are the mean's.
+        pp_group: the process group of the pipeline's ranks.
+        csv_path: a schedule CSV (`parallelism.pipeline_parallel_schedule_csv`), or "".
+    """
+
+    def __init__(self, plan: PipelinePlan, stage_models, loss_fn: Callable, pp_group, device,
+                 scale: int, csv_path: str = ""):  # fmt: skip
+        self.plan = plan
+        self.stages = [
+            PipelineStage(model, stage_id, plan.num_stages, device, group=pp_group)
+            for model, stage_id in zip(stage_models, plan.stage_ids)
+        ]
+        for model in stage_models:
+            _undo_buffer_changes_of_first_forward(model)
+        self.has_first_stage = 0 in plan.stage_ids
+        self.has_last_stage = plan.num_stages - 1 in plan.stage_ids
+        scaled = lambda output, labels: loss_fn(output, labels) / scale  # noqa: E731
+        stages = self.stages[0] if plan.single_stage and not csv_path else self.stages
+        try:
+            self.schedule = plan.schedule(stages, n_microbatches=plan.n_microbatches, loss_fn=scaled,
+                                          scale_grads=False)  # fmt: skip
+        except ValueError as e:  # torch's own rules, e.g. too few microbatches for the stages
+            raise ConfigError(
+                f"{KEY} '{plan.schedule.__name__}' with {plan.n_microbatches} microbatches "
+                f"(training.local_batch_size / parallelism.pipeline_parallel_microbatch_size) and "
+                f"{plan.num_stages} stages: {e}; change the microbatch count or the schedule."
+            ) from None
+        if csv_path:
+            self.schedule._load_csv(csv_path)
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one batch through every stage; returns this batch's scaled
+        loss on the last stage (a zero elsewhere), detached."""
+        losses: list[torch.Tensor] = []
+        target = labels if self.has_last_stage else None
+        if self.has_first_stage:
+            self.schedule.step(inputs, target=target, losses=losses)
+        else:
+            self.schedule.step(target=target, losses=losses)
+        if not losses:
+            return torch.zeros((), device=inputs.device)
+        return torch.stack([plain_tensor(loss.detach()) for loss in losses]).sum()
+
+
+def _undo_buffer_changes_of_first_forward(model: nn.Module) -> None:
+    """Restore `model`'s buffers after its first forward.
+
+    Why: at the first step torch's stage infers the shapes it will send by running one forward
+    and backward of the stage, on the first microbatch at the first stage and on uninitialized
+    tensors elsewhere. A forward that updates buffers (an MoE layer counting the tokens per
+    expert for load balancing) would count that run too, and the balancing would differ from
+    one process's.
+    """
+    saved = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    calls = []
+
+    def restore_before_the_second(module, _args):
+        # Not right after the first: its backward, still to run, may need buffers it read.
+        calls.append(None)
+        if len(calls) < 2:
+            return
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                buffer.copy_(saved[name])
+        saved.clear()
+        handle.remove()
+
+    handle = model.register_forward_pre_hook(restore_before_the_second)
+
+
+def check_pipeline_supported(job_config: JobConfig, model_args, ddp: bool) -> None:
+    """Refuse what pipeline parallelism does not run with yet.
+
+    Raises:
+        ConfigError: naming the key to change.
+    """
+    pp = job_config.parallelism.pipeline_parallel_degree
+    moe_args = getattr(model_args, "moe_args", None)
+    refusals = [
+        (model_args.tie_word_embeddings, "a flavor that ties its embeddings (the first and last stages "
+         "would share a weight)", "choose a flavor without tied embeddings"),
+        (model_args.attn_backend == "flex", "the flex attention backend (its masks are built from the "
+         "token ids, which only the first stage has)", "set model.attn_backend = 'sdpa'"),
+        (moe_args is not None and moe_args.seq_aux_loss_coeff > 0, "a sequence-level MoE balance loss "
+         "(each stage's would be left out of backward)", "use a flavor with seq_aux_loss_coeff = 0"),
+        (ddp, "DDP (data_parallel_replicate_degree > 1 with data_parallel_shard_degree 1)",
+         "shard instead: set data_parallel_shard_degree"),
+        (job_config.validation.enable, "validation.enable", "set validation.enable = false"),
+        (job_config.optimizer.early_step_in_backward, "optimizer.early_step_in_backward",
+         "set optimizer.early_step_in_backward = false"),
+        (job_config.checkpoint.initial_load_in_hf or job_config.checkpoint.last_save_in_hf,
+         "Hugging Face checkpoints (checkpoint.initial_load_in_hf, last_save_in_hf)",
+         "load or save DCP checkpoints, and convert them in one process"),
+    ]  # fmt: skip
+    for refused, what, fix in refusals:
+        if refused:
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_degree = {pp} does not run with {what} yet; {fix}, "
+                "or set pipeline_parallel_degree = 1."
+            )
+
+
+def build_stages(whole: nn.Module, job_config: JobConfig, model_args, parallel_dims, parallelize: Callable):
+    """Split `whole` (a meta model) into this rank's stages and `parallelize` each one.
+
+    Returns (the `PipelinePlan`, the parallelized stage modules in `plan.stage_ids` order).
+
+    Raises:
+        ConfigError: for a pipeline layout that cannot work (see `PipelinePlan.from_config`)
+            or a feature that does not run with it yet (`check_pipeline_supported`).
+    """
+    check_pipeline_supported(job_config, model_args, parallel_dims.ddp_enabled)
+    plan = PipelinePlan.from_config(
+        job_config, model_args.n_layers, parallel_dims.pp, parallel_dims.pp_rank()
+    )
+    return plan, [parallelize(part) for part in plan.build_stage_models(whole)]
+
+
+def describe_pipeline(plan: PipelinePlan, pp_rank: int) -> str:
+    """The startup log line: the schedule, the microbatches, and this rank's stages with their
+    modules, e.g. "Pipeline: Schedule1F1B, 4 microbatches, 2 stages; rank 0 runs stage 0
+    (tok_embeddings, layers.0-2)"."""
+    held = "; ".join(f"stage {s} ({_compact(plan.modules_per_stage[s])})" for s in plan.stage_ids)
+    return (
+        f"Pipeline: {plan.schedule.__name__}, {plan.n_microbatches} microbatches, {plan.num_stages} "
+        f"stages; pipeline rank {pp_rank} runs {held}"
+    )
+
+
+def _compact(names: list[str]) -> str:
+    blocks = [int(n.split(".")[1]) for n in names if n.startswith("layers.")]
+    others = [n for n in names if not n.startswith("layers.")]
+    span = []
+    if blocks:
+        span = [f"layers.{blocks[0]}" + (f"-{blocks[-1]}" if len(blocks) > 1 else "")]
+    head = [n for n in others if n in EMBEDDING] + span + [n for n in others if n not in EMBEDDING]
+    return ", ".join(head)
