@@ -105,6 +105,7 @@ class Trainer:
 
         self.loss_fn = self.spec.build_loss_fn(cfg)
         self.pipeline: Pipeline | None = None
+        self.whole_model_shapes = None  # under PP, where this rank's model is a part of it
         self.model = self._build_model()
         self.optimizer = self.spec.build_optimizer_fn(self.model, cfg, self.device)
         self.lr_scheduler = self.spec.build_lr_scheduler_fn(self.optimizer, cfg)
@@ -126,7 +127,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg, self.model, self.optimizer, self.lr_scheduler, self.dataloader, dp_rank=dp_rank,
             dp_degree=dp_degree, device=self.device,
-            hf_adapter=self._hf_adapter(),
+            hf_adapter=self._hf_adapter(), whole_model_shapes=self.whole_model_shapes,
         )  # fmt: skip
         # Tensor-parallel ranks share their batch, and pipeline stages split its layers, so
         # each device does 1/(tp x pp) of its work.
@@ -204,6 +205,7 @@ class Trainer:
         """Split `whole` (on the meta device) into this rank's stages, parallelize each, and build
         the schedule; returns the module over all of this rank's stages (`merged_model`)."""
         cfg, dims = self.job_config, self.parallel_dims
+        self.whole_model_shapes = {name: t.shape for name, t in whole.state_dict().items()}
         plan, self.model_parts = build_stages(whole, cfg, self.model_args, dims, self._parallelize)
         scale = plan.n_microbatches * self.accum_steps
         pp_group = dims.submesh("pp").get_group()

@@ -29,6 +29,8 @@ LAYOUTS = {
     "1 process": (1, []),
     "FSDP 2": (2, []),
     "FSDP 2 x TP 2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
+    "PP 2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    "PP 2 x FSDP 2": (4, ["--parallelism.pipeline_parallel_degree", "2"]),
 }
 
 
@@ -43,7 +45,8 @@ def _train(folder, layout="1 process", extra=(), env=None, expect=0):
 
 def _dp(layout: str) -> int:
     nproc, argv = LAYOUTS[layout]
-    return nproc // (2 if "--parallelism.tensor_parallel_degree" in argv else 1)
+    split = ("--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree")
+    return nproc // 2 ** sum(key in argv for key in split)
 
 
 def _losses(folder) -> dict[int, float]:
@@ -75,6 +78,13 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def saved_by_pp2_x_fsdp2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pp2_fsdp2")
+    _train(folder, "PP 2 x FSDP 2")
+    return folder
+
+
+@pytest.fixture(scope="module")
 def saved_by_fsdp2_x_tp2(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fsdp2_tp2")
     _train(folder, "FSDP 2 x TP 2")
@@ -94,14 +104,18 @@ PINNED = ["--checkpoint.async_mode", "async_with_pinned_mem"]
      ("FSDP 2", PINNED),
      pytest.param("FSDP 2 x TP 2", [], marks=pytest.mark.full_matrix),
      pytest.param("FSDP 2 x TP 2", ASYNC, marks=pytest.mark.full_matrix),
-     pytest.param("FSDP 2 x TP 2", PINNED, marks=pytest.mark.full_matrix)],
+     pytest.param("FSDP 2 x TP 2", PINNED, marks=pytest.mark.full_matrix),
+     ("PP 2 x FSDP 2", [])],
     ids=["1 process", "1 process, async", "FSDP 2, async_with_pinned_mem", "FSDP 2 x TP 2",
-         "FSDP 2 x TP 2, async", "FSDP 2 x TP 2, async_with_pinned_mem"],
+         "FSDP 2 x TP 2, async", "FSDP 2 x TP 2, async_with_pinned_mem", "PP 2 x FSDP 2"],
 )  # fmt: skip
 def test_resume_from_step_5_repeats_steps_6_to_10_bit_for_bit(
-    layout, extra, uninterrupted, saved_by_fsdp2_x_tp2, tmp_path
+    layout, extra, uninterrupted, request, tmp_path
 ):
-    reused = {("1 process", ()): uninterrupted, ("FSDP 2 x TP 2", ()): saved_by_fsdp2_x_tp2}
+    reused = {("1 process", ()): uninterrupted}
+    fixtures = {"FSDP 2 x TP 2": "saved_by_fsdp2_x_tp2", "PP 2 x FSDP 2": "saved_by_pp2_x_fsdp2"}
+    if layout in fixtures and not extra:
+        reused[(layout, ())] = request.getfixturevalue(fixtures[layout])
     full = reused.get((layout, tuple(extra)))
     if full is None:
         full = tmp_path / "full"
@@ -136,6 +150,29 @@ def test_a_stream_read_by_loader_workers_resumes_from_step_5_bit_for_bit(tmp_pat
     resumed, original = _losses(tmp_path / "resumed"), _losses(tmp_path / "full")
     assert sorted(resumed) == [6, 7, 8, 9, 10]
     assert all(resumed[s] == original[s] for s in resumed), (resumed, original)
+
+
+@pytest.mark.parametrize(
+    "target", ["1 process", pytest.param("PP 2", marks=pytest.mark.full_matrix)], ids=["1 process", "PP 2"]
+)
+def test_checkpoint_of_pp2_x_fsdp2_continues_in_another_layout_with_the_uninterrupted_losses(
+    target, saved_by_pp2_x_fsdp2, uninterrupted, tmp_path
+):
+    proc = _resume_from_step_5(saved_by_pp2_x_fsdp2, tmp_path, target)
+    assert "loaded model, optimizer, lr_scheduler, train_state, dataloader" in proc.stderr
+    got, want = _losses(tmp_path), _losses(uninterrupted)
+    assert sorted(got) == [6, 7, 8, 9, 10]
+    for step in got:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+
+
+@pytest.mark.full_matrix
+def test_a_checkpoint_of_one_process_continues_under_pp2_x_fsdp2(uninterrupted, tmp_path):
+    _resume_from_step_5(uninterrupted, tmp_path, "PP 2 x FSDP 2")
+    got, want = _losses(tmp_path), _losses(uninterrupted)
+    assert sorted(got) == [6, 7, 8, 9, 10]
+    for step in got:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
 
 
 @pytest.mark.parametrize("target", ["1 process", "FSDP 2"])

@@ -9,8 +9,10 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
     _PipelineScheduleRuntime,
 )
+from torch.utils.checkpoint import checkpoint
 
 from torchtitan.config import ConfigError, parse_args
+from torchtitan.distributed.activation_checkpoint import DEFAULT_SAVE_LIST, op_sac_context_fn
 from torchtitan.distributed.pipeline_parallel import (
     PipelinePlan,
     check_pipeline_supported,
@@ -193,3 +195,30 @@ def test_what_pipeline_parallelism_does_not_run_with_yet_is_refused(argv, what):
     args = get_train_spec("llama3").get_flavor("debugmodel").update_from_config(cfg)
     with pytest.raises(ConfigError, match=f"does not run with {what}.*or set pipeline_parallel_degree = 1"):
         check_pipeline_supported(cfg, args, ddp=False)
+
+
+def _split_backward_grads(keep: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input then weight gradients of a small MLP in two backward passes, as a zero-bubble
+    stage takes them; op-SAC (kept or not) around the MLP, or no AC (None)."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16, bias=False), nn.SiLU(), nn.Linear(16, 8, bias=False))
+    x = torch.randn(4, 8, requires_grad=True)
+    if keep is None:
+        out = mlp(x)
+    else:
+        context_fn = op_sac_context_fn(DEFAULT_SAVE_LIST, keep=keep)
+        out = checkpoint(mlp, x, use_reentrant=False, context_fn=context_fn)
+    loss = out.square().sum()
+    (input_grad,) = torch.autograd.grad(loss, x, retain_graph=True)
+    weight_grad = torch.autograd.grad(loss, mlp[0].weight)[0]
+    return input_grad, weight_grad
+
+
+def test_op_sac_that_keeps_its_cache_gives_the_split_backward_the_gradients_without_ac():
+    for got, want in zip(_split_backward_grads(keep=True), _split_backward_grads(keep=None)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_torchs_sac_cache_alone_refuses_the_second_backward_pass():
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        _split_backward_grads(keep=False)

@@ -131,6 +131,20 @@ def _is_moment(value) -> bool:
     return isinstance(value, torch.Tensor) and value.ndim > 0
 
 
+def with_own_params(loaded_groups: list[dict], own_groups: list[dict]) -> list[dict]:
+    """This rank's param groups (their parameter names) with the checkpoint's hyperparameters.
+
+    Why: DCP stores the optimizer's param groups once, as one rank saved them, with that rank's
+    parameter names. Where ranks hold different parameters (pipeline stages), or the saving
+    layout had other ranks, the stored names are not this rank's. The groups are built alike in
+    every layout, so group i's hyperparameters apply; where the counts differ (a stage without
+    experts has no expert group), this rank's own groups are kept.
+    """
+    if len(loaded_groups) != len(own_groups):
+        return own_groups
+    return [{**loaded, "params": own["params"]} for loaded, own in zip(loaded_groups, own_groups)]
+
+
 class CheckpointManager:
     """Saves and resumes the training state under `[checkpoint]`.
 
@@ -142,15 +156,19 @@ class CheckpointManager:
         device: the training device (its RNG state is saved).
         hf_adapter: the model's `StateDictAdapter` instance, for `initial_load_in_hf` and
             `last_save_in_hf`; None when the model has none.
+        whole_model_shapes: {state-dict key: shape} of the whole model, when `model` holds only
+            part of it (this rank's pipeline stages), so that a load checks the checkpoint
+            against the whole model; None: `model`'s own.
     """
 
     def __init__(self, job_config: JobConfig, model, optimizer, lr_scheduler, dataloader, *, dp_rank: int,
-                 dp_degree: int, device: torch.device, hf_adapter=None):  # fmt: skip
+                 dp_degree: int, device: torch.device, hf_adapter=None, whole_model_shapes=None):  # fmt: skip
         self.config = c = job_config.checkpoint
         self.job_config = job_config
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.dataloader, self.dp_rank, self.dp_degree = dataloader, dp_rank, dp_degree
         self.device, self.hf_adapter = device, hf_adapter
+        self.whole_model_shapes = whole_model_shapes
         self.folder = Path(job_config.job.dump_folder) / c.folder
         self.pending = None  # (future, partial folder, final folder) of an async save
         self.resumable_step: int | None = None  # the step of the last full checkpoint saved or loaded
@@ -503,11 +521,18 @@ class CheckpointManager:
         on_disk = self._on_disk(state)
         if "model" in on_disk:
             self._check_fits(folder, on_disk["model"], key)
+        # Copied: the load writes the stored groups into these dicts.
+        own_groups = [
+            dict(g, params=list(g["params"])) for g in state.get("optimizer", {}).get("param_groups", [])
+        ]
         load_from(folder, on_disk, key)
         if "model" in state:
             set_model_state_dict(self.model, state["model"])
         if "optimizer" in state:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+            groups = with_own_params(on_disk["optimizer"]["param_groups"], own_groups)
+            set_optimizer_state_dict(
+                self.model, self.optimizer, {**state["optimizer"], "param_groups": groups}
+            )
         if "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if "train_state" in state:
@@ -584,7 +609,8 @@ class CheckpointManager:
         """Raise ConfigError naming the tensors when the DCP checkpoint in `folder` does not hold
         this model (another model or flavor), instead of DCP's traceback."""
         stored = saved_shapes(folder, "model", key)
-        if mismatch := describe_mismatch({k: v.shape for k, v in model_on_disk.items()}, stored):
+        expected = self.whole_model_shapes or {k: v.shape for k, v in model_on_disk.items()}
+        if mismatch := describe_mismatch(expected, stored):
             raise ConfigError(
                 f"{key}: checkpoint {folder} was saved from another model ({mismatch}). Use the "
                 f"model.flavor it was saved with, or point {key} elsewhere."
