@@ -35,7 +35,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import wants_help
 from torchtitan.distributed.device import device_type
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import build_stages, merged_model
+from torchtitan.distributed.pipeline_parallel import Pipeline, build_stages, merged_model
 from torchtitan.models import get_train_spec
 from torchtitan.protocols.train_spec import import_custom_module
 from torchtitan.tools.dtypes import TORCH_DTYPES
@@ -72,7 +72,11 @@ def build_parallelized_model(
     if not parallel_dims.pp_enabled:
         return parallelize(model)
     # Rank 0's stages; the split itself, checked here, is the same on every rank.
-    _, stages = build_stages(model, cfg, model_args, parallel_dims, parallelize)
+    plan, stages = build_stages(model, cfg, model_args, parallel_dims, parallelize)
+    # The schedule checks its microbatch count against the stages when it is built.
+    Pipeline(
+        plan, stages, loss_fn=None, pp_group=parallel_dims.submesh("pp").get_group(), device=device, scale=1
+    )
     return merged_model(stages)
 
 

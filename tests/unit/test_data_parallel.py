@@ -77,3 +77,11 @@ def test_cpu_offload_under_early_step_in_backward_before_torch_2_13_copies_gradi
 def test_cpu_offload_pins_memory_where_no_hook_reads_gradients_early_or_torch_waits_for_the_copy():
     assert cpu_offload_policy(parse_args([], env={}), torch_version="2.11.0").pin_memory is True
     assert cpu_offload_policy(parse_args(EARLY_STEP, env={}), torch_version="2.13.0+cpu").pin_memory is True
+
+
+def test_default_resharding_frees_no_gathered_weights_under_pipeline_parallelism():
+    from torchtitan.distributed.data_parallel import _reshard_policy
+
+    assert _reshard_policy("default") == (True, False, False)
+    assert _reshard_policy("default", pipelined=True) == (False, False, False)
+    assert _reshard_policy("always", pipelined=True) == (True, True, True)

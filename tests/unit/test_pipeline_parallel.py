@@ -222,3 +222,12 @@ def test_op_sac_that_keeps_its_cache_gives_the_split_backward_the_gradients_with
 def test_torchs_sac_cache_alone_refuses_the_second_backward_pass():
     with pytest.raises(RuntimeError, match="backward an extra time"):
         _split_backward_grads(keep=False)
+
+
+def test_resharding_after_forward_under_a_split_backward_with_fsdp_is_refused():
+    argv = [_P + "pipeline_parallel_degree", "2", _P + "pipeline_parallel_schedule", "ZBVZeroBubble",
+            _P + "fsdp_reshard_after_forward", "always"]  # fmt: skip
+    cfg = parse_args(["--config", "debug_model.toml", *argv], env={})
+    args = get_train_spec("llama3").get_flavor("debugmodel").update_from_config(cfg)
+    with pytest.raises(ConfigError, match="wrong gradients.*set fsdp_reshard_after_forward = 'default'"):
+        check_pipeline_supported(cfg, args, ddp=False)

@@ -202,7 +202,9 @@ class Parallelism:
     data_parallel_replicate_degree: int = opt(1, "replicas (HSDP outer dim)", min=1)
     data_parallel_shard_degree: int = opt(-1, "FSDP shard degree; -1 = the ranks left over")
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = opt(
-        "default", "free gathered params after forward (default: all but the last block and the root)"
+        "default",
+        "free gathered params after forward (default: all but the last block and the root; none under "
+        "pipeline parallelism)",
     )
     tensor_parallel_degree: int = opt(1, "tensor parallel degree", min=1)
     disable_loss_parallel: bool = opt(False, "gather logits instead of vocab-parallel loss")

@@ -20,15 +20,19 @@ from torchtitan.tools.dtypes import TORCH_DTYPES
 logger = logging.getLogger(__name__)
 
 
-def _reshard_policy(setting: str) -> tuple[bool, bool, bool]:
+def _reshard_policy(setting: str, pipelined: bool = False) -> tuple[bool, bool, bool]:
     """(blocks, last block, root) reshard_after_forward for `parallelism.fsdp_reshard_after_forward`.
 
     "default" frees each block's gathered weights after its forward, except those of the last
     block and the root (norm, output): backward needs them first, so freeing them would only
     make FSDP gather them again at once. The embedding, which backward needs last, is freed as
-    a block is (see `apply_fsdp`).
+    a block is (see `apply_fsdp`). Under pipeline parallelism (`pipelined`) "default" frees
+    nothing, as torchtitan: a stage runs the forwards of several microbatches before their
+    backwards, and freeing would gather its weights again for each one.
     """
     policies = {"default": (True, False, False), "always": (True, True, True), "never": (False, False, False)}
+    if setting == "default" and pipelined:
+        return policies["never"]
     return policies[setting]
 
 
@@ -70,7 +74,7 @@ def apply_fsdp(
     if t.enable_cpu_offload:
         kwargs["offload_policy"] = cpu_offload_policy(job_config)
     policy = job_config.parallelism.fsdp_reshard_after_forward
-    reshard_blocks, reshard_last, reshard_root = _reshard_policy(policy)
+    reshard_blocks, reshard_last, reshard_root = _reshard_policy(policy, parallel_dims.pp_enabled)
     blocks = list(model.layers.values())
 
     def reshard(module: nn.Module) -> bool:

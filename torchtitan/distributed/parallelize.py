@@ -83,7 +83,9 @@ def parallelize_decoder(
         if not parallel_dims.ep_borrows_tp:
             shard_experts_over_tp(model, tp_mesh)
     experts = []
-    if job_config.parallelism.expert_parallel_degree > 1:
+    # A pipeline stage may hold only dense blocks (DeepSeek-V3's first ones): nothing to split.
+    has_moe = any(block.is_moe for block in model.layers.values())
+    if job_config.parallelism.expert_parallel_degree > 1 and (has_moe or not parallel_dims.pp_enabled):
         check_ep_supported(model, parallel_dims, job_config)
         experts = apply_expert_parallel(
             model,

@@ -272,9 +272,9 @@ class Pipeline:
                                           scale_grads=False)  # fmt: skip
         except ValueError as e:  # torch's own rules, e.g. too few microbatches for the stages
             raise ConfigError(
-                f"{KEY} '{plan.schedule.__name__}' with {plan.n_microbatches} microbatches "
+                f"{KEY} '{plan.schedule.__name__.removeprefix('Schedule')}' with {plan.n_microbatches} microbatches "
                 f"(training.local_batch_size / parallelism.pipeline_parallel_microbatch_size) and "
-                f"{plan.num_stages} stages: {e}; change the microbatch count or the schedule."
+                f"{plan.num_stages} stages: {str(e).rstrip('.')}; change the microbatch count or the schedule."
             ) from None
         if csv_path:
             self.schedule._load_csv(csv_path)
@@ -336,6 +336,11 @@ def check_pipeline_supported(job_config: JobConfig, model_args, ddp: bool) -> No
          "(each stage's would be left out of backward)", "use a flavor with seq_aux_loss_coeff = 0"),
         (ddp, "DDP (data_parallel_replicate_degree > 1 with data_parallel_shard_degree 1)",
          "shard instead: set data_parallel_shard_degree"),
+        (splits_backward(job_config) and job_config.parallelism.fsdp_reshard_after_forward == "always"
+         and job_config.parallelism.data_parallel_shard_degree != 1,
+         f"{KEY} '{job_config.parallelism.pipeline_parallel_schedule}' (a split backward) with "
+         "parallelism.fsdp_reshard_after_forward = 'always' (FSDP frees the weights that the weight-gradient "
+         "pass still reads: wrong gradients)", "set fsdp_reshard_after_forward = 'default' (never under PP)"),
         (job_config.validation.enable, "validation.enable", "set validation.enable = false"),
         (job_config.optimizer.early_step_in_backward, "optimizer.early_step_in_backward",
          "set optimizer.early_step_in_backward = false"),
