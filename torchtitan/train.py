@@ -49,7 +49,13 @@ from torchtitan.distributed.determinism import set_determinism
 from torchtitan.distributed.device import local_device
 from torchtitan.distributed.grad_norm import clip_grad_norm_
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import Pipeline, build_stages, describe_pipeline, merged_model
+from torchtitan.distributed.pipeline_parallel import (
+    Pipeline,
+    build_stages,
+    describe_pipeline,
+    largest_over_stages,
+    merged_model,
+)
 from torchtitan.distributed.process_exit import exit_skipping_interpreter_teardown, report_to_torchrun
 from torchtitan.distributed.process_group import init_distributed, set_collective_timeout
 from torchtitan.distributed.rank_agreement import agree_on_config_errors, mean_and_max_over_ranks
@@ -228,7 +234,7 @@ class Trainer:
         if not self.job_config.validation.enable:
             return None
         loader = build_validation_dataloader(self.job_config, self.tokenizer, dp_rank, dp_degree)
-        return Validator(loader, self.loss_fn, self.device, self.job_config.validation.steps)
+        return Validator(loader, self.loss_fn, self.device, self.job_config.validation.steps, self.pipeline)
 
     # ----- training -----------------------------------------------------------------------
 
@@ -311,6 +317,8 @@ class Trainer:
         steps_done = self.step - self.first_step + 1  # in this run: a resumed run starts later
         eta = (time.perf_counter() - started) / steps_done * steps_left
         extra = {name: value.item() for name, value in self.step_metrics.items()}
+        if self.pipeline is not None:
+            extra = largest_over_stages(extra, self.parallel_dims.submesh("pp").get_group())
         self.metrics.log(self.step, global_loss, norm, self.lr, eta, extra=extra, max_loss=max_loss)
 
     def _validates_at(self, step: int) -> bool:

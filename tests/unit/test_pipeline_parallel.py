@@ -186,8 +186,7 @@ def test_merged_module_shares_the_stages_parameters_rather_than_copying_them():
 
 @pytest.mark.parametrize(
     "argv, what",
-    [(["--validation.enable"], "validation.enable"),
-     (["--optimizer.early_step_in_backward", "--training.max_norm", "0"], "optimizer.early_step_in_backward"),
+    [(["--optimizer.early_step_in_backward", "--training.max_norm", "0"], "optimizer.early_step_in_backward"),
      (["--checkpoint.enable", "--checkpoint.last_save_in_hf"], "Hugging Face checkpoints")],
 )  # fmt: skip
 def test_what_pipeline_parallelism_does_not_run_with_yet_is_refused(argv, what):

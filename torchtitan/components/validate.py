@@ -15,11 +15,13 @@ class Validator:
         loss_fn: `(logits, labels) -> mean loss`.
         max_steps: batches per pass; -1 for all the loader has (every whole global batch of
             the split: up to local batch x dp - 1 windows at its end are left out).
+        pipeline: under pipeline parallelism, the trainer's `Pipeline`, whose schedule runs
+            the batches through the stages (forward only); None otherwise.
     """
 
-    def __init__(self, dataloader, loss_fn, device: torch.device, max_steps: int = -1):
+    def __init__(self, dataloader, loss_fn, device: torch.device, max_steps: int = -1, pipeline=None):
         self.dataloader, self.loss_fn = dataloader, loss_fn
-        self.device, self.max_steps = device, max_steps
+        self.device, self.max_steps, self.pipeline = device, max_steps, pipeline
 
     @torch.no_grad()
     def validate(self, model: nn.Module) -> float:
@@ -30,7 +32,11 @@ class Validator:
         for inputs, labels in self.dataloader:
             if batches == self.max_steps:
                 break
-            loss = self.loss_fn(model(inputs.to(self.device)), labels.to(self.device))
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            if self.pipeline is not None:
+                loss = self.pipeline.eval_loss(inputs, labels)
+            else:
+                loss = self.loss_fn(model(inputs), labels)
             total += plain_tensor(loss.detach())
             batches += 1
         model.train()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
@@ -256,7 +257,7 @@ class Pipeline:
 
     def __init__(self, plan: PipelinePlan, stage_models, loss_fn: Callable, pp_group, device,
                  scale: int, csv_path: str = ""):  # fmt: skip
-        self.plan = plan
+        self.plan, self.scale, self.pp_group = plan, scale, pp_group
         self.stages = [
             PipelineStage(model, stage_id, plan.num_stages, device, group=pp_group)
             for model, stage_id in zip(stage_models, plan.stage_ids)
@@ -271,13 +272,31 @@ class Pipeline:
             self.schedule = plan.schedule(stages, n_microbatches=plan.n_microbatches, loss_fn=scaled,
                                           scale_grads=False)  # fmt: skip
         except ValueError as e:  # torch's own rules, e.g. too few microbatches for the stages
+            name, reason = plan.schedule.__name__.removeprefix("Schedule"), str(e).rstrip(".")
             raise ConfigError(
-                f"{KEY} '{plan.schedule.__name__.removeprefix('Schedule')}' with {plan.n_microbatches} microbatches "
-                f"(training.local_batch_size / parallelism.pipeline_parallel_microbatch_size) and "
-                f"{plan.num_stages} stages: {str(e).rstrip('.')}; change the microbatch count or the schedule."
+                f"{KEY} '{name}' with {plan.n_microbatches} microbatches (training.local_batch_size / "
+                f"parallelism.pipeline_parallel_microbatch_size) and {plan.num_stages} stages: {reason}; "
+                "change the microbatch count or the schedule."
             ) from None
         if csv_path:
             self.schedule._load_csv(csv_path)
+
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean loss of one batch, forward only, on every rank of the pipeline (the last
+        stage computes it; the others receive it)."""
+        losses: list[torch.Tensor] = []
+        target = labels if self.has_last_stage else None
+        if self.has_first_stage:
+            self.schedule.eval(inputs, target=target, losses=losses)
+        else:
+            self.schedule.eval(target=target, losses=losses)
+        # The schedule's loss is divided by `scale`; the batch's mean is over its microbatches.
+        total = torch.stack([plain_tensor(loss) for loss in losses]).sum() if losses else None
+        loss = (
+            total * self.scale / self.plan.n_microbatches if losses else torch.zeros((), device=inputs.device)
+        )
+        dist.all_reduce(loss, group=self.pp_group)
+        return loss
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one batch through every stage; returns this batch's scaled
@@ -341,7 +360,6 @@ def check_pipeline_supported(job_config: JobConfig, model_args, ddp: bool) -> No
          f"{KEY} '{job_config.parallelism.pipeline_parallel_schedule}' (a split backward) with "
          "parallelism.fsdp_reshard_after_forward = 'always' (FSDP frees the weights that the weight-gradient "
          "pass still reads: wrong gradients)", "set fsdp_reshard_after_forward = 'default' (never under PP)"),
-        (job_config.validation.enable, "validation.enable", "set validation.enable = false"),
         (job_config.optimizer.early_step_in_backward, "optimizer.early_step_in_backward",
          "set optimizer.early_step_in_backward = false"),
         (job_config.checkpoint.initial_load_in_hf or job_config.checkpoint.last_save_in_hf,
@@ -370,6 +388,22 @@ def build_stages(whole: nn.Module, job_config: JobConfig, model_args, parallel_d
         job_config, model_args.n_layers, parallel_dims.pp, parallel_dims.pp_rank()
     )
     return plan, [parallelize(part) for part in plan.build_stage_models(whole)]
+
+
+def largest_over_stages(metrics: dict[str, float], pp_group) -> dict[str, float]:
+    """The largest value of each of the model's step metrics over the pipeline's ranks.
+
+    A model's step metrics are worst-over-layers figures (an MoE model's load imbalance), and
+    each stage measures its own layers; a stage with none of the layers (DeepSeek-V3's dense
+    first blocks) has none of the keys. Called on log steps only: it waits for every rank.
+    """
+    stages: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(pp_group))]
+    dist.all_gather_object(stages, metrics, group=pp_group)
+    merged: dict[str, float] = {}
+    for stage in stages:
+        for name, value in stage.items():
+            merged[name] = max(value, merged.get(name, value))
+    return merged
 
 
 def describe_pipeline(plan: PipelinePlan, pp_rank: int) -> str:
