@@ -190,6 +190,17 @@ def _eager(cfg: JobConfig) -> JobConfig:
 # ----- building ------------------------------------------------------------------------------
 
 
+def _refuse_pipeline(parallel_dims: ParallelDims) -> None:
+    """The estimator runs one forward and backward of the whole model; it does not model a
+    pipeline stage or the microbatches a schedule keeps in flight yet."""
+    if parallel_dims.pp_enabled:
+        raise ConfigError(
+            f"'parallelism.pipeline_parallel_degree' = {parallel_dims.pp}: the memory estimator does not "
+            "model pipeline stages yet. Set pipeline_parallel_degree = 1 for an upper bound (the whole "
+            "model on each rank), or measure a real run (benchmarks/pipeline_schedules.py)."
+        )
+
+
 def _refuse_ddp(parallel_dims: ParallelDims) -> None:
     """DDP cannot run on fake tensors; say so, and how to estimate it instead."""
     if parallel_dims.ddp_enabled:
@@ -560,6 +571,7 @@ def measure(cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 
     gc.collect()
     with fake_world(ngpu):
         parallel_dims = parallel_dims_for(cfg, ngpu)
+        _refuse_pipeline(parallel_dims)
         # Refuse a bad batch, or steps in backward that cannot be, before building.
         accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
         check_early_step_in_backward(cfg, parallel_dims, accum_steps)

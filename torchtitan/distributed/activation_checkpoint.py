@@ -379,6 +379,13 @@ def plan_activation_checkpointing(config: ActivationCheckpoint, facts: ACFacts) 
         _refuse_what_torchs_compiler_fails(config, facts)
     if config.mode == "none":
         return NoAC(config, facts)
+    if facts.split_backward:
+        _warn_once(
+            f"activation_checkpoint.mode = '{config.mode}' under a zero-bubble pipeline schedule: its "
+            "weight-gradient pass runs one backward per parameter group, and each recomputes the "
+            "checkpointed blocks (ZBVZeroBubble with full AC took 3.4x the step time of 1F1B on the debug "
+            "model, docs/pipeline_parallel.md). Prefer mode = 'none' there, or 1F1B / Interleaved1F1B."
+        )
     if config.mode == "full":
         return FullAC(config, facts)
     if config.mode == "memory_budget":
