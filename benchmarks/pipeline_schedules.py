@@ -98,7 +98,8 @@ def main() -> None:
             raise SystemExit(f"the one-process run {base}")
         base_seconds = _seconds(base)
         run = f"{cli.config}, seq_len {cli.seq_len}, {cli.microbatches} microbatches of 1, AC {cli.ac}"
-        print(f"{run}, pp {cli.pp}; one process: {1000 * base_seconds:.0f} ms/step, peak {_peak(base[0]):.2f} GiB\n")
+        one = f"one process: {1000 * base_seconds:.0f} ms/step, peak {_peak(base[0]):.2f} GiB"
+        print(f"{run}, pp {cli.pp}; {one}\n")
         ranks_header = " | ".join(f"rank {r} GiB" for r in range(cli.pp))
         print(f"| schedule | step ms | vs 1 process | bubble, theory | bubble, measured | {ranks_header} |")
         print("|---" * (5 + cli.pp) + "|")
