@@ -112,6 +112,7 @@ class Trainer:
         self.loss_fn = self.spec.build_loss_fn(cfg)
         self.pipeline: Pipeline | None = None
         self.whole_model_shapes = None  # under PP, where this rank's model is a part of it
+        self.model_parts: list[torch.nn.Module] = []  # what forward runs: the model, or its stages
         self.model = self._build_model()
         self.optimizer = self.spec.build_optimizer_fn(self.model, cfg, self.device)
         self.lr_scheduler = self.spec.build_lr_scheduler_fn(self.optimizer, cfg)
@@ -134,6 +135,7 @@ class Trainer:
             cfg, self.model, self.optimizer, self.lr_scheduler, self.dataloader, dp_rank=dp_rank,
             dp_degree=dp_degree, device=self.device,
             hf_adapter=self._hf_adapter(), whole_model_shapes=self.whole_model_shapes,
+            pp_group=self.pipeline.pp_group if self.pipeline else None,
         )  # fmt: skip
         # Tensor-parallel ranks share their batch, and pipeline stages split its layers, so
         # each device does 1/(tp x pp) of its work.
@@ -283,7 +285,7 @@ class Trainer:
         if steps_in_backward:
             grad_norm = self.optimizer.grad_norm()
         else:
-            pp_group = self.parallel_dims.submesh("pp").get_group() if self.pipeline else None
+            pp_group = self.pipeline.pp_group if self.pipeline else None
             grad_norm = clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm, pp_group)
             self.checkpointer.wait_for_staging()
             self.optimizer.step()
@@ -318,7 +320,7 @@ class Trainer:
         eta = (time.perf_counter() - started) / steps_done * steps_left
         extra = {name: value.item() for name, value in self.step_metrics.items()}
         if self.pipeline is not None:
-            extra = largest_over_stages(extra, self.parallel_dims.submesh("pp").get_group())
+            extra = largest_over_stages(extra, self.pipeline.pp_group)
         self.metrics.log(self.step, global_loss, norm, self.lr, eta, extra=extra, max_loss=max_loss)
 
     def _validates_at(self, step: int) -> bool:

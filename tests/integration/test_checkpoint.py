@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import PROJECT_ROOT, python_path, read_metrics, read_only, run_trainer
+from tests.parity import PARAM_RTOL, relative_errors
 from torchtitan.components.checkpoint_folders import complete_steps
 from torchtitan.components.hf_io import load_hf
 from torchtitan.components.lr_scheduler import build_lr_scheduler
@@ -480,6 +481,26 @@ def test_last_save_in_hf_then_initial_load_in_hf_gives_the_dcp_weights(tmp_path)
     got, want = _losses(tmp_path / "from_hf")[1], _losses(tmp_path / "from_dcp")[1]
     assert got == want, (got, want)
     assert want < _losses(tmp_path / "dcp_export")[1]  # trained weights, not a fresh init
+
+
+def test_an_hf_export_under_pp2_x_fsdp2_is_one_processs_and_loads_back_under_pp2(tmp_path):
+    """Each stage's weights reach the export (float32, so that it matches to rounding: 3e-6 at
+    worst after 5 steps), and an HF load under PP 2 reads each rank's layers only and trains on
+    as one process does."""
+    five = ["--training.steps", "5", "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype", "float32"]
+    _train(tmp_path / "pp", "PP 2 x FSDP 2", extra=five)
+    _train(tmp_path / "one", extra=five)
+    got = load_hf(tmp_path / "pp" / "checkpoint" / "step-5-hf")
+    want = load_hf(tmp_path / "one" / "checkpoint" / "step-5-hf")
+    # Per tensor, as the parity tests compare parameters after some steps (tests/parity.py).
+    worst = max(relative_errors(got, want).items(), key=lambda item: item[1])
+    assert worst[1] <= PARAM_RTOL, worst
+    load = ["--training.steps", "1", "--checkpoint.folder", "fresh", "--checkpoint.initial_load_in_hf",
+            "--checkpoint.initial_load_path", str(tmp_path / "pp" / "checkpoint" / "step-5-hf")]  # fmt: skip
+    _train(tmp_path / "pp_from_hf", "PP 2", extra=load)
+    _train(tmp_path / "one_from_hf", extra=load)
+    got_loss, want_loss = _losses(tmp_path / "pp_from_hf")[1], _losses(tmp_path / "one_from_hf")[1]
+    assert abs(got_loss - want_loss) <= 1e-5 * abs(want_loss), (got_loss, want_loss)
 
 
 # Expert parallelism: Qwen3 MoE debug model, fp32 so that other layouts match to rounding.

@@ -8,6 +8,8 @@ the production code (the `plant_*` tests). Wider matrices (every AC mode on ever
 are in test_expert_parallel.py and test_parallelism.py under `full_matrix`.
 """
 
+from pathlib import Path
+
 import pytest
 
 from tests.parity import AC_ARGV, FP32_RTOL, assert_parity, reference, train_for_parity
@@ -73,6 +75,9 @@ LAYOUTS = {
 }
 
 
+CSV = Path(__file__).with_name("looped_schedule_pp2.csv")
+
+
 def _pp(degree: int, schedule: str, *extra: str) -> list[str]:
     return [_P + "pipeline_parallel_degree", str(degree), _P + "pipeline_parallel_schedule", schedule, *extra]
 
@@ -86,6 +91,11 @@ PIPELINE_LAYOUTS = {
     "PP 2, ZBVZeroBubble": (("llama3", 2, 4, _pp(2, "ZBVZeroBubble"), "full"), ()),
     "PP 2 x FSDP 2, Interleaved1F1B": (("llama3", 4, 2, _pp(2, "Interleaved1F1B"), "selective 2"), ()),
     "DeepSeek-V3 PP 2, 1F1B": (("deepseek_v3", 2, 4, _pp(2, "1F1B"), "full"), ()),
+    # A breadth-first schedule of 2 stages per rank, read from a CSV of per-rank actions.
+    "PP 2, CSV schedule": (
+        ("llama3", 2, 4, _pp(2, "LoopedBFS", _P + "pipeline_parallel_schedule_csv", str(CSV)), "full"),
+        (),
+    ),
     "PP 2, GPipe": (("llama3", 2, 4, _pp(2, "GPipe"), "none"), FULL),
     "PP 2, GPipe, full AC": (("llama3", 2, 4, _pp(2, "GPipe"), "full"), FULL),
     "PP 2, 1F1B, full AC": (("llama3", 2, 4, _pp(2, "1F1B"), "full"), FULL),

@@ -108,11 +108,24 @@ def test_module_names_per_stage_override_the_split():
     assert plan.modules_per_stage[1] == ["layers.2", "layers.3", "layers.4", "layers.5", "norm", "output"]
 
 
-def test_a_csv_schedule_runs_on_torchs_runtime_with_the_named_schedules_stage_count():
+def test_a_csv_schedule_runs_on_torchs_runtime_with_the_named_schedules_stage_count(tmp_path):
+    (csv := tmp_path / "schedule.csv").write_text("0F0,2F0,2B0,0B0\n1F0,3F0,3B0,1B0\n")
     plan = _plan(
-        _P + "pipeline_parallel_schedule", "Interleaved1F1B", _P + "pipeline_parallel_schedule_csv", "x.csv"
+        _P + "pipeline_parallel_schedule", "Interleaved1F1B", _P + "pipeline_parallel_schedule_csv", str(csv)
     )
     assert plan.schedule is _PipelineScheduleRuntime and plan.num_stages == 4
+
+
+def test_a_csv_schedule_that_cannot_be_read_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="'parallelism.pipeline_parallel_schedule_csv' = .* cannot be read"):
+        _plan(_P + "pipeline_parallel_schedule_csv", str(tmp_path / "missing.csv"))
+
+
+@pytest.mark.parametrize("actions, splits", [("0F0,0B0", False), ("0F0,0I0,0W0", True)])
+def test_a_csv_schedule_splits_backward_when_it_has_input_or_weight_actions(tmp_path, actions, splits):
+    (csv := tmp_path / "schedule.csv").write_text(actions + "\n")
+    argv = [_P + "pipeline_parallel_degree", "2", _P + "pipeline_parallel_schedule_csv", str(csv)]
+    assert splits_backward(parse_args(argv, env={})) is splits
 
 
 @pytest.mark.parametrize(
@@ -187,7 +200,7 @@ def test_merged_module_shares_the_stages_parameters_rather_than_copying_them():
 @pytest.mark.parametrize(
     "argv, what",
     [(["--optimizer.early_step_in_backward", "--training.max_norm", "0"], "optimizer.early_step_in_backward"),
-     (["--checkpoint.enable", "--checkpoint.last_save_in_hf"], "Hugging Face checkpoints")],
+     (["--model.attn_backend", "flex"], "the flex attention backend")],
 )  # fmt: skip
 def test_what_pipeline_parallelism_does_not_run_with_yet_is_refused(argv, what):
     cfg = parse_args(["--config", "debug_model.toml", _P + "pipeline_parallel_degree", "2", *argv], env={})

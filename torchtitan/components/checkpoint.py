@@ -159,16 +159,19 @@ class CheckpointManager:
         whole_model_shapes: {state-dict key: shape} of the whole model, when `model` holds only
             part of it (this rank's pipeline stages), so that a load checks the checkpoint
             against the whole model; None: `model`'s own.
+        pp_group: under pipeline parallelism, the pipeline's ranks, over which a Hugging Face
+            export collects the stages; None otherwise.
     """
 
     def __init__(self, job_config: JobConfig, model, optimizer, lr_scheduler, dataloader, *, dp_rank: int,
-                 dp_degree: int, device: torch.device, hf_adapter=None, whole_model_shapes=None):  # fmt: skip
+                 dp_degree: int, device: torch.device, hf_adapter=None, whole_model_shapes=None,
+                 pp_group=None):  # fmt: skip
         self.config = c = job_config.checkpoint
         self.job_config = job_config
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.dataloader, self.dp_rank, self.dp_degree = dataloader, dp_rank, dp_degree
         self.device, self.hf_adapter = device, hf_adapter
-        self.whole_model_shapes = whole_model_shapes
+        self.whole_model_shapes, self.pp_group = whole_model_shapes, pp_group
         self.folder = Path(job_config.job.dump_folder) / c.folder
         self.pending = None  # (future, partial folder, final folder) of an async save
         self.resumable_step: int | None = None  # the step of the last full checkpoint saved or loaded
@@ -401,10 +404,10 @@ class CheckpointManager:
             self.file_work.submit(lambda: delete_folders(prune_checkpoints(folder, keep)))
 
     def _save_hf(self, folder: Path) -> None:
-        whole = whole_model_state(self.model)
+        export_dtype = self.config.export_dtype
+        whole = whole_model_state(self.model, export_dtype, self.pp_group)
         if _rank() == 0:
-            export_dtype = self.config.export_dtype
-            self.file_work.delete(write_hf_export(folder, whole, self.hf_adapter, self.model, export_dtype))
+            self.file_work.delete(write_hf_export(folder, whole, self.hf_adapter, export_dtype))
             # The abandoned run's step-N folders would otherwise be the next resume's newest.
             self._after_first_save(step_of(folder))
             logger.info(f"Saved the model as Hugging Face safetensors in {folder}")
@@ -568,7 +571,9 @@ class CheckpointManager:
             raise ConfigError(f"'checkpoint.initial_load_path' = '{path}' does not exist.")
         if c.initial_load_in_hf:
             model = self.job_config.model
-            load_hf_checkpoint(self.model, self.hf_adapter, path, f"{model.name} {model.flavor}")
+            load_hf_checkpoint(
+                self.model, self.hf_adapter, path, f"{model.name} {model.flavor}", self.whole_model_shapes
+            )
             logger.info(f"Initialized the model from Hugging Face safetensors in {path}")
             return
         self._check_initial_dcp(path)

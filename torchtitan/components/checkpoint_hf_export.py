@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from torchtitan.components.checkpoint_folders import PARTIAL_SUFFIX, replace_folder
 from torchtitan.components.hf_io import save_hf
@@ -55,22 +56,39 @@ def in_export_dtype(state: dict, model: nn.Module, export_dtype: str) -> dict:
     return {k: v.to(dtype) if v.is_floating_point() and k not in buffers else v for k, v in state.items()}
 
 
-def whole_model_state(model: nn.Module) -> dict:
-    """The model's state as whole tensors on the CPU of rank 0 (other ranks: a partial dict).
-    Collective: every rank calls it."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    # full_state_dict gathers FSDP and TP shards, not expert-parallel slices: gather those one
-    # tensor at a time (every rank takes part), keeping them on rank 0.
-    sharded = get_model_state_dict(model)
-    for fqn, param in expert_parallel_params(model).items():
-        whole = full_expert_tensor(sharded[fqn], param)
-        if _rank() == 0:
-            full[fqn] = whole.cpu()
+def whole_model_state(model: nn.Module, export_dtype: str, pp_group=None) -> dict:
+    """The model's state as whole tensors in `export_dtype` (`in_export_dtype`) on the CPU of
+    rank 0; other ranks get an empty dict. Collective: every rank calls it.
+
+    Gathered one tensor at a time (FSDP and TP shards, expert-parallel slices), so a rank holds
+    at most one whole tensor on the device. Under pipeline parallelism (`pp_group`) each stage's
+    first rank gathers its stage, and rank 0 collects the stages over the pipeline.
+    """
+    leads = pp_group is not None and dist.get_global_rank(pp_group, 0) == 0
+    keep = leads or (pp_group is None and _rank() == 0)
+    ep_params = expert_parallel_params(model)
+    state = {}
+    for fqn, value in get_model_state_dict(model).items():
+        if fqn in ep_params:
+            whole = full_expert_tensor(value, ep_params[fqn])
+        else:
+            whole = value.full_tensor() if isinstance(value, DTensor) else value
+        if keep:
+            state[fqn] = whole.detach().cpu()
         del whole
-    return full
+    # Here, where this stage's buffers are known (they keep their dtype).
+    state = in_export_dtype(state, model, export_dtype)
+    if pp_group is None:
+        return state
+    # Every pipeline group gathers (to its first rank), so that the collective matches; only
+    # rank 0's gathered anything.
+    first = dist.get_rank(pp_group) == 0
+    stages = [{} for _ in range(dist.get_world_size(pp_group))] if first else None
+    dist.gather_object(state, stages, dst=dist.get_global_rank(pp_group, 0), group=pp_group)
+    return {k: v for stage in stages for k, v in stage.items()} if _rank() == 0 else {}
 
 
-def write_hf_export(folder: Path, whole: dict, hf_adapter, model: nn.Module, export_dtype: str) -> list[Path]:
+def write_hf_export(folder: Path, whole: dict, hf_adapter, export_dtype: str) -> list[Path]:
     """Rank 0: write `whole` (see `whole_model_state`) as safetensors plus config.json into
     `folder`. Written aside and renamed, like the DCP saves: a crash leaves no half export, and
     an older export of another shard count no stale shards. Returns the replaced folders, for
@@ -78,5 +96,5 @@ def write_hf_export(folder: Path, whole: dict, hf_adapter, model: nn.Module, exp
     partial = folder.with_name(folder.name + PARTIAL_SUFFIX)
     shutil.rmtree(partial, ignore_errors=True)
     config = hf_adapter.hf_config(TORCH_DTYPES[export_dtype])
-    save_hf(hf_adapter.to_hf(in_export_dtype(whole, model, export_dtype)), config, partial)
+    save_hf(hf_adapter.to_hf(whole), config, partial)
     return replace_folder(folder, partial)

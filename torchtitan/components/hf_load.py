@@ -6,6 +6,7 @@ at a time.
 """
 
 import logging
+import re
 from pathlib import Path
 
 import torch.nn as nn
@@ -41,7 +42,9 @@ KEY = "checkpoint.initial_load_path"
 _FIX = "Set model.name and model.flavor to the checkpoint's, or load another checkpoint."
 
 
-def load_hf_checkpoint(model: nn.Module, adapter, path: Path, model_label: str) -> None:
+def load_hf_checkpoint(
+    model: nn.Module, adapter, path: Path, model_label: str, whole_model_shapes=None
+) -> None:
     """Load the HF checkpoint in `path` into `model`, one decoder layer at a time.
 
     Each rank reads whole the tensors it needs (keeping its own shards of them); under expert
@@ -55,6 +58,9 @@ def load_hf_checkpoint(model: nn.Module, adapter, path: Path, model_label: str) 
         adapter: the model's `StateDictAdapter`.
         path: the folder of safetensors and config.json.
         model_label: "<model.name> <model.flavor>", for the errors.
+        whole_model_shapes: {key: shape} of the whole model when `model` is a part of it (this
+            rank's pipeline stages): the checkpoint is checked against the whole model, and
+            only the layers this rank holds are read.
 
     Raises:
         ConfigError: see `check_hf_checkpoint`, or the checkpoint stores an output projection of
@@ -62,7 +68,8 @@ def load_hf_checkpoint(model: nn.Module, adapter, path: Path, model_label: str) 
             loaded then.
     """
     ep_params = expert_parallel_params(model)
-    layout, block = check_hf_checkpoint(model, adapter, path, model_label)
+    layout, block = check_hf_checkpoint(model, adapter, path, model_label, whole_model_shapes)
+    own = set(get_model_state_dict(model))
     if scaled := sum(key.endswith(FP8_SCALE_SUFFIX) for key in layout):
         logger.info(f"Dequantizing {scaled} fp8 weights ({block[0]} x {block[1]} blocks) to float32")
     experts = _owned_experts(ep_params)
@@ -71,18 +78,28 @@ def load_hf_checkpoint(model: nn.Module, adapter, path: Path, model_label: str) 
         logger.info(f"Reading only this rank's {len(experts)} of {total} experts per MoE layer")
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
     for keys in keys_by_layer(layout):
+        if not _holds_layer(own, keys):
+            continue
         try:
             state = _read_layer(adapter, layout, keys, block, experts)
         except StateDictMismatchError as error:
             # What only the values show: an untied lm_head for a tied flavor. It is read with
             # the embedding, in the first group, before any weight has loaded.
             raise ConfigError(f"{_not_this_model(path, model_label)}: {error}. {_FIX}") from None
+        state = {k: v for k, v in state.items() if k in own}
         if state:
             set_model_state_dict(model, state, options=options)
 
 
+def _holds_layer(own: set[str], hf_keys: list[str]) -> bool:
+    """Whether this rank holds the decoder layer of `hf_keys` (one group of `keys_by_layer`);
+    the group outside any layer (embedding, final norm, head) is always read."""
+    layer = re.search(r"(?:^|\.)layers\.(\d+)\.", hf_keys[0])
+    return layer is None or any(key.startswith(f"layers.{layer.group(1)}.") for key in own)
+
+
 def check_hf_checkpoint(
-    model: nn.Module, adapter, path: Path, model_label: str
+    model: nn.Module, adapter, path: Path, model_label: str, whole_model_shapes=None
 ) -> tuple[dict[str, Path], tuple[int, int]]:
     """The layout of the HF checkpoint in `path` (without the tensors the adapter ignores, such
     as DeepSeek-V3's multi-token-prediction layer, which are then never read) and its fp8 block
@@ -109,7 +126,8 @@ def check_hf_checkpoint(
     except HFQuantizationError as error:
         raise ConfigError(f"'{KEY}' = '{path}': {error}") from None
     converted = _own_experts(converted, expert_parallel_params(model))
-    expected = {k: v.shape for k, v in get_model_state_dict(model).items()}
+    # A pipeline stage's own keys with its own (expert-parallel) shapes, the others' whole.
+    expected = {**(whole_model_shapes or {}), **{k: v.shape for k, v in get_model_state_dict(model).items()}}
     if mismatch := describe_mismatch(expected, {k: v.shape for k, v in converted.items()}):
         raise ConfigError(f"{not_this_model}: {mismatch}. {_FIX}")
     _warn_on_config_differences(adapter, path)

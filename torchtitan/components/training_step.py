@@ -106,7 +106,7 @@ def pipeline_forward_backward(
     the pipeline (summed from the last stage, so that it is logged as one process logs it)."""
     with loss_context(parallel_dims, job_config), autocast_context(job_config, parallel_dims, inputs.device):
         loss = plain_tensor(pipeline.step(inputs, labels))
-    dist.all_reduce(loss, group=parallel_dims.submesh("pp").get_group())
+    dist.all_reduce(loss, group=pipeline.pp_group)
     return loss
 
 

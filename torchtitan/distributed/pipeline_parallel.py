@@ -8,8 +8,10 @@ copy of the meta model (`prune_to_stage`), so each rank materializes only its ow
 
 import copy
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,8 @@ from torchtitan.distributed.tensor_helpers import plain_tensor
 KEY = "parallelism.pipeline_parallel_schedule"
 EMBEDDING, HEAD = ["tok_embeddings"], ["norm", "output"]
 SPLIT_BACKWARD_SCHEDULES = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)
+# A CSV action computing input (I) or weight (W) gradients alone, e.g. "3I1", "0W2".
+SPLIT_ACTION = re.compile(r"\b\d+[IW]\d+\b")
 
 
 def schedule_class(name: str) -> type:
@@ -53,13 +57,29 @@ def is_v_schedule(cls: type) -> bool:
 
 def splits_backward(job_config: JobConfig) -> bool:
     """Whether the run's pipeline schedule computes a stage's input and weight gradients in two
-    backward passes: the zero-bubble schedules, and a CSV schedule (which may)."""
+    backward passes: the zero-bubble schedules, and a CSV schedule with input (I) or weight (W)
+    actions."""
     p = job_config.parallelism
     if p.pipeline_parallel_degree == 1:
         return False
     if p.pipeline_parallel_schedule_csv:
-        return True
+        return bool(SPLIT_ACTION.search(read_schedule_csv(p.pipeline_parallel_schedule_csv)))
     return issubclass(schedule_class(p.pipeline_parallel_schedule), SPLIT_BACKWARD_SCHEDULES)
+
+
+def read_schedule_csv(path: str) -> str:
+    """The text of `parallelism.pipeline_parallel_schedule_csv`.
+
+    Raises:
+        ConfigError: when the file cannot be read.
+    """
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(
+            f"'parallelism.pipeline_parallel_schedule_csv' = '{path}' cannot be read ({e.strerror or e}); "
+            "give the path of a CSV of per-rank actions, or '' for the built-in schedule."
+        ) from None
 
 
 def split_module_names(
@@ -131,6 +151,7 @@ class PipelinePlan:
         cls_ = schedule_class(p.pipeline_parallel_schedule)
         single = issubclass(cls_, PipelineScheduleSingle)
         if p.pipeline_parallel_schedule_csv:
+            read_schedule_csv(p.pipeline_parallel_schedule_csv)
             cls_ = _PipelineScheduleRuntime
         modules = cls._modules_per_stage(p, n_layers, pp, single)
         num_stages = len(modules)
@@ -362,9 +383,6 @@ def check_pipeline_supported(job_config: JobConfig, model_args, ddp: bool) -> No
          "pass still reads: wrong gradients)", "set fsdp_reshard_after_forward = 'default' (never under PP)"),
         (job_config.optimizer.early_step_in_backward, "optimizer.early_step_in_backward",
          "set optimizer.early_step_in_backward = false"),
-        (job_config.checkpoint.initial_load_in_hf or job_config.checkpoint.last_save_in_hf,
-         "Hugging Face checkpoints (checkpoint.initial_load_in_hf, last_save_in_hf)",
-         "load or save DCP checkpoints, and convert them in one process"),
     ]  # fmt: skip
     for refused, what, fix in refusals:
         if refused:
