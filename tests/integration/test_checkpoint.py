@@ -372,9 +372,14 @@ def _worker_pid(launcher_pid: int, local_rank: int) -> int | None:
     return None
 
 
-def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(tmp_path):
-    argv = BASE + ["--training.local_batch_size", "4", "--training.steps", "100000",
-                   "--checkpoint.interval", "100000", "--job.dump_folder", str(tmp_path)]  # fmt: skip
+@pytest.mark.parametrize(
+    "layout",
+    [["--training.local_batch_size", "4"], ["--parallelism.pipeline_parallel_degree", "2"]],
+    ids=["FSDP 2", "PP 2"],
+)
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(layout, tmp_path):
+    argv = BASE + [*layout, "--training.steps", "100000", "--checkpoint.interval", "100000",
+                   "--job.dump_folder", str(tmp_path)]  # fmt: skip
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend",
                 "c10d", "--rdzv_endpoint", "localhost:0", "-m", "torchtitan.train"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}

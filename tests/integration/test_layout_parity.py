@@ -107,6 +107,7 @@ PIPELINE_LAYOUTS = {
     "PP 2, DualPipeV, full AC": (("llama3", 2, 4, _pp(2, "DualPipeV"), "full"), FULL),
     "PP 4, InterleavedZeroBubble": (("llama3", 4, 4, _pp(4, "InterleavedZeroBubble"), "full"), FULL),
     "PP 2 x FSDP 2, 1F1B": (("llama3", 4, 2, _pp(2, "1F1B"), "op-SAC"), FULL),
+    "PP 2, 1F1B, compiled blocks": (("llama3", 2, 4, _pp(2, "1F1B") + COMPILE_AOT_EAGER, "op-SAC"), FULL),
     "PP 2 x FSDP 2, ZBVZeroBubble": (("llama3", 4, 2, _pp(2, "ZBVZeroBubble"), "full"), FULL),
     "PP 2 x TP 2, 1F1B": (("llama3", 4, 4, _pp(2, "1F1B") + TP2, "op-SAC"), FULL),
     "PP 2 x TP 2, Interleaved1F1B": (("llama3", 4, 4, _pp(2, "Interleaved1F1B") + TP2, "full"), FULL),
