@@ -508,6 +508,27 @@ def test_an_hf_export_under_pp2_x_fsdp2_is_one_processs_and_loads_back_under_pp2
     assert abs(got_loss - want_loss) <= 1e-5 * abs(want_loss), (got_loss, want_loss)
 
 
+def test_a_deepseek_v3_pp2_run_whose_first_stage_has_no_moe_block_resumes_bit_for_bit(tmp_path):
+    """Rank 0's stage holds one dense block: one optimizer param group fewer than rank 1's (the
+    saved scheduler and groups are one rank's), and rank 1's expert biases, once loaded, must
+    survive the shape-inference forward of the first step."""
+    parts = "tok_embeddings,layers.0;layers.1,layers.2,layers.3,layers.4,layers.5,norm,output"
+    argv = ["--config", "deepseek_v3_debug_model.toml", "--training.seq_len", "64",
+            "--training.steps", "4", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1",
+            "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "2",
+            "--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.module_fqns_per_model_part", parts]  # fmt: skip
+    for name in ("full", "resumed"):
+        if name == "resumed":
+            (tmp_path / name / "checkpoint").mkdir(parents=True)
+            shutil.copytree(tmp_path / "full/checkpoint/step-2", tmp_path / "resumed/checkpoint/step-2")
+        proc = run_trainer([*argv, "--job.dump_folder", str(tmp_path / name)], nproc=2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed, original = _losses(tmp_path / "resumed"), _losses(tmp_path / "full")
+    assert sorted(resumed) == [3, 4]
+    assert all(resumed[s] == original[s] for s in resumed), (resumed, original)
+
+
 # Expert parallelism: Qwen3 MoE debug model, fp32 so that other layouts match to rounding.
 MOE = ["--config", "qwen3_debug_model_moe.toml", "--training.seq_len", "64", "--training.steps", "10",
        "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--training.global_batch_size", "8",

@@ -145,6 +145,22 @@ def with_own_params(loaded_groups: list[dict], own_groups: list[dict]) -> list[d
     return [{**loaded, "params": own["params"]} for loaded, own in zip(loaded_groups, own_groups)]
 
 
+def per_group_lists_fitted(scheduler_state: dict, groups: int) -> dict:
+    """The LR scheduler's per-param-group lists (`base_lrs`, `_last_lr`, `lr_lambdas`) cut or
+    repeated to `groups` entries.
+
+    Why: DCP stores the scheduler once, as one rank saved it. Every group follows the same
+    schedule here, but ranks may hold different numbers of groups: a pipeline stage without
+    MoE blocks has no expert group.
+    """
+    fitted = dict(scheduler_state)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        values = fitted.get(key)
+        if isinstance(values, list) and values and len(values) != groups:
+            fitted[key] = (values * groups)[:groups]
+    return fitted
+
+
 class CheckpointManager:
     """Saves and resumes the training state under `[checkpoint]`.
 
@@ -537,7 +553,8 @@ class CheckpointManager:
                 self.model, self.optimizer, {**state["optimizer"], "param_groups": groups}
             )
         if "lr_scheduler" in state:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            groups = len(self.optimizer.param_groups)
+            self.lr_scheduler.load_state_dict(per_group_lists_fitted(state["lr_scheduler"], groups))
         if "train_state" in state:
             self._restore_train_state(state["train_state"], train_state)
         if "dataloader" in wanted:

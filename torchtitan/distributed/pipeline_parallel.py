@@ -334,21 +334,23 @@ class Pipeline:
 
 
 def _undo_buffer_changes_of_first_forward(model: nn.Module) -> None:
-    """Restore `model`'s buffers after its first forward.
+    """Put `model`'s buffers back, after its first forward, to what they were before it.
 
     Why: at the first step torch's stage infers the shapes it will send by running one forward
     and backward of the stage, on the first microbatch at the first stage and on uninitialized
     tensors elsewhere. A forward that updates buffers (an MoE layer counting the tokens per
     expert for load balancing) would count that run too, and the balancing would differ from
-    one process's.
+    one process's. The buffers are copied when that forward starts, after any checkpoint load,
+    and put back when the next one starts: right after the first, its backward, still to run,
+    may read them.
     """
-    saved = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    saved: dict[str, torch.Tensor] = {}
     calls = []
 
-    def restore_before_the_second(module, _args):
-        # Not right after the first: its backward, still to run, may need buffers it read.
+    def around_the_first(module, _args):
         calls.append(None)
-        if len(calls) < 2:
+        if len(calls) == 1:
+            saved.update({name: buffer.clone() for name, buffer in module.named_buffers()})
             return
         with torch.no_grad():
             for name, buffer in module.named_buffers():
@@ -356,7 +358,7 @@ def _undo_buffer_changes_of_first_forward(model: nn.Module) -> None:
         saved.clear()
         handle.remove()
 
-    handle = model.register_forward_pre_hook(restore_before_the_second)
+    handle = model.register_forward_pre_hook(around_the_first)
 
 
 def check_pipeline_supported(job_config: JobConfig, model_args, ddp: bool) -> None:
