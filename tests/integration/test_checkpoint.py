@@ -374,9 +374,10 @@ def _worker_pid(launcher_pid: int, local_rank: int) -> int | None:
 
 @pytest.mark.parametrize(
     "layout",
-    [["--training.local_batch_size", "4"], ["--parallelism.pipeline_parallel_degree", "2"]],
+    [["--training.local_batch_size", "4"],
+     pytest.param(["--parallelism.pipeline_parallel_degree", "2"], marks=pytest.mark.full_matrix)],
     ids=["FSDP 2", "PP 2"],
-)
+)  # fmt: skip
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(layout, tmp_path):
     argv = BASE + [*layout, "--training.steps", "100000", "--checkpoint.interval", "100000",
                    "--job.dump_folder", str(tmp_path)]  # fmt: skip
@@ -488,6 +489,7 @@ def test_last_save_in_hf_then_initial_load_in_hf_gives_the_dcp_weights(tmp_path)
     assert want < _losses(tmp_path / "dcp_export")[1]  # trained weights, not a fresh init
 
 
+@pytest.mark.full_matrix
 def test_an_hf_export_under_pp2_x_fsdp2_is_one_processs_and_loads_back_under_pp2(tmp_path):
     """Each stage's weights reach the export (float32, so that it matches to rounding: 3e-6 at
     worst after 5 steps), and an HF load under PP 2 reads each rank's layers only and trains on
@@ -508,6 +510,7 @@ def test_an_hf_export_under_pp2_x_fsdp2_is_one_processs_and_loads_back_under_pp2
     assert abs(got_loss - want_loss) <= 1e-5 * abs(want_loss), (got_loss, want_loss)
 
 
+@pytest.mark.full_matrix
 def test_a_deepseek_v3_pp2_run_whose_first_stage_has_no_moe_block_resumes_bit_for_bit(tmp_path):
     """Rank 0's stage holds one dense block: one optimizer param group fewer than rank 1's (the
     saved scheduler and groups are one rank's), and rank 1's expert biases, once loaded, must

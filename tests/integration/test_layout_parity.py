@@ -89,8 +89,8 @@ FULL = pytest.mark.full_matrix
 PIPELINE_LAYOUTS = {
     "PP 2, 1F1B": (("llama3", 2, 4, _pp(2, "1F1B"), "op-SAC"), ()),
     "PP 2, ZBVZeroBubble": (("llama3", 2, 4, _pp(2, "ZBVZeroBubble"), "full"), ()),
-    "PP 2 x FSDP 2, Interleaved1F1B": (("llama3", 4, 2, _pp(2, "Interleaved1F1B"), "selective 2"), ()),
-    "DeepSeek-V3 PP 2, 1F1B": (("deepseek_v3", 2, 4, _pp(2, "1F1B"), "full"), ()),
+    "PP 2 x FSDP 2, Interleaved1F1B": (("llama3", 4, 2, _pp(2, "Interleaved1F1B"), "selective 2"), FULL),
+    "DeepSeek-V3 PP 2, 1F1B": (("deepseek_v3", 2, 4, _pp(2, "1F1B"), "full"), FULL),
     # A breadth-first schedule of 2 stages per rank, read from a CSV of per-rank actions.
     "PP 2, CSV schedule": (
         ("llama3", 2, 4, _pp(2, "LoopedBFS", _P + "pipeline_parallel_schedule_csv", str(CSV)), "full"),
