@@ -155,8 +155,9 @@ BF16_PARAMS = ["--training.mixed_precision_param", "bfloat16"]
             ParallelDims(1, 2, 2, 4, ep=4, etp=1),
             "4 rank(s): dp_replicate 1 x dp_shard 2 x tp 2 (ep 4 = 2 of dp_shard x tp 2), FSDP; ",
         ),
+        (ParallelDims(1, 2, 2, 8, pp=2), "8 rank(s): pp 2 x dp_replicate 1 x dp_shard 2 x tp 2, FSDP; "),
     ],
-    ids=["fsdp", "hsdp", "fsdp-ep", "fsdp-tp-ep-over-tp"],
+    ids=["fsdp", "hsdp", "fsdp-ep", "fsdp-tp-ep-over-tp", "pp-fsdp-tp"],
 )
 def test_layout_line_under_fsdp_names_the_split_and_the_mixed_precision_dtypes(dims, expected):
     from torchtitan.components.training_step import describe_layout

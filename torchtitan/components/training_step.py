@@ -51,13 +51,16 @@ def autocast_context(job_config: JobConfig, parallel_dims: ParallelDims, device:
 def describe_layout(job_config: JobConfig, parallel_dims: ParallelDims) -> str:
     """One line naming the ranks, their split, the data parallelism and the dtypes, e.g.
     "8 rank(s): dp_replicate 2 x dp_shard 2 x tp 2, HSDP; float32 weights, params bfloat16,
-    reduce float32". Expert parallelism borrows its ranks from dp_shard, so it is shown there,
-    or after tp when it borrows the TP ranks too."""
+    reduce float32"; under pipeline parallelism the split starts with "pp N x". Expert
+    parallelism borrows its ranks from dp_shard, so it is shown there, or after tp when it
+    borrows the TP ranks too."""
     d, t = parallel_dims, job_config.training
     ep = f" (ep {d.ep})" if d.ep_enabled and not d.ep_borrows_tp else ""
     split = f"dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard}{ep} x tp {d.tp}"
     if d.ep_borrows_tp:
         split += f" (ep {d.ep} = {d.ep_from_dp_shard} of dp_shard x tp {d.tp})"
+    if d.pp_enabled:
+        split = f"pp {d.pp} x {split}"
     if d.fsdp_enabled:
         kind = "HSDP" if d.dp_replicate > 1 else "FSDP"
         precision = f"params {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}"
