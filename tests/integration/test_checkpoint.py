@@ -61,6 +61,13 @@ def _wait_for_a_logged_step(folder, timeout: float = 120) -> None:
         time.sleep(0.5)
 
 
+def _assert_steps_6_to_10_match(got: dict[int, float], want: dict[int, float]) -> None:
+    """A run resumed from step 5 logged steps 6-10 with the losses of `want` (rtol 1e-5)."""
+    assert sorted(got) == [6, 7, 8, 9, 10]
+    for step in got:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+
+
 def _steps(folder) -> list[str]:
     return sorted(p.name for p in (folder / "checkpoint").iterdir())
 
@@ -161,19 +168,13 @@ def test_checkpoint_of_pp2_x_fsdp2_continues_in_another_layout_with_the_uninterr
 ):
     proc = _resume_from_step_5(saved_by_pp2_x_fsdp2, tmp_path, target)
     assert "loaded model, optimizer, lr_scheduler, train_state, dataloader" in proc.stderr
-    got, want = _losses(tmp_path), _losses(uninterrupted)
-    assert sorted(got) == [6, 7, 8, 9, 10]
-    for step in got:
-        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+    _assert_steps_6_to_10_match(_losses(tmp_path), _losses(uninterrupted))
 
 
 @pytest.mark.full_matrix
 def test_a_checkpoint_of_one_process_continues_under_pp2_x_fsdp2(uninterrupted, tmp_path):
     _resume_from_step_5(uninterrupted, tmp_path, "PP 2 x FSDP 2")
-    got, want = _losses(tmp_path), _losses(uninterrupted)
-    assert sorted(got) == [6, 7, 8, 9, 10]
-    for step in got:
-        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+    _assert_steps_6_to_10_match(_losses(tmp_path), _losses(uninterrupted))
 
 
 @pytest.mark.parametrize("target", ["1 process", "FSDP 2"])
@@ -182,10 +183,7 @@ def test_checkpoint_of_fsdp2_x_tp2_loads_into_another_layout(
 ):
     proc = _resume_from_step_5(saved_by_fsdp2_x_tp2, tmp_path, target)
     assert "loaded model, optimizer, lr_scheduler, train_state, dataloader" in proc.stderr
-    got, want = _losses(tmp_path), _losses(uninterrupted)
-    assert sorted(got) == [6, 7, 8, 9, 10]
-    for step in got:
-        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+    _assert_steps_6_to_10_match(_losses(tmp_path), _losses(uninterrupted))
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_in_use(uninterrupted, tmp_path):
@@ -596,10 +594,7 @@ def test_expert_parallel_checkpoint_loads_into_another_layout(target, saved_by_f
     shutil.copytree(saved_by_fsdp4_x_ep2 / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-5")
     proc = _train_moe(tmp_path, target)
     assert "loaded model, optimizer, lr_scheduler, train_state, dataloader" in proc.stderr
-    got, want = _losses(tmp_path), _losses(saved_by_fsdp4_x_ep2)
-    assert sorted(got) == [6, 7, 8, 9, 10]
-    for step in got:
-        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+    _assert_steps_6_to_10_match(_losses(tmp_path), _losses(saved_by_fsdp4_x_ep2))
 
 
 @pytest.mark.full_matrix

@@ -741,8 +741,8 @@ class _KeptSACCache(_CachedTorchDispatchMode):
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        entries = self.storage.get(_sac_storage_key(func, args))
-        index = self.func_counter[_sac_storage_key(func, args)]
+        key = _sac_storage_key(func, args)
+        entries, index = self.storage.get(key), self.func_counter[key]
         kept = entries.get(index) if entries else None
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if kept is not None and entries.get(index) is _SAC_CONSUMED:

@@ -302,15 +302,18 @@ class Pipeline:
         if csv_path:
             self.schedule._load_csv(csv_path)
 
+    def _run(self, run, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """`run` (the schedule's `step` or `eval`) on one batch: the first stage takes the inputs,
+        the last the labels; returns the last stage's microbatch losses ([] elsewhere)."""
+        losses: list[torch.Tensor] = []
+        target = labels if self.has_last_stage else None
+        run(*((inputs,) if self.has_first_stage else ()), target=target, losses=losses)
+        return losses
+
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean loss of one batch, forward only, on every rank of the pipeline (the last
         stage computes it; the others receive it)."""
-        losses: list[torch.Tensor] = []
-        target = labels if self.has_last_stage else None
-        if self.has_first_stage:
-            self.schedule.eval(inputs, target=target, losses=losses)
-        else:
-            self.schedule.eval(target=target, losses=losses)
+        losses = self._run(self.schedule.eval, inputs, labels)
         # The schedule's loss is divided by `scale`; the batch's mean is over its microbatches.
         total = torch.stack([plain_tensor(loss) for loss in losses]).sum() if losses else None
         loss = (
@@ -322,12 +325,7 @@ class Pipeline:
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one batch through every stage; returns this batch's scaled
         loss on the last stage (a zero elsewhere), detached."""
-        losses: list[torch.Tensor] = []
-        target = labels if self.has_last_stage else None
-        if self.has_first_stage:
-            self.schedule.step(inputs, target=target, losses=losses)
-        else:
-            self.schedule.step(target=target, losses=losses)
+        losses = self._run(self.schedule.step, inputs, labels)
         if not losses:
             return torch.zeros((), device=inputs.device)
         return torch.stack([plain_tensor(loss.detach()) for loss in losses]).sum()
