@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
     ScheduleDualPipeV,
@@ -274,17 +275,31 @@ class Pipeline:
             `scale` (microbatches x accumulation steps) so that the gradients are the mean's.
         pp_group: the process group of the pipeline's ranks.
         csv_path: a schedule CSV (`parallelism.pipeline_parallel_schedule_csv`), or "".
+        stage_io: per stage, an example (input, output) of one microbatch. Given, the stages
+            take their shapes from it and never exchange them with their peers, which is what
+            a single process simulating one rank (the memory estimator) needs. Left out, torch
+            infers the shapes at the first step by running each stage once.
     """
 
     def __init__(self, plan: PipelinePlan, stage_models, loss_fn: Callable, pp_group, device,
-                 scale: int, csv_path: str = ""):  # fmt: skip
+                 scale: int, csv_path: str = "", stage_io: list[tuple] | None = None):  # fmt: skip
         self.plan, self.scale, self.pp_group = plan, scale, pp_group
+        io = stage_io or [(None, None)] * len(stage_models)
         self.stages = [
-            PipelineStage(model, stage_id, plan.num_stages, device, group=pp_group)
-            for model, stage_id in zip(stage_models, plan.stage_ids)
+            PipelineStage(
+                model,
+                stage_id,
+                plan.num_stages,
+                device,
+                input_args=inputs,
+                output_args=outputs,
+                group=pp_group,
+            )  # fmt: skip
+            for model, stage_id, (inputs, outputs) in zip(stage_models, plan.stage_ids, io)
         ]
-        for model in stage_models:
-            _undo_buffer_changes_of_first_forward(model)
+        if stage_io is None:  # torch's shape inference runs a forward that must leave no trace
+            for model in stage_models:
+                _undo_buffer_changes_of_first_forward(model)
         self.has_first_stage = 0 in plan.stage_ids
         self.has_last_stage = plan.num_stages - 1 in plan.stage_ids
         scaled = lambda output, labels: loss_fn(output, labels) / scale  # noqa: E731
@@ -301,13 +316,16 @@ class Pipeline:
             ) from None
         if csv_path:
             self.schedule._load_csv(csv_path)
+        if stage_io is not None:
+            self.schedule._warmup_p2p = _use_given_shapes
 
     def _run(self, run, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         """`run` (the schedule's `step` or `eval`) on one batch: the first stage takes the inputs,
         the last the labels; returns the last stage's microbatch losses ([] elsewhere)."""
         losses: list[torch.Tensor] = []
         target = labels if self.has_last_stage else None
-        run(*((inputs,) if self.has_first_stage else ()), target=target, losses=losses)
+        # The last stage would otherwise keep every microbatch's logits until the step ends.
+        run(*((inputs,) if self.has_first_stage else ()), target=target, losses=losses, return_outputs=False)
         return losses
 
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -329,6 +347,13 @@ class Pipeline:
         if not losses:
             return torch.zeros((), device=inputs.device)
         return torch.stack([plain_tensor(loss.detach()) for loss in losses]).sum()
+
+
+def _use_given_shapes(stages, has_backward: bool, p2p_done: bool) -> None:
+    """Stands in for the schedule's first-step vote, in which the stages agree, by messages to
+    their peers, whether every one was given its shapes: here each one was, and no peer answers."""
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
 
 
 def _undo_buffer_changes_of_first_forward(model: nn.Module) -> None:
