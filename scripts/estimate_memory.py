@@ -20,6 +20,13 @@ unsharded copies, in `training.mixed_precision_param`, that FSDP all-gathers for
 `--all-ac-modes`: one column per activation-checkpointing mode (none, full, selective op,
 selective 2). A config mistake prints one message and exits with code 2.
 
+Under pipeline parallelism each pipeline rank gets a column (a rank's stages differ in what they
+hold), each measured in a process of its own, as many at once as there are cores: the rank's
+stages take their shapes from an example microbatch instead of from their peers, and torch's
+schedule runs its microbatches as in training, so the activations of the microbatches whose
+backward is still to come are counted as they fall. Schedules that split backward (zero-bubble,
+DualPipeV, CSVs with I/W actions) are refused: MemTracker fails under their `autograd.grad`.
+
 Expert parallelism is estimated with balanced routing by default: every rank sends and receives
 an equal share of its routed rows. `--ep-imbalance F` makes the shown rank the busiest one: in
 every MoE layer it receives F times its balanced share (1 <= F <= ep; ep means every rank routes
@@ -43,9 +50,14 @@ import contextlib
 import dataclasses
 import difflib
 import gc
+import json
+import os
+import pickle
+import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -65,15 +77,26 @@ from torchtitan.components.training_step import (
     describe_layout,
     forward_backward,
     gradient_accumulation_steps,
+    pipeline_forward_backward,
 )
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig, parse_args
 from torchtitan.config.job_config import model_compile_enabled
+from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.expert_parallel import is_ep_local
 from torchtitan.distributed.grad_norm import clip_grad_norm_
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_parallel import (
+    EMBEDDING,
+    Pipeline,
+    PipelinePlan,
+    describe_pipeline,
+    merged_model,
+    prune_to_stage,
+    splits_backward,
+)
 from torchtitan.models import attention, get_train_spec
 from torchtitan.models.moe import MoE
-from torchtitan.preflight import build_parallelized_model, fake_world
+from torchtitan.preflight import build_meta_model, build_parallelized_model, build_pipeline_stages, fake_world
 from torchtitan.protocols.train_spec import import_custom_module
 
 GiB = 2**30
@@ -190,14 +213,20 @@ def _eager(cfg: JobConfig) -> JobConfig:
 # ----- building ------------------------------------------------------------------------------
 
 
-def _refuse_pipeline(parallel_dims: ParallelDims) -> None:
-    """The estimator runs one forward and backward of the whole model; it does not model a
-    pipeline stage or the microbatches a schedule keeps in flight yet."""
-    if parallel_dims.pp_enabled:
+def _refuse_split_backward(cfg: JobConfig) -> None:
+    """A schedule that splits backward runs its input-gradient pass with `autograd.grad`, under
+    which MemTracker's module hooks fail (pytorch/pytorch#131753)."""
+    if splits_backward(cfg):
+        p = cfg.parallelism
+        what = f"'{p.pipeline_parallel_schedule}'"
+        if p.pipeline_parallel_schedule_csv:
+            what = f"the CSV '{p.pipeline_parallel_schedule_csv}', whose I and W actions"
         raise ConfigError(
-            f"'parallelism.pipeline_parallel_degree' = {parallel_dims.pp}: the memory estimator does not "
-            "model pipeline stages yet. Set pipeline_parallel_degree = 1 for an upper bound (the whole "
-            "model on each rank), or measure a real run (benchmarks/pipeline_schedules.py)."
+            f"'parallelism.pipeline_parallel_schedule' = {what} splits backward into input- and "
+            "weight-gradient passes, which the estimator cannot follow (torch's MemTracker fails under "
+            "autograd.grad, pytorch/pytorch#131753). Estimate --parallelism.pipeline_parallel_schedule "
+            "Interleaved1F1B (one backward per microbatch; a split backward holds more until its "
+            "weight pass), or measure a real run."
         )
 
 
@@ -419,7 +448,9 @@ def _prime_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 
 
 class _Pausable:
-    """Tracker mixin: while `paused`, ops run untracked."""
+    """Tracker mixin: while `paused`, ops run untracked. A root module may also run several
+    forwards before their backwards (a pipeline stage, once per microbatch), which MemTracker
+    would take for a second step and refuse: each counts as a first forward."""
 
     paused = 0
 
@@ -427,6 +458,21 @@ class _Pausable:
         if self.paused:
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        # Only the rank's peak is reported: skip MemTracker's per-module peaks, a pass over every
+        # module at every op (half the time of a 405B stage's step).
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+                self._peak_mem_snap[device] = dict(snapshot)
+
+    def _pre_fw_hook(self, module, inputs):
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
 
 
 class _MemTracker(_Pausable, MemTracker):
@@ -464,9 +510,14 @@ def tracking(tracker: _Pausable):
 
 
 def make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) -> MemTracker:
-    """FSDPMemTracker for an FSDP model (shards, gathered copies, comm buffers), else MemTracker."""
-    if isinstance(model, FSDPModule):
-        tracker = _FSDPMemTracker(model, optimizer)
+    """FSDPMemTracker for an FSDP model (shards, gathered copies, comm buffers), else MemTracker.
+
+    `model` may also be a plain module over FSDP roots (a rank's pipeline stages): the tracker
+    instruments every FSDP module under its root, which it requires to be one itself."""
+    fsdp_roots = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if fsdp_roots:
+        tracker = _FSDPMemTracker(fsdp_roots[0], optimizer)
+        tracker._root_mod = model
         tracker.track_inputs(batch)
         _track_experts_outside_fsdp(tracker, model)
     else:
@@ -555,23 +606,28 @@ def breakdown(snapshot: dict) -> dict[str, int]:
     return rows
 
 
-def measure(cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 1.0) -> dict[str, int]:
-    """Peak bytes on rank 0 of `ngpu` during one steady-state training step, by report row.
+def measure(
+    cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 1.0, pp_rank: int = 0
+) -> dict[str, int]:  # fmt: skip
+    """Peak bytes on one rank of `ngpu` during one steady-state training step, by report row:
+    rank 0, or under pipeline parallelism the first rank of pipeline rank `pp_rank`.
 
     `fake=False` runs the same path on real CPU tensors (with the GPU's RMSNorm kernel, which
-    computes what the CPU's does), allocating one rank's memory. Needs
-    a process without a process group. `ep_imbalance`: under expert parallelism, rank 0
-    receives this many times its balanced share of routed rows (see `simulated_split_sizes`).
+    computes what the CPU's does), allocating one rank's memory; under pipeline parallelism the
+    tensors it receives from other stages are uninitialized. Needs a process without a process
+    group. `ep_imbalance`: under expert parallelism, the rank receives this many times its
+    balanced share of routed rows (see `simulated_split_sizes`).
     Raises ConfigError for a layout the config cannot have.
     """
     compiled_run = model_compile_enabled(cfg)
     cfg = _eager(cfg)
     _refuse_impossible_imbalance(cfg, ep_imbalance)
+    _refuse_split_backward(cfg)
     device = torch.device("cpu")
     gc.collect()
-    with fake_world(ngpu):
+    rank = pp_rank * (ngpu // cfg.parallelism.pipeline_parallel_degree)
+    with fake_world(ngpu, rank):
         parallel_dims = parallel_dims_for(cfg, ngpu)
-        _refuse_pipeline(parallel_dims)
         # Refuse a bad batch, or steps in backward that cannot be, before building.
         accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
         check_early_step_in_backward(cfg, parallel_dims, accum_steps)
@@ -580,7 +636,16 @@ def measure(cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 
         else:
             _refuse_real_expert_parallel(cfg)
         parallel_dims.build_mesh(device.type)
-        model = build_model(cfg, parallel_dims, device, compiled_run, ep_imbalance if fake else None)
+        options = dict(
+            wrap_as_compiled=compiled_run,
+            expert_split_sizes=simulated_split_sizes(ep_imbalance) if fake else None,
+        )
+        if parallel_dims.pp_enabled:
+            plan, stages = build_pipeline_stages(cfg, parallel_dims, device, **options)
+            embedding = build_embedding(cfg, parallel_dims, device, **options)
+            model = merged_model(stages)
+        else:
+            model = build_model(cfg, parallel_dims, device, compiled_run, ep_imbalance if fake else None)
         if fake:
             _refuse_fp32_moe(cfg, model)
         with (
@@ -589,16 +654,122 @@ def measure(cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 
             gpu_norm_kernel(),
             no_warning_for_fake_collective_views() if fake else contextlib.nullcontext(),
         ):
+            if parallel_dims.pp_enabled:
+                return breakdown(tracked_pipeline_step(cfg, plan, stages, parallel_dims, device, embedding))
             return breakdown(tracked_step(cfg, model, parallel_dims, device))
 
 
 def estimate(
     cfg: JobConfig, ngpu: int, modes: Iterable[str] | None = None, ep_imbalance: float = 1.0
 ) -> dict[str, dict[str, int]]:
-    """Fake-mode `measure` per AC mode named in `modes` (default: the config's own mode)."""
-    if modes is None:
-        return {mode_label(cfg.activation_checkpoint): measure(cfg, ngpu, ep_imbalance=ep_imbalance)}
-    return {name: measure(with_ac(cfg, AC_MODES[name]), ngpu, ep_imbalance=ep_imbalance) for name in modes}
+    """Fake-mode `measure` per AC mode named in `modes` (default: the config's own mode).
+
+    Under pipeline parallelism, per AC mode and pipeline rank, keyed "MODE, pp RANK"; each rank
+    is measured in a process of its own (`measure_in_subprocess`), as many at once as there
+    are CPU cores."""
+    configs = {mode_label(cfg.activation_checkpoint): cfg} if modes is None else {
+        name: with_ac(cfg, AC_MODES[name]) for name in modes
+    }  # fmt: skip
+    pp = cfg.parallelism.pipeline_parallel_degree
+    _refuse_split_backward(cfg)  # here, not once per rank's process
+    if pp == 1:
+        return {name: measure(c, ngpu, ep_imbalance=ep_imbalance) for name, c in configs.items()}
+    jobs = {
+        f"{name}, pp {r}": (c, ngpu, True, ep_imbalance, r) for name, c in configs.items() for r in range(pp)
+    }
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = dict(zip(jobs, pool.map(lambda job: measure_in_subprocess(*job), jobs.values())))
+    return results
+
+
+_CHILD = """
+import json, pickle, runpy, sys
+estimator = runpy.run_path(sys.argv[1])
+try:
+    print(json.dumps(estimator["measure"](*pickle.load(sys.stdin.buffer))))
+except estimator["ConfigError"] as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+def measure_in_subprocess(*args) -> dict[str, int]:
+    """`measure(*args)` in a new Python process.
+
+    Why: DTensor caches its sharding decisions by device mesh, and meshes of two fake worlds
+    compare equal though each holds its own world's process groups; measured after another
+    rank in the same process, a rank would run collectives on groups of the earlier world.
+    Raises ConfigError as `measure` does.
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, __file__], input=pickle.dumps(args), capture_output=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"estimating pipeline rank {args[-1]} failed:\n{done.stderr.decode()[-3000:]}")
+    result = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    if "error" in result:
+        raise ConfigError(result["error"])
+    return result
+
+
+# ----- pipeline parallelism ------------------------------------------------------------------
+
+
+def build_embedding(cfg: JobConfig, parallel_dims: ParallelDims, device: torch.device, **options):
+    """The model's embedding alone, parallelized as the run's first stage holds it: its output
+    is what every stage sends the next (the blocks keep its shape, dtype and layout)."""
+    _, model = build_meta_model(cfg, parallel_dims, device)
+    part = prune_to_stage(model, EMBEDDING)
+    return get_train_spec(cfg.model.name).parallelize_fn(part, parallel_dims, cfg, device, **options)
+
+
+def stage_io(cfg: JobConfig, plan, embedding: torch.nn.Module, tokens: torch.Tensor, device) -> list[tuple]:
+    """Per stage of this rank, an example (input, output) of one microbatch: what the real run's
+    stages learn from their peers at the first step, which a simulated rank has none of."""
+    embedding.to_empty(device=device)
+    microbatch = tokens[: cfg.parallelism.pipeline_parallel_microbatch_size]
+    with torch.no_grad():
+        hidden = embedding(microbatch).detach().requires_grad_()
+    return [(microbatch if stage_id == 0 else hidden, hidden) for stage_id in plan.stage_ids]
+
+
+def tracked_pipeline_step(
+    cfg: JobConfig, plan, stages, parallel_dims: ParallelDims, device, embedding=None, prepare=None
+) -> dict:  # fmt: skip
+    """`tracked_step` for this rank's pipeline stages: the schedule runs its microbatches as the
+    trainer runs them, so what it keeps in flight (the activations of the microbatches whose
+    backward is still to come, and the buffers it receives into) is counted as it falls.
+
+    `embedding` (`build_embedding`) gives the stages their shapes, for a rank without peers;
+    None: they exchange them with their peers at the first step, as in a real run. `prepare`
+    runs on each stage once it has storage, as in `tracked_step`.
+    """
+    spec = get_train_spec(cfg.model.name)
+    for stage in stages:
+        stage.to_empty(device=device).train()
+        if prepare is not None:
+            prepare(stage)
+    model = merged_model(stages)
+    optimizer = spec.build_optimizer_fn(model, cfg, device)
+    _prime_optimizer(model, optimizer)
+    batch = _batch(cfg, device)
+    accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
+    pipeline = Pipeline(
+        plan, stages, spec.build_loss_fn(cfg), parallel_dims.submesh("pp").get_group(), device,
+        plan.n_microbatches * accum_steps, cfg.parallelism.pipeline_parallel_schedule_csv,
+        stage_io=None if embedding is None else stage_io(cfg, plan, embedding, batch[0], device),
+    )  # fmt: skip
+    tracker = make_tracker(model, optimizer, batch)
+    with tracking(tracker):
+        optimizer.zero_grad(set_to_none=True)
+        # From the second micro-batch on, each holds the same (see `train_step`).
+        for micro_batch in range(min(accum_steps, 2)):
+            for part in stages:
+                set_gradient_sync(part, parallel_dims, sync=micro_batch == accum_steps - 1)
+            pipeline_forward_backward(pipeline, *batch, parallel_dims, cfg)
+        clip_grad_norm_(model.parameters(), cfg.training.max_norm, pipeline.pp_group)
+        optimizer.step()
+    return tracker.get_tracker_snapshot("peak").get(device, {})
 
 
 # ----- output --------------------------------------------------------------------------------
@@ -636,6 +807,13 @@ def describe(cfg: JobConfig, ngpu: int, ep_imbalance: float = 1.0) -> str:
     )
 
 
+def describe_stages(cfg: JobConfig) -> list[str]:
+    """Under pipeline parallelism, one line per pipeline rank naming its stages and modules."""
+    n_layers = get_train_spec(cfg.model.name).get_flavor(cfg.model.flavor).update_from_config(cfg).n_layers
+    pp = cfg.parallelism.pipeline_parallel_degree
+    return [describe_pipeline(PipelinePlan.from_config(cfg, n_layers, pp, r), r) for r in range(pp)]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print the estimate as Markdown; on a config mistake print it and exit 2."""
     argv = sys.argv[1:] if argv is None else argv
@@ -663,6 +841,8 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
     print(f"Estimated peak memory per rank: {title}\n\n{format_table(results)}")
+    if cfg.parallelism.pipeline_parallel_degree > 1:
+        print("\n" + "\n".join(describe_stages(cfg)))
 
 
 if __name__ == "__main__":

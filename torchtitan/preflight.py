@@ -35,7 +35,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import wants_help
 from torchtitan.distributed.device import device_type
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import Pipeline, build_stages, merged_model
+from torchtitan.distributed.pipeline_parallel import Pipeline, PipelinePlan, build_stages, merged_model
 from torchtitan.models import get_train_spec
 from torchtitan.protocols.train_spec import import_custom_module
 from torchtitan.tools.dtypes import TORCH_DTYPES
@@ -44,17 +44,38 @@ USAGE = "usage: python -m torchtitan.preflight [--errors-only] [--world-size N] 
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int):
-    """A fake process group of `world_size` ranks in this process, as rank 0; destroyed on exit.
+def fake_world(world_size: int, rank: int = 0):
+    """A fake process group of `world_size` ranks in this process, as `rank`; destroyed on exit.
 
     Pitfall: the process must not be in a process group already."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def build_meta_model(cfg: JobConfig, parallel_dims: ParallelDims, device: torch.device):
+    """The spec's model in `training.dtype` on the meta device, with the run's converters
+    applied; returns (its model args, the model)."""
+    spec = get_train_spec(cfg.model.name)
+    model_args = spec.get_flavor(cfg.model.flavor).update_from_config(cfg)
+    model = spec.build_meta_model(model_args, TORCH_DTYPES[cfg.training.dtype])
+    build_model_converters(cfg, parallel_dims, device).convert(model)
+    return model_args, model
+
+
+def build_pipeline_stages(
+    cfg: JobConfig, parallel_dims: ParallelDims, device: torch.device, **options
+) -> tuple[PipelinePlan, list[nn.Module]]:
+    """This rank's pipeline stages, built as `build_parallelized_model` builds a model; returns
+    (the `PipelinePlan`, the parallelized stage modules in `plan.stage_ids` order)."""
+    spec = get_train_spec(cfg.model.name)
+    model_args, model = build_meta_model(cfg, parallel_dims, device)
+    parallelize = lambda part: spec.parallelize_fn(part, parallel_dims, cfg, device, **options)  # noqa: E731
+    return build_stages(model, cfg, model_args, parallel_dims, parallelize)
 
 
 def build_parallelized_model(
@@ -62,17 +83,13 @@ def build_parallelized_model(
 ) -> nn.Module:
     """The spec's model built in `training.dtype` on the meta device, converted and parallelized
     as the trainer builds it; no storage, no initialized weights. `options` go to the model's
-    `parallelize_fn` (see `parallelize_decoder`). Under pipeline parallelism: rank 0's stages,
-    under one module (`merged_model`)."""
-    spec = get_train_spec(cfg.model.name)
-    model_args = spec.get_flavor(cfg.model.flavor).update_from_config(cfg)
-    model = spec.build_meta_model(model_args, TORCH_DTYPES[cfg.training.dtype])
-    build_model_converters(cfg, parallel_dims, device).convert(model)
-    parallelize = lambda part: spec.parallelize_fn(part, parallel_dims, cfg, device, **options)  # noqa: E731
+    `parallelize_fn` (see `parallelize_decoder`). Under pipeline parallelism: this rank's
+    stages, under one module (`merged_model`)."""
     if not parallel_dims.pp_enabled:
-        return parallelize(model)
-    # Rank 0's stages; the split itself, checked here, is the same on every rank.
-    plan, stages = build_stages(model, cfg, model_args, parallel_dims, parallelize)
+        _, model = build_meta_model(cfg, parallel_dims, device)
+        return get_train_spec(cfg.model.name).parallelize_fn(model, parallel_dims, cfg, device, **options)
+    # The split itself, checked here, is the same on every rank.
+    plan, stages = build_pipeline_stages(cfg, parallel_dims, device, **options)
     # The schedule checks its microbatch count against the stages when it is built.
     Pipeline(
         plan, stages, loss_fn=None, pp_group=parallel_dims.submesh("pp").get_group(), device=device, scale=1
