@@ -33,11 +33,15 @@ pytestmark = pytest.mark.integration
 # 4 microbatches of one sequence on 2 stages: 1F1B keeps 2 in flight on the first stage, GPipe 4.
 PP2 = ["--config", "debug_model.toml", "--training.seq_len", "256", "--training.local_batch_size", "4",
        "--parallelism.pipeline_parallel_degree", "2"]  # fmt: skip
-# The estimate matched the real step to the byte; 1% leaves room for allocator details that
-# differ between torch versions.
-ESTIMATE_RTOL = 0.01
-SCHEDULES = ["1F1B", pytest.param("GPipe", marks=pytest.mark.full_matrix),
-             pytest.param("Interleaved1F1B", marks=pytest.mark.full_matrix)]  # fmt: skip
+# What one stage sends the next for one microbatch: 1 x 256 tokens x dim 256, fp32.
+HIDDEN_STATE_BYTES = 256 * 256 * 4
+# The estimate falls short of the real step by a few of those, never more: 0 (GPipe), 1 on the
+# first stage (1F1B, every AC mode), up to 7 (Interleaved1F1B, 2.1% of the peak). The real
+# step's sends and receives are asynchronous, and some tensors live until their message is
+# waited for; with the fake process group every message is done at once.
+MISSED_HIDDEN_STATES = 8
+WIDER = [("GPipe", "none"), ("Interleaved1F1B", "none"), ("1F1B", "full"), ("1F1B", "selective")]
+CASES = [("1F1B", "none"), *(pytest.param(*case, marks=pytest.mark.full_matrix) for case in WIDER)]
 
 
 def _estimator():
@@ -45,6 +49,7 @@ def _estimator():
 
 
 def _config(schedule: str, ac: str = "none"):
+    """`ac` "selective" is op-SAC (the config's default option)."""
     return parse_args(PP2 + ["--parallelism.pipeline_parallel_schedule", schedule,
                              "--activation_checkpoint.mode", ac], env={})  # fmt: skip
 
@@ -55,17 +60,18 @@ def estimator():
 
 
 @functools.cache
-def _real_peaks(schedule: str) -> list[dict[str, int]]:
-    return run_worker("test_memory_estimator_pp", argv=[schedule])
+def _real_peaks(schedule: str, ac: str) -> list[dict[str, int]]:
+    return run_worker("test_memory_estimator_pp", argv=[schedule, ac])
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_per_stage_estimate_equals_a_real_pipeline_step(estimator, schedule):
-    real = _real_peaks(schedule)
+@pytest.mark.parametrize("schedule, ac", CASES)
+def test_per_stage_estimate_equals_a_real_pipeline_step(estimator, schedule, ac):
+    real = _real_peaks(schedule, ac)
     for pp_rank, real_rank in enumerate(real):
-        estimated = estimator.measure(_config(schedule), 2, pp_rank=pp_rank)
+        estimated = estimator.measure(_config(schedule, ac), 2, pp_rank=pp_rank)
         for row in (estimator.TOTAL, "activations"):
-            assert estimated[row] == pytest.approx(real_rank[row], rel=ESTIMATE_RTOL), (pp_rank, row)
+            missed = real_rank[row] - estimated[row]
+            assert 0 <= missed <= MISSED_HIDDEN_STATES * HIDDEN_STATE_BYTES, (pp_rank, row, missed)
 
 
 def test_1f1b_first_stage_holds_more_activations_than_the_last(estimator):
@@ -109,8 +115,8 @@ def test_every_pipeline_rank_gets_a_column_of_its_own(estimator):
     assert results["none, pp 0"] == estimator.measure(_config("1F1B"), 2, pp_rank=0)
 
 
-def _real_step(estimator, schedule: str) -> dict[str, int]:
-    cfg = _config(schedule)
+def _real_step(estimator, schedule: str, ac: str) -> dict[str, int]:
+    cfg = _config(schedule, ac)
     parallel_dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
     parallel_dims.build_mesh("cpu")
     device = torch.device("cpu")
@@ -122,14 +128,14 @@ def _real_step(estimator, schedule: str) -> dict[str, int]:
     return estimator.breakdown(peak)
 
 
-def _worker(schedule: str) -> None:
+def _worker(schedule: str, ac: str) -> None:
     dist.init_process_group("gloo")
     peaks: list = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, _real_step(_estimator(), schedule))
+    dist.all_gather_object(peaks, _real_step(_estimator(), schedule, ac))
     if dist.get_rank() == 0:
         print(json.dumps(peaks))
     shut_down()
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    _worker(sys.argv[1], sys.argv[2])
