@@ -33,6 +33,7 @@ from torchtitan.config import check
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import wants_help
+from torchtitan.distributed.context_parallel import check_context_parallel
 from torchtitan.distributed.device import device_type
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, PipelinePlan, build_stages, merged_model
@@ -62,6 +63,8 @@ def build_meta_model(cfg: JobConfig, parallel_dims: ParallelDims, device: torch.
     applied; returns (its model args, the model)."""
     spec = get_train_spec(cfg.model.name)
     model_args = spec.get_flavor(cfg.model.flavor).update_from_config(cfg)
+    if parallel_dims.cp_enabled:
+        check_context_parallel(cfg, model_args, parallel_dims)
     model = spec.build_meta_model(model_args, TORCH_DTYPES[cfg.training.dtype])
     build_model_converters(cfg, parallel_dims, device).convert(model)
     return model_args, model

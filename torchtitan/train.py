@@ -44,6 +44,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import format_help, parse_args, wants_help
 from torchtitan.config.toml_writer import to_toml
 from torchtitan.config.validation import dump_folder_error
+from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.determinism import set_determinism
 from torchtitan.distributed.device import local_device
@@ -110,6 +111,7 @@ class Trainer:
         )
 
         self.loss_fn = self.spec.build_loss_fn(cfg)
+        self.context_parallel = ContextParallel.from_config(cfg, self.parallel_dims, self.model_args)
         self.pipeline: Pipeline | None = None
         self.whole_model_shapes = None  # under PP, where this rank's model is a part of it
         self.model_parts: list[torch.nn.Module] = []  # what forward runs: the model, or its stages
@@ -137,10 +139,11 @@ class Trainer:
             hf_adapter=self._hf_adapter(), whole_model_shapes=self.whole_model_shapes,
             pp_group=self.pipeline.pp_group if self.pipeline else None,
         )  # fmt: skip
-        # Tensor-parallel ranks share their batch, and pipeline stages split its layers, so
-        # each device does 1/(tp x pp) of its work.
+        # Tensor-parallel ranks share their batch, pipeline stages split its layers and
+        # context-parallel ranks its sequences, so each device does 1/(tp x pp x cp) of its work.
         t, d = cfg.training, self.parallel_dims
-        self.tokens_per_device_per_step = t.local_batch_size * t.seq_len * self.accum_steps // (d.tp * d.pp)
+        per_device = t.local_batch_size * t.seq_len * self.accum_steps
+        self.tokens_per_device_per_step = per_device // (d.tp * d.pp * d.cp)
 
     # ----- construction -------------------------------------------------------------------
 
@@ -281,6 +284,7 @@ class Trainer:
                 self.parallel_dims,
                 self.job_config,
                 extra_loss_fn=self.spec.extra_loss_fn,
+                context_parallel=self.context_parallel,
             )
         if steps_in_backward:
             grad_norm = self.optimizer.grad_norm()

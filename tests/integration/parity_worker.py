@@ -30,6 +30,7 @@ import torchtitan.train
 from tests.integration.workers import shut_down
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed import grad_norm
+from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.expert_parallel import expert_parallel_params, full_expert_tensor
 from torchtitan.distributed.rank_agreement import mean_and_max_over_ranks
 from torchtitan.tools.fqn import clean_fqn
@@ -128,6 +129,12 @@ def plant(bug: str, trainer: Trainer) -> None:
         schedule = trainer.pipeline.schedule
         loss_fn, microbatches = schedule._loss_fn, trainer.pipeline.plan.n_microbatches
         schedule._loss_fn = lambda output, labels: loss_fn(output, labels) * microbatches
+    elif bug == "keys-in-rank-order":
+        # The headtail split gathers chunks 0, 3 (rank 0), 1, 2 (rank 1): read as 0, 1, 2, 3.
+        def in_rank_order(self, seq_len, device):
+            return torch.arange(seq_len, device=device)
+
+        ContextParallel.gathered_positions = in_rank_order
     elif bug != "none":
         raise ValueError(f"unknown bug to plant: {bug}")
 

@@ -22,6 +22,11 @@ CONFIGS = {
     "qwen3": "qwen3_debug_model.toml",
     "qwen3 moe": "qwen3_debug_model_moe.toml",
     "deepseek_v3": "deepseek_v3_debug_model.toml",
+    "llama3 window": "debug_model_flex_attn.toml",
+}
+# What a model entry sets besides its config file, in every layout and in its reference.
+MODEL_ARGV = {
+    "llama3 window": ["--model.attn_mask_type", "sliding_window", "--model.sliding_window", "24"],
 }
 GLOBAL_BATCH = 4
 COMMON = ["--training.seq_len", "64", "--training.mixed_precision_param", "float32",
@@ -117,6 +122,35 @@ PIPELINE_LAYOUTS = {
 }
 LAYOUTS.update({name: layout for name, (layout, _) in PIPELINE_LAYOUTS.items()})
 
+
+def _cp(method: str, *extra: str) -> list[str]:
+    return [_P + "context_parallel_degree", "2", _P + "context_parallel_method", method, *extra]
+
+
+# Context-parallel layouts (CP 2: each 64-token sequence split over 2 ranks, 4 chunks of 16 with
+# the headtail balancer), the same tolerance: each rank computes its tokens' rows of one
+# process's attention, and the FSDP average over the CP ranks is the whole sequence's mean.
+CONTEXT_LAYOUTS = {
+    "CP 2, allgather_kv": (("llama3", 2, 4, _cp("allgather_kv"), "op-SAC"), ()),
+    "CP 2, ulysses, flex block_causal": (("llama3 flex", 2, 4, _cp("ulysses"), "full"), ()),
+    "CP 2, allgather_kv, flex block_causal": (("llama3 flex", 2, 4, _cp("allgather_kv"), "none"), FULL),
+    "CP 2, ulysses": (("llama3", 2, 4, _cp("ulysses"), "op-SAC"), FULL),
+    "CP 2, allgather_kv, flex sliding_window": (("llama3 window", 2, 4, _cp("allgather_kv"), "op-SAC"), FULL),
+    "CP 2, ulysses, flex sliding_window": (("llama3 window", 2, 4, _cp("ulysses"), "full"), FULL),
+    "CP 2, contiguous chunks": (
+        ("llama3", 2, 4, _cp("allgather_kv", _P + "context_parallel_load_balancer", "none"), "full"), FULL),
+    "CP 2 x FSDP 2, allgather_kv": (("llama3", 4, 2, _cp("allgather_kv"), "full"), FULL),
+    "CP 2 x FSDP 2, ulysses": (("llama3", 4, 2, _cp("ulysses"), "op-SAC"), FULL),
+    "CP 2 x TP 2, allgather_kv": (("llama3", 4, 4, _cp("allgather_kv") + TP2, "op-SAC"), FULL),
+    "CP 2 x TP 2, ulysses": (("llama3", 4, 4, _cp("ulysses") + TP2, "full"), FULL),
+    "Qwen3 CP 2, ulysses": (("qwen3", 2, 4, _cp("ulysses"), "op-SAC"), FULL),
+    "Qwen3 MoE CP 2, allgather_kv": (("qwen3 moe", 2, 4, _cp("allgather_kv"), "full"), FULL),
+    "DeepSeek-V3 CP 2, allgather_kv": (("deepseek_v3", 2, 4, _cp("allgather_kv"), "op-SAC"), FULL),
+    "DeepSeek-V3 CP 2, ulysses": (("deepseek_v3", 2, 4, _cp("ulysses"), "full"), FULL),
+}  # fmt: skip
+LAYOUTS.update({name: layout for name, (layout, _) in CONTEXT_LAYOUTS.items()})
+MARKS = {name: marks for name, (_, marks) in {**PIPELINE_LAYOUTS, **CONTEXT_LAYOUTS}.items()}
+
 _references: dict = {}
 
 
@@ -128,7 +162,8 @@ def reference_of(model: str):
 
 
 def _argv(model: str, local_batch: int, extra=()) -> list[str]:
-    return ["--config", CONFIGS[model], *COMMON, "--training.local_batch_size", str(local_batch), *extra]
+    return ["--config", CONFIGS[model], *MODEL_ARGV.get(model, ()), *COMMON,
+            "--training.local_batch_size", str(local_batch), *extra]  # fmt: skip
 
 
 def run_layout(name: str, plant: str = "none"):
@@ -136,10 +171,7 @@ def run_layout(name: str, plant: str = "none"):
     return train_for_parity(_argv(model, local_batch, argv + AC_ARGV[ac]), nproc, plant=plant)
 
 
-@pytest.mark.parametrize(
-    "layout", [name if name not in PIPELINE_LAYOUTS else pytest.param(name, marks=PIPELINE_LAYOUTS[name][1])
-               for name in LAYOUTS]
-)  # fmt: skip
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=MARKS.get(name, ())) for name in LAYOUTS])
 def test_layout_gives_every_gradient_and_parameter_of_one_process_without_ac(layout, record_property):
     worst = assert_parity(run_layout(layout), reference_of(LAYOUTS[layout][0]))
     record_property("worst_step_1_gradient_error", worst)
@@ -156,9 +188,11 @@ GRADIENT_OFF = "gradients after step 1 off by more than 1e-05; the worst: "
      ("Qwen3 MoE EP 2", "swapped-expert-rows", GRADIENT_OFF + "layers.0.moe.experts.w1"),
      ("FSDP 2", "scaled-shard", GRADIENT_OFF + "layers.1.attention.wq.weight"),
      # Clipping hides a uniform gradient scale; the loss, logged from the schedule, shows it.
-     ("PP 2, 1F1B", "unscaled-microbatches", "losses off by more than 1e-05; the worst: loss at step")],
+     ("PP 2, 1F1B", "unscaled-microbatches", "losses off by more than 1e-05; the worst: loss at step"),
+     ("CP 2, allgather_kv", "keys-in-rank-order", GRADIENT_OFF)],
     ids=["a norm weight's TP partial gradient left unreduced", "two expert rows' gradients swapped under EP",
-         "one FSDP shard's gradient scaled by 1 + 1e-3", "a pipeline loss not divided by its microbatches"],
+         "one FSDP shard's gradient scaled by 1 + 1e-3", "a pipeline loss not divided by its microbatches",
+         "gathered keys masked as if they were in sequence order"],
 )  # fmt: skip
 def test_a_planted_bug_fails_the_check_naming_what_is_off(layout, bug, expected):
     with pytest.raises(AssertionError) as failed:

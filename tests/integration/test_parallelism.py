@@ -3,6 +3,8 @@ reduction and timeouts. Their parity with one process is test_layout_parity.py's
 2-D matrix is marked `full_matrix` and runs with `python -m pytest -m full_matrix`.
 """
 
+import functools
+
 import pytest
 
 from tests.conftest import read_metrics, run_trainer
@@ -141,6 +143,23 @@ def test_op_sac_recommunicates_only_the_sequence_parallel_all_gathers():
     assert full_back == none_back + none_fwd - 2 - 6
     assert op_sac["backward"]["all_gather"] - none["backward"]["all_gather"] == 2 * 6
     assert op_sac["backward"]["reduce_scatter"] == none["backward"]["reduce_scatter"]
+
+
+@pytest.mark.parametrize("method", ["allgather_kv", "ulysses"])
+def test_op_sac_keeps_context_parallel_exchanges_and_full_ac_reissues_them(method):
+    report = _cp_comm_report()[method]
+    none, full, op_sac = report["none"], report["full"], report["selective op"]
+    # Per block: the keys' and values' all-gathers, or Ulysses' four all-to-alls (q, k, v, out).
+    assert (
+        none["forward"] == full["forward"] == op_sac["forward"] == 6 * (2 if method == "allgather_kv" else 4)
+    )
+    assert full["backward"] - none["backward"] == none["forward"]
+    assert op_sac["backward"] == none["backward"]
+
+
+@functools.cache
+def _cp_comm_report() -> dict:
+    return run_worker("cp_comm_worker")
 
 
 def test_accumulated_micro_batches_reduce_across_replicas_once_per_step():

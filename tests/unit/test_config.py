@@ -384,11 +384,6 @@ def test_ambiguous_bare_name_lists_the_matches(tmp_path, monkeypatch):
     )
 
 
-def test_unbuilt_feature_is_refused_not_ignored():
-    message = _error(["--parallelism.context_parallel_degree", "2"])
-    assert "parallelism.context_parallel_degree" in message and "not supported yet" in message
-
-
 def test_a_list_of_lists_on_the_command_line_separates_the_lists_with_semicolons():
     cfg = parse_args(
         ["--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0;layers.1,norm,output"], env={}

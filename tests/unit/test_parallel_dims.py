@@ -92,9 +92,13 @@ def test_async_tp_without_compile_or_cuda_is_refused():
         maybe_enable_async_tp(ParallelDims(1, 1, 2, 2), cfg, torch.device("cpu"))
 
 
-def test_unbuilt_parallelism_is_refused_with_not_supported_yet():
-    with pytest.raises(ConfigError, match="needs context parallelism, which is not supported yet"):
-        parse_args(["--parallelism.context_parallel_degree", "2"], env={})
+def test_context_parallel_degree_counts_in_the_world_size_and_shards_with_fsdp():
+    dims = ParallelDims(1, -1, 1, 8, cp=2)
+    assert dims.dp_shard == 4 and dims.dp_degree == 4 and dims.fsdp_enabled
+    assert ParallelDims(1, 1, 1, 2, cp=2).fsdp_enabled  # the CP ranks alone shard the weights
+    assert not ParallelDims(2, 1, 1, 4, cp=2).ddp_enabled
+    with pytest.raises(ConfigError, match="x context_parallel_degree 2 x tensor_parallel_degree 1"):
+        ParallelDims(1, 3, 1, 8, cp=2)
 
 
 def test_pipeline_degree_counts_in_the_world_size_and_is_the_outermost_mesh_dim():

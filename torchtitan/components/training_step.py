@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_helpers import plain_tensor
 from torchtitan.distributed.tensor_parallel import loss_context
@@ -51,12 +52,14 @@ def autocast_context(job_config: JobConfig, parallel_dims: ParallelDims, device:
 def describe_layout(job_config: JobConfig, parallel_dims: ParallelDims) -> str:
     """One line naming the ranks, their split, the data parallelism and the dtypes, e.g.
     "8 rank(s): dp_replicate 2 x dp_shard 2 x tp 2, HSDP; float32 weights, params bfloat16,
-    reduce float32"; under pipeline parallelism the split starts with "pp N x". Expert
+    reduce float32"; under pipeline parallelism the split starts with "pp N x", and context
+    parallelism adds "x cp N" before tp. Expert
     parallelism borrows its ranks from dp_shard, so it is shown there, or after tp when it
     borrows the TP ranks too."""
     d, t = parallel_dims, job_config.training
     ep = f" (ep {d.ep})" if d.ep_enabled and not d.ep_borrows_tp else ""
-    split = f"dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard}{ep} x tp {d.tp}"
+    cp = f" x cp {d.cp}" if d.cp_enabled else ""
+    split = f"dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard}{ep}{cp} x tp {d.tp}"
     if d.ep_borrows_tp:
         split += f" (ep {d.ep} = {d.ep_from_dp_shard} of dp_shard x tp {d.tp})"
     if d.pp_enabled:
@@ -81,16 +84,22 @@ def forward_backward(
     job_config: JobConfig,
     *,
     extra_loss_fn,
+    context_parallel: ContextParallel | None = None,
 ) -> torch.Tensor:
     """Forward, loss (scaled by 1/accum_steps) and backward of one micro-batch.
 
     `extra_loss_fn(model)` returns a loss the model adds (e.g. MoE auxiliary losses) or None; it
     joins backward but not the returned loss. It is the spec's `extra_loss_fn`, required so that
     no caller (the trainer, the memory estimator) leaves a model's own losses out of backward;
-    None for a model that adds none. Returns the detached scaled
-    loss as a plain tensor on the device (no host sync).
+    None for a model that adds none. Under `context_parallel` the model runs on this rank's
+    share of each sequence, and the loss is the mean over those tokens (every rank holds as
+    many, so FSDP's average over the ranks is the whole sequence's mean). Returns the detached
+    scaled loss as a plain tensor on the device (no host sync).
     """
-    with loss_context(parallel_dims, job_config):
+    sharded = contextlib.nullcontext((inputs, labels))
+    if context_parallel is not None:
+        sharded = context_parallel.sharded(inputs, labels)
+    with sharded as (inputs, labels), loss_context(parallel_dims, job_config):
         with autocast_context(job_config, parallel_dims, inputs.device):
             logits = model(inputs)
         loss = loss_fn(logits, labels) / accum_steps

@@ -209,7 +209,20 @@ class Parallelism:
     tensor_parallel_degree: int = opt(1, "tensor parallel degree", min=1)
     disable_loss_parallel: bool = opt(False, "gather logits instead of vocab-parallel loss")
     enable_async_tensor_parallel: bool = opt(False, "overlap TP comms with compute (compile)")
-    context_parallel_degree: int = opt(1, "context parallel degree", min=1)
+    context_parallel_degree: int = opt(
+        1, "context parallel degree: each sequence is split over this many ranks", min=1
+    )
+    context_parallel_method: Literal["allgather_kv", "ulysses"] = opt(
+        "allgather_kv",
+        "how attention sees the whole sequence: allgather_kv gathers every rank's keys and values; "
+        "ulysses swaps the sequence split for a split of the heads (all-to-all), and needs the heads "
+        "per TP rank divisible by the degree",
+    )
+    context_parallel_load_balancer: Literal["headtail", "none"] = opt(
+        "headtail",
+        "which tokens a rank holds: headtail gives rank r chunks r and 2*cp-1-r of 2*cp, so that causal "
+        "attention costs every rank the same; none gives contiguous chunks",
+    )
     pipeline_parallel_degree: int = opt(
         1, "pipeline parallel degree: stages are split over this many ranks", min=1
     )

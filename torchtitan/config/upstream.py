@@ -106,7 +106,6 @@ UNBUILT_KEYS = {
         "group in one process and reports each rank's peak memory",
     ),
     "parallelism.pipeline_parallel_expert_parallel_overlap": UnbuiltKey("pipeline parallelism", ANY),
-    "parallelism.context_parallel_load_balancer": UnbuiltKey("context parallelism", ANY),
     "parallelism.expert_parallel_comm_backend": UnbuiltKey("DeepEP's all-to-all kernels", "standard"),
     "checkpoint.enable_ft_dataloader_checkpoints": UnbuiltKey("TorchFT fault tolerance", ANY),
     "checkpoint.initial_load_in_hf_quantized": UnbuiltKey(

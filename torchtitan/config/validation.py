@@ -25,11 +25,6 @@ from torchtitan.config.upstream import UPSTREAM_BUNDLED_DATASETS
 
 logger = logging.getLogger(__name__)
 
-# Keys whose feature is not built yet: any value other than the default stops the run.
-NOT_BUILT_YET = {
-    "parallelism.context_parallel_degree": "context parallelism",
-}
-
 
 def _check_ranges(config: JobConfig) -> None:
     for section, cls in section_types(type(config)).items():
@@ -51,21 +46,6 @@ def _check_ranges(config: JobConfig) -> None:
                 bounds += [f"> {gt}"] * (gt is not None) + [f"< {lt}"] * (lt is not None)
                 raise ConfigError(
                     f"'{section}.{f.name}' = {value} is out of range: it must be {' and '.join(bounds)}."
-                )
-
-
-def _check_not_built(config: JobConfig) -> None:
-    defaults = JobConfig()
-    for target, feature in NOT_BUILT_YET.items():
-        section, _, only_key = target.partition(".")
-        keys = [only_key] if only_key else [f.name for f in dataclasses.fields(getattr(config, section))]
-        for key in keys:
-            value = getattr(getattr(config, section), key)
-            if value != getattr(getattr(defaults, section), key):
-                raise ConfigError(
-                    f"'{section}.{key}' = {value!r} needs {feature}, which is not supported yet. "
-                    f"Remove the key or set it back to "
-                    f"{getattr(getattr(defaults, section), key)!r}."
                 )
 
 
@@ -421,5 +401,4 @@ def validate(config: JobConfig) -> JobConfig:
     """Range, not-built-yet and cross-key checks; raises ConfigError on the first problem."""
     _check_ranges(config)
     _check_consistency(config)
-    _check_not_built(config)
     return config

@@ -148,6 +148,8 @@ class ACFacts:
             gradients then weight gradients (the zero-bubble schedules); both passes recompute,
             so SAC keeps what it saved for the second (see `_KeptSACCache`).
         tensor_parallel, expert_parallel: the degrees.
+        context_parallel_group: the name of the context-parallel process group ("" without
+            CP): op-SAC saves its collectives' outputs (`context_parallel_collective`).
         has_moe: some block has an MoE.
         save_list: the ops whose outputs op-SAC saves (the model's own list).
         dump_folder: where memory_budget's pareto plot goes.
@@ -162,6 +164,7 @@ class ACFacts:
     split_backward: bool = False
     tensor_parallel: int = 1
     expert_parallel: int = 1
+    context_parallel_group: str = ""
     has_moe: bool = False
     save_list: frozenset = DEFAULT_SAVE_LIST
     dump_folder: str = ""
@@ -279,7 +282,7 @@ class FullAC(ACPlan):
             return self._checkpoint(block), kind
         replay = self.config.full_ac_all_to_all == "replay"
         skip = replay and self._skips_all_to_all_inputs(block)
-        policy = lambda: _full_ac_moe_policy(replay)  # noqa: E731
+        policy = lambda: _full_ac_moe_policy(replay, self.facts.context_parallel_group)  # noqa: E731
         context_fn = _selective_context_fn(policy, skip, keep=self.facts.split_backward)
         kind += f" (MoE: routing saved, all-to-alls {self.config.full_ac_all_to_all})"
         return self._checkpoint(block, context_fn), kind
@@ -305,8 +308,9 @@ class OpSAC(ACPlan):
     def wrap_block(self, index, block, model):
         roles = _LinearRoles.of_block(block, self.forced, track_end=self.config.early_stop)
         context_fn = op_sac_context_fn(
-            self.facts.save_list, roles, self._skips_all_to_all_inputs(block), keep=self.facts.split_backward
-        )
+            self.facts.save_list, roles, self._skips_all_to_all_inputs(block), keep=self.facts.split_backward,
+            context_parallel_group=self.facts.context_parallel_group,
+        )  # fmt: skip
         sac = lambda m: self._checkpoint(m, context_fn)  # noqa: E731
         if self.facts.flex_attention and not self.facts.compile_enabled:
             _warn_once(
@@ -645,9 +649,22 @@ def _is_looped_expert_mm(func, args) -> bool:
     return base is not None and base.dim() == 3
 
 
-def _op_sac_policy(save_ops: frozenset, roles: _LinearRoles | None, counts: dict):
+def context_parallel_collective(func, args, kwargs, group_name: str) -> bool:
+    """Whether an op is one of context parallelism's exchanges (the keys' and values'
+    all-gather, Ulysses' all-to-alls): a functional collective on the CP group. op-SAC saves
+    them, so that backward never exchanges again; full AC re-issues them."""
+    if not group_name or func not in (_c10d.all_gather_into_tensor.default, _c10d.all_to_all_single.default):
+        return False
+    return kwargs.get("group_name", args[-1]) == group_name
+
+
+def _op_sac_policy(
+    save_ops: frozenset, roles: _LinearRoles | None, counts: dict, context_parallel_group: str = ""
+):
     def policy(ctx, func, *args, **kwargs):
         if _is_device_to_host_copy(func, args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
+        if context_parallel_collective(func, args, kwargs, context_parallel_group):
             return CheckpointPolicy.MUST_SAVE
         phase = "recompute" if ctx.is_recompute else "forward"
         if _is_looped_expert_mm(func, args):
@@ -676,10 +693,12 @@ def _op_sac_policy(save_ops: frozenset, roles: _LinearRoles | None, counts: dict
     return policy
 
 
-def _full_ac_moe_policy(replay_all_to_all: bool):
+def _full_ac_moe_policy(replay_all_to_all: bool, context_parallel_group: str = ""):
     def policy(ctx, func, *args, **kwargs):
         if func in ROUTING_OPS or _is_device_to_host_copy(func, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
+        if context_parallel_collective(func, args, kwargs, context_parallel_group):
+            return CheckpointPolicy.PREFER_RECOMPUTE
         if func == _c10d.all_to_all_single.default:
             # Integer inputs are the split-size exchange: tiny, and it would sync again.
             if replay_all_to_all or not args[0].is_floating_point():
@@ -703,16 +722,18 @@ def op_sac_context_fn(
     roles: _LinearRoles | None = None,
     skip_all_to_all_inputs: bool = False,
     keep: bool = False,
+    context_parallel_group: str = "",
 ):
     """A `context_fn` for op-SAC; each checkpointed call gets fresh matmul counters, shared
     by its forward and its recompute so that both make the same choices. `roles` tells the
     block's forced Linears (always recomputed) and its end Linears: the reduce-scatter right
     after one of their matmuls is not saved, which holds only under `early_stop` (that never
     recomputes it). `skip_all_to_all_inputs` (only when `save_ops` holds the all-to-all): see
-    `all_to_all_input`. `keep`: see `_KeptSACCache`."""
+    `all_to_all_input`. `keep`: see `_KeptSACCache`. `context_parallel_group`: see
+    `context_parallel_collective`."""
 
     def new_policy():
-        return _op_sac_policy(save_ops, roles, defaultdict(int))
+        return _op_sac_policy(save_ops, roles, defaultdict(int), context_parallel_group)
 
     skip = skip_all_to_all_inputs and _c10d.all_to_all_single.default in save_ops
     return _selective_context_fn(new_policy, skip, keep)

@@ -37,10 +37,11 @@ def _reshard_policy(setting: str, pipelined: bool = False) -> tuple[bool, bool, 
 
 
 def data_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
-    """The mesh FSDP shards over: 1-D dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP."""
+    """The mesh FSDP shards over: 1-D dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP; under
+    context parallelism dp_shard_cp in place of dp_shard."""
     if parallel_dims.dp_replicate > 1:
         return parallel_dims.submesh("hsdp")
-    return parallel_dims.submesh("dp_shard")
+    return parallel_dims.submesh(parallel_dims.fsdp_mesh_name())
 
 
 def apply_fsdp(

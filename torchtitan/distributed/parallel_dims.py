@@ -8,7 +8,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.validation import expert_parallel_conflict
 from torchtitan.distributed.process_group import set_group_timeouts
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 # With expert parallelism dp_shard is built from two dims: EP groups are runs of consecutive
 # ranks (fast links for the all-to-all), and each expert is FSDP-sharded across the groups.
 EP_MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
@@ -21,9 +21,13 @@ class ParallelDims:
     """The parallel degrees of a run and the mesh built from them.
 
     `dp_shard = -1` takes the ranks left over after the other degrees. The mesh always has
-    the dims ("dp_replicate", "dp_shard", "tp"), some of size 1, plus the flattened "dp"
-    (replicate x shard: ranks that see different data). Pipeline parallelism (`pp > 1`) adds
+    the dims ("dp_replicate", "dp_shard", "cp", "tp"), some of size 1, plus the flattened "dp"
+    (replicate x shard: ranks that see different batches). Pipeline parallelism (`pp > 1`) adds
     an outermost "pp" dim; the other dims then describe the ranks of one stage.
+
+    Context parallelism (`cp > 1`) splits each sequence over the "cp" ranks, which see the same
+    batch. They hold the same weights, so FSDP shards over dp_shard and cp together (the
+    flattened "dp_shard_cp"), as torchtitan does, and averages the gradients over both.
 
     Expert parallelism (`ep > 1`) borrows its ranks from dp_shard, as torchtitan does: dp_shard
     is then the flattening of ("dp_shard_mod_ep", "ep"). Experts are split over "ep" and
@@ -48,6 +52,7 @@ class ParallelDims:
     ep: int = 1
     etp: int = 1
     pp: int = 1
+    cp: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False)
     # Flattened and combined meshes, kept here because slicing them out of the root mesh by
     # name is deprecated (and warns) since torch 2.11.
@@ -55,20 +60,21 @@ class ParallelDims:
 
     def __post_init__(self):
         pp = f"pipeline_parallel_degree {self.pp} x " if self.pp > 1 else ""
+        cp = f" x context_parallel_degree {self.cp}" if self.cp > 1 else ""
         if self.dp_shard == -1:
-            others = self.pp * self.dp_replicate * self.tp
+            others = self.pp * self.dp_replicate * self.cp * self.tp
             if self.world_size % others:
                 raise ConfigError(
-                    f"{pp}data_parallel_replicate_degree {self.dp_replicate} x tensor_parallel_degree "
+                    f"{pp}data_parallel_replicate_degree {self.dp_replicate}{cp} x tensor_parallel_degree "
                     f"{self.tp} = {others} does not divide the world size {self.world_size}; "
                     "choose degrees whose product divides the number of processes."
                 )
             self.dp_shard = self.world_size // others
-        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
             raise ConfigError(
                 f"parallel degrees multiply to {product} ({pp}data_parallel_replicate_degree "
-                f"{self.dp_replicate} x data_parallel_shard_degree {self.dp_shard} x "
+                f"{self.dp_replicate} x data_parallel_shard_degree {self.dp_shard}{cp} x "
                 f"tensor_parallel_degree {self.tp}) but the world size is {self.world_size}; make "
                 "the product equal the number of processes, or set data_parallel_shard_degree = -1."
             )
@@ -96,6 +102,7 @@ class ParallelDims:
             ep=p.expert_parallel_degree,
             etp=p.expert_tensor_parallel_degree,
             pp=p.pipeline_parallel_degree,
+            cp=p.context_parallel_degree,
         )
 
     @property
@@ -104,13 +111,17 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        """FSDP (or HSDP) shards parameters over dp_shard."""
-        return self.dp_shard > 1
+        """FSDP (or HSDP) shards parameters over dp_shard (and cp)."""
+        return self.dp_shard * self.cp > 1
 
     @property
     def ddp_enabled(self) -> bool:
         """Pure replication: replicas but no sharding."""
-        return self.dp_replicate > 1 and self.dp_shard == 1
+        return self.dp_replicate > 1 and self.dp_shard * self.cp == 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def pp_enabled(self) -> bool:
@@ -170,10 +181,16 @@ class ParallelDims:
                 self._derived["expert_dp"] = mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_dp")
                 self._derived["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], dp_shard])
         else:
-            shape = (self.dp_replicate, self.dp_shard, self.tp)
+            shape = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
             mesh = self._init_mesh(device_type, shape, MESH_DIMS)
             self._derived["dp"] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-            self._derived["hsdp"] = mesh["dp_replicate", "dp_shard"]
+            if self.cp_enabled:
+                dp_shard_cp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+                self._derived["dp_shard_cp"] = dp_shard_cp
+                self._derived["dp_cp"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+                self._derived["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], dp_shard_cp])
+            else:
+                self._derived["hsdp"] = mesh["dp_replicate", "dp_shard"]
         self._mesh = mesh
         return mesh
 
@@ -214,9 +231,20 @@ class ParallelDims:
             return self.submesh("expert_dp")
         return self.submesh("dp_shard_mod_ep")
 
+    def fsdp_mesh_name(self) -> str:
+        """The 1-D mesh FSDP shards over without replicas: "dp_shard", or "dp_shard_cp"."""
+        return "dp_shard_cp" if self.cp_enabled else "dp_shard"
+
     def dp_group(self):
-        """The process group of ranks that see different data; None for one process."""
-        return None if self._mesh is None else self.submesh("dp").get_group()
+        """The process group of ranks that see different tokens (different batches, or under
+        context parallelism different parts of a sequence); None for one process."""
+        if self._mesh is None:
+            return None
+        return self.submesh("dp_cp" if self.cp_enabled else "dp").get_group()
+
+    def cp_rank(self) -> int:
+        """This rank's index among the ranks splitting one sequence (0 without CP)."""
+        return self.submesh("cp").get_local_rank() if self.cp_enabled else 0
 
     def pp_rank(self) -> int:
         """This rank's index along the pipeline (0 without pipeline parallelism)."""

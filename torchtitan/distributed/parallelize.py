@@ -114,6 +114,9 @@ def _ac_facts(model, parallel_dims, job_config, save_list, use_flex_attn, wrap_a
         split_backward=splits_backward(job_config),
         tensor_parallel=parallel_dims.tp,
         expert_parallel=job_config.parallelism.expert_parallel_degree,
+        context_parallel_group=parallel_dims.submesh("cp").get_group().group_name
+        if parallel_dims.cp_enabled
+        else "",
         has_moe=any(block.is_moe for block in model.layers.children()),
         save_list=frozenset(save_list),
         dump_folder=job_config.job.dump_folder,

@@ -34,6 +34,8 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
+from torchtitan.distributed.context_parallel import ContextParallelStep, active_step
+
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
@@ -294,7 +296,7 @@ def _create_block_mask_compiled():
 
 
 def build_block_mask(
-    mask_mod: MaskMod, batch: int | None, seq_len: int, device: torch.device | str
+    mask_mod: MaskMod, batch: int | None, seq_len: int, device: torch.device | str, kv_len: int | None = None
 ) -> BlockMask:
     """The flex-attention `BlockMask` of ``mask_mod`` for square ``seq_len`` attention, built compiled.
 
@@ -311,8 +313,10 @@ def build_block_mask(
         seq_len: query and key length.
         device: where the mask (and the document ids of masks that split documents) live. Any device
             inductor compiles for works; the model uses this on CUDA only.
+        kv_len: the key length when it differs from the query length (context parallelism).
     """
-    return _create_block_mask_compiled()(mask_mod, batch, None, seq_len, seq_len, device=device)
+    kv_len = seq_len if kv_len is None else kv_len
+    return _create_block_mask_compiled()(mask_mod, batch, None, seq_len, kv_len, device=device)
 
 
 def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,8 +356,13 @@ class ScaledDotProductAttention(nn.Module):
         Args:
             q, k, v: ``[batch, heads, seq, head_dim]``; k and v may have fewer heads (GQA).
             masks: ignored (this backend is always causal); accepted so models call both backends alike.
+
+        Under context parallelism (`context_parallel.ContextParallel.sharded`) the tokens are this
+        rank's share, and attention runs over the whole sequence (`context_parallel_attention`).
             scale: softmax scale; None means ``1 / sqrt(head_dim)``.
         """
+        if (step := active_step()) is not None:
+            return context_parallel_attention(step, q, k, v, None, scale)
         k, v = _repeat_kv(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
@@ -386,18 +395,79 @@ class FlexAttention(nn.Module):
         """
         if masks is None:
             raise ValueError("the flex backend needs masks: pass build_attention_masks(tokens, mask_type)")
+        if (step := active_step()) is not None:
+            return context_parallel_attention(step, q, k, v, masks, scale)
         if masks.seq_len != q.shape[2]:
             raise ValueError(f"masks cover seq_len {masks.seq_len} but q has seq_len {q.shape[2]}")
+        return _masked_attention(q, k, v, masks, scale)
+
+
+def _masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: AttentionMasks, scale: float | None
+) -> torch.Tensor:
+    """Attention under `masks`: compiled flex with a block mask, SDPA with a dense one."""
+    if masks.block_mask is not None:
+        gqa = k.shape[1] < q.shape[1]
+        return _flex_attention_compiled()(q, k, v, block_mask=masks.block_mask, scale=scale, enable_gqa=gqa)
+    k, v = _repeat_kv(q, k, v)
+    # Compiled blocks take the boolean mask, as before: filling the shared additive one from
+    # inside a compiled block would make it recompile once the mask exists.
+    mask = masks.dense_mask if torch.compiler.is_compiling() else masks.additive_mask(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def context_parallel_attention(
+    step: ContextParallelStep,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    masks: AttentionMasks | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence, under context parallelism.
+
+    Args:
+        step: the micro-batch being run (`context_parallel.ContextParallelStep`).
+        q, k, v: ``[batch, heads, tokens / cp, head_dim]`` of this rank's tokens; k and v may
+            have fewer heads (GQA).
+        masks: the whole sequence's masks (built from `step.full_tokens`); None means causal.
+        scale: softmax scale; None means ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``[batch, heads, tokens / cp, head_dim]``, this rank's rows of one process's output.
+    """
+    if masks is None:
+        masks = build_attention_masks(step.full_tokens, "causal")
+    if step.plan.method == "ulysses":
+        if k.shape[1] % step.plan.cp:
+            k, v = _repeat_kv(q, k, v)
+        q, k, v = (step.heads_for_sequence(t) for t in (q, k, v))
+        at = step.gathered_positions
+        out = _masked_attention(q, k, v, _masks_at(step, masks, at, at), scale)
+        return step.sequence_for_heads(out)
+    k, v = step.gather_sequence(k), step.gather_sequence(v)
+    return _masked_attention(q, k, v, _masks_at(step, masks, step.positions, step.gathered_positions), scale)
+
+
+def _masks_at(step: ContextParallelStep, masks: AttentionMasks, rows: torch.Tensor, cols: torch.Tensor):
+    """`masks` read at query positions `rows` and key positions `cols`, made once per micro-batch
+    (the layers share them)."""
+    key = (id(masks), id(rows), id(cols))
+    if key not in step.cache:
+        mod = masks.mask_mod
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return mod(b, h, rows[q_idx], cols[kv_idx])
+
         if masks.block_mask is not None:
-            gqa = k.shape[1] < q.shape[1]
-            return _flex_attention_compiled()(
-                q, k, v, block_mask=masks.block_mask, scale=scale, enable_gqa=gqa
-            )
-        k, v = _repeat_kv(q, k, v)
-        # Compiled blocks take the boolean mask, as before: filling the shared additive one from
-        # inside a compiled block would make it recompile once the mask exists.
-        mask = masks.dense_mask if torch.compiler.is_compiling() else masks.additive_mask(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            batch = masks.block_mask.kv_num_blocks.shape[0]
+            batch = batch if batch > 1 else None
+            block = build_block_mask(mask_mod, batch, len(rows), rows.device, len(cols))
+            step.cache[key] = AttentionMasks(masks.mask_type, mask_mod, len(rows), block_mask=block)
+        else:
+            dense = masks.dense_mask.index_select(2, rows).index_select(3, cols)
+            step.cache[key] = AttentionMasks(masks.mask_type, mask_mod, len(rows), dense_mask=dense)
+    return step.cache[key]
 
 
 def build_attention(backend: str) -> nn.Module:

@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torchtitan.distributed.context_parallel import rope_rows, tokens_for_masks
 from torchtitan.distributed.param_init import init_param_, part_rng
 from torchtitan.models.attention import AttentionMasks, build_attention
 from torchtitan.models.layers import DecoderBlock, FeedForward, RMSNorm, depth_scaled_std, trunc_normal
@@ -106,13 +107,15 @@ class Transformer(nn.Module):
 
         A pipeline stage holds some of the parts (see `pipeline_parallel.prune_to_stage`): one
         without the embedding takes the previous stage's hidden states instead of ids, one
-        without the final norm returns its hidden states.
+        without the final norm returns its hidden states. Under context parallelism `tokens`
+        are this rank's share of each sequence (`context_parallel.ContextParallel.sharded`).
         """
         # Once per batch, not per layer: block_causal's mask depends on where this batch's EOS are.
-        masks = self.args.build_layer_masks(tokens)
+        masks = self.args.build_layer_masks(tokens_for_masks(tokens))
+        rope_cache = rope_rows(self.rope_cache)
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer_id, block in self.layers.items():
-            h = block(h, self.rope_cache, masks[int(layer_id)])
+            h = block(h, rope_cache, masks[int(layer_id)])
         if self.norm is None:
             return h
         h = self.norm(h)
