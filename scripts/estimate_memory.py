@@ -51,6 +51,7 @@ import dataclasses
 import difflib
 import gc
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -81,6 +82,7 @@ from torchtitan.components.training_step import (
 )
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig, parse_args
 from torchtitan.config.job_config import model_compile_enabled
+from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.expert_parallel import is_ep_local
 from torchtitan.distributed.grad_norm import clip_grad_norm_
@@ -138,6 +140,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} is not > 0")
+    return value
+
+
 def at_least_one(text: str) -> float:
     """argparse type: a number >= 1."""
     try:
@@ -169,8 +182,15 @@ def parse_cli(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
         "in every MoE layer (default 1, balanced; at most the EP degree). A training run logs it "
         "as moe_ep_imbalance",
     )
+    parser.add_argument(
+        "--max-seq-len",
+        type=positive_float,
+        metavar="GIB",
+        help="instead of one estimate, search the longest training.seq_len whose peak per rank fits GIB, "
+        "per AC mode (under pipeline parallelism, on every pipeline rank)",
+    )
     args, rest = parser.parse_known_args(argv)
-    own = ["--ngpu", "--all-ac-modes", "--ep-imbalance"]
+    own = ["--ngpu", "--all-ac-modes", "--ep-imbalance", "--max-seq-len"]
     for arg in rest:
         name = arg.split("=", 1)[0]
         # An option without a section is one of ours misspelled, not a config key.
@@ -317,7 +337,8 @@ def gpu_attention_kernels():
       mask, which would hold a float seq x seq copy of the mask per layer and the mask itself; a
       GPU runs flex's kernel, which holds its output and logsumexp, under a BlockMask of a few KB.
       So the mask is built as one element and the call runs the CPU's fused causal kernel, which
-      holds what flex's does: which positions a mask allows changes no tensor's size.
+      holds what flex's does: which positions a mask allows changes no tensor's size. Under
+      context parallelism the masks read at a rank's positions stay one element too.
     """
     sdpa, create_mask = F.scaled_dot_product_attention, attention.create_mask
 
@@ -332,12 +353,19 @@ def gpu_attention_kernels():
     def one_element_mask(mask_mod, batch, heads, q_len, kv_len, device=None):
         return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
+    def read_one_element(masks, rows, cols, step):
+        mask = one_element_mask(None, 1, 1, 1, 1, device=rows.device)
+        return attention.AttentionMasks(masks.mask_type, masks.mask_mod, len(rows), dense_mask=mask,
+                                        context_parallel=step)  # fmt: skip
+
     F.scaled_dot_product_attention, attention.create_mask = fused, one_element_mask
+    read_at, attention._read_at = attention._read_at, read_one_element
     attention.clear_mask_cache()  # neither real masks in here nor these masks out of here
     try:
         yield
     finally:
         F.scaled_dot_product_attention, attention.create_mask = sdpa, create_mask
+        attention._read_at = read_at
         attention.clear_mask_cache()
 
 
@@ -558,14 +586,17 @@ def train_step(
     gradients accumulated so far plus its own activations).
     """
     accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
+    model_args = get_train_spec(cfg.model.name).get_flavor(cfg.model.flavor).update_from_config(cfg)
+    context_parallel = ContextParallel.from_config(cfg, parallel_dims, model_args)
     optimizer.zero_grad(set_to_none=True)
     inputs, labels = batch
     for micro_batch in range(min(accum_steps, 2)):
         if micro_batch:
             tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root otherwise
         forward_backward(
-            model, loss_fn, inputs, labels, accum_steps, parallel_dims, cfg, extra_loss_fn=extra_loss_fn
-        )
+            model, loss_fn, inputs, labels, accum_steps, parallel_dims, cfg, extra_loss_fn=extra_loss_fn,
+            context_parallel=context_parallel,
+        )  # fmt: skip
     if isinstance(optimizer, OptimizerInBackward):
         return  # each parameter stepped, and its gradient was freed, during backward
     clip_grad_norm_(model.parameters(), cfg.training.max_norm)
@@ -772,6 +803,79 @@ def tracked_pipeline_step(
     return tracker.get_tracker_snapshot("peak").get(device, {})
 
 
+# ----- the longest sequence -------------------------------------------------------------------
+
+# The longest seq_len searched: 4M tokens.
+SEQ_LEN_CAP = 2**22
+
+
+def seq_len_step(cfg: JobConfig) -> int:
+    """The seq_len granule of the search: 1024 tokens, or a multiple of it that every layout
+    rule divides (context parallelism's 2 x cp chunks, sequence parallelism's tp shards)."""
+    p = cfg.parallelism
+    return math.lcm(1024, 2 * p.context_parallel_degree, p.tensor_parallel_degree)
+
+
+def peak_at(cfg: JobConfig, ngpu: int, seq_len: int, mode: str | None, ep_imbalance: float) -> int | None:
+    """The largest peak total over the estimate's columns with `training.seq_len` = `seq_len`
+    and AC `mode` (None: the config's); None for a seq_len the config refuses."""
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, seq_len=seq_len))
+    try:
+        results = estimate(cfg, ngpu, None if mode is None else [mode], ep_imbalance)
+    except ConfigError:
+        return None
+    return max(rows[TOTAL] for rows in results.values())
+
+
+def longest_seq_len(
+    cfg: JobConfig, ngpu: int, budget: int, mode: str | None = None, ep_imbalance: float = 1.0
+) -> tuple[int, int]:  # fmt: skip
+    """The longest seq_len (a multiple of `seq_len_step`, at most `SEQ_LEN_CAP`) whose peak fits
+    `budget` bytes, and that peak: doubling until a length does not fit, then bisecting.
+
+    Raises:
+        ConfigError: when not even one step's worth of tokens fits, or the config refuses it.
+    """
+    step = seq_len_step(cfg)
+    first = peak_at(cfg, ngpu, step, mode, ep_imbalance)
+    if first is None or first > budget:
+        measured = "is refused" if first is None else f"needs {first / GiB:.2f} GiB"
+        raise ConfigError(
+            f"--max-seq-len {budget / GiB:g}: the shortest sequence searched, {step} tokens, {measured}; "
+            "give more memory, or a layout that holds less per rank."
+        )
+    fits, fitting_peak, units = 1, first, 2
+    while units * step <= SEQ_LEN_CAP:
+        peak = peak_at(cfg, ngpu, units * step, mode, ep_imbalance)
+        if peak is None or peak > budget:
+            break
+        fits, fitting_peak, units = units, peak, units * 2
+    too_long = units
+    while too_long - fits > 1:
+        middle = (fits + too_long) // 2
+        peak = peak_at(cfg, ngpu, middle * step, mode, ep_imbalance)
+        if peak is not None and peak <= budget:
+            fits, fitting_peak = middle, peak
+        else:
+            too_long = middle
+    return min(fits * step, SEQ_LEN_CAP), fitting_peak
+
+
+def longest_seq_len_table(
+    cfg: JobConfig, ngpu: int, gib: float, modes: list[str] | None, ep_imbalance: float
+) -> str:  # fmt: skip
+    """A title and a Markdown table: per AC mode (`modes`, or the config's), the longest seq_len
+    whose peak fits `gib` GiB per rank, and that peak."""
+    budget = round(gib * GiB)
+    lines = [f"| AC mode | longest seq_len within {gib:g} GiB | peak GiB |", "|---|---|---|"]
+    for mode in modes or [None]:
+        seq_len, peak = longest_seq_len(cfg, ngpu, budget, mode, ep_imbalance)
+        lines.append(f"| {mode or mode_label(cfg.activation_checkpoint)} | {seq_len} | {peak / GiB:.3f} |")
+    layout = describe_layout(cfg, parallel_dims_for(cfg, ngpu))
+    title = f"{cfg.model.name} {cfg.model.flavor}, local batch {cfg.training.local_batch_size}, on {layout}"
+    return f"Longest sequence per AC mode: {title}\n\n" + "\n".join(lines)
+
+
 # ----- output --------------------------------------------------------------------------------
 
 
@@ -821,8 +925,11 @@ def main(argv: list[str] | None = None) -> None:
         args, cfg = parse_cli(argv)
         import_custom_module(cfg.job.custom_import)
         modes = list(AC_MODES) if args.all_ac_modes else None
-        results = estimate(cfg, args.ngpu, modes, ep_imbalance=args.ep_imbalance)
         title = describe(cfg, args.ngpu, args.ep_imbalance)
+        if args.max_seq_len is not None:
+            print(longest_seq_len_table(cfg, args.ngpu, args.max_seq_len, modes, args.ep_imbalance))
+            return
+        results = estimate(cfg, args.ngpu, modes, ep_imbalance=args.ep_imbalance)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

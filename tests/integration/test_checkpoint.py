@@ -32,6 +32,7 @@ LAYOUTS = {
     "FSDP 2 x TP 2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
     "PP 2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
     "PP 2 x FSDP 2": (4, ["--parallelism.pipeline_parallel_degree", "2"]),
+    "CP 2 x FSDP 2": (4, ["--parallelism.context_parallel_degree", "2"]),
 }
 
 
@@ -46,7 +47,8 @@ def _train(folder, layout="1 process", extra=(), env=None, expect=0):
 
 def _dp(layout: str) -> int:
     nproc, argv = LAYOUTS[layout]
-    split = ("--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree")
+    split = ("--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree",
+             "--parallelism.context_parallel_degree")  # fmt: skip
     return nproc // 2 ** sum(key in argv for key in split)
 
 
@@ -93,6 +95,13 @@ def saved_by_pp2_x_fsdp2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def saved_by_cp2_x_fsdp2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cp2_fsdp2")
+    _train(folder, "CP 2 x FSDP 2")
+    return folder
+
+
+@pytest.fixture(scope="module")
 def saved_by_fsdp2_x_tp2(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fsdp2_tp2")
     _train(folder, "FSDP 2 x TP 2")
@@ -113,15 +122,16 @@ PINNED = ["--checkpoint.async_mode", "async_with_pinned_mem"]
      pytest.param("FSDP 2 x TP 2", [], marks=pytest.mark.full_matrix),
      pytest.param("FSDP 2 x TP 2", ASYNC, marks=pytest.mark.full_matrix),
      pytest.param("FSDP 2 x TP 2", PINNED, marks=pytest.mark.full_matrix),
-     ("PP 2 x FSDP 2", [])],
+     ("PP 2 x FSDP 2", []), ("CP 2 x FSDP 2", [])],
     ids=["1 process", "1 process, async", "FSDP 2, async_with_pinned_mem", "FSDP 2 x TP 2",
-         "FSDP 2 x TP 2, async", "FSDP 2 x TP 2, async_with_pinned_mem", "PP 2 x FSDP 2"],
+         "FSDP 2 x TP 2, async", "FSDP 2 x TP 2, async_with_pinned_mem", "PP 2 x FSDP 2", "CP 2 x FSDP 2"],
 )  # fmt: skip
 def test_resume_from_step_5_repeats_steps_6_to_10_bit_for_bit(
     layout, extra, uninterrupted, request, tmp_path
 ):
     reused = {("1 process", ()): uninterrupted}
-    fixtures = {"FSDP 2 x TP 2": "saved_by_fsdp2_x_tp2", "PP 2 x FSDP 2": "saved_by_pp2_x_fsdp2"}
+    fixtures = {"FSDP 2 x TP 2": "saved_by_fsdp2_x_tp2", "PP 2 x FSDP 2": "saved_by_pp2_x_fsdp2",
+                "CP 2 x FSDP 2": "saved_by_cp2_x_fsdp2"}  # fmt: skip
     if layout in fixtures and not extra:
         reused[(layout, ())] = request.getfixturevalue(fixtures[layout])
     full = reused.get((layout, tuple(extra)))
@@ -174,6 +184,14 @@ def test_checkpoint_of_pp2_x_fsdp2_continues_in_another_layout_with_the_uninterr
 @pytest.mark.full_matrix
 def test_a_checkpoint_of_one_process_continues_under_pp2_x_fsdp2(uninterrupted, tmp_path):
     _resume_from_step_5(uninterrupted, tmp_path, "PP 2 x FSDP 2")
+    _assert_steps_6_to_10_match(_losses(tmp_path), _losses(uninterrupted))
+
+
+def test_checkpoint_of_cp2_x_fsdp2_continues_without_context_parallelism(
+    saved_by_cp2_x_fsdp2, uninterrupted, tmp_path
+):
+    proc = _resume_from_step_5(saved_by_cp2_x_fsdp2, tmp_path, "1 process")
+    assert "loaded model, optimizer, lr_scheduler, train_state, dataloader" in proc.stderr
     _assert_steps_6_to_10_match(_losses(tmp_path), _losses(uninterrupted))
 
 

@@ -141,6 +141,8 @@ CONTEXT_LAYOUTS = {
         ("llama3", 2, 4, _cp("allgather_kv", _P + "context_parallel_load_balancer", "none"), "full"), FULL),
     "CP 2 x FSDP 2, allgather_kv": (("llama3", 4, 2, _cp("allgather_kv"), "full"), FULL),
     "CP 2 x FSDP 2, ulysses": (("llama3", 4, 2, _cp("ulysses"), "op-SAC"), FULL),
+    "HSDP 2 x CP 2, ulysses": (("llama3", 4, 2, _cp("ulysses") + REPLICATE2, "full"), FULL),
+    "CP 2 compiled, flex": (("llama3 flex", 2, 4, _cp("allgather_kv") + COMPILE, "op-SAC"), FULL),
     "CP 2 x TP 2, allgather_kv": (("llama3", 4, 4, _cp("allgather_kv") + TP2, "op-SAC"), FULL),
     "CP 2 x TP 2, ulysses": (("llama3", 4, 4, _cp("ulysses") + TP2, "full"), FULL),
     "Qwen3 CP 2, ulysses": (("qwen3", 2, 4, _cp("ulysses"), "op-SAC"), FULL),

@@ -364,3 +364,18 @@ def test_rms_norm_with_a_weight_of_another_dtype_stays_decomposed_as_on_a_gpu():
         with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
             F.rms_norm(x, [16], weight, 1e-6)
     assert any(t.dtype == torch.float32 and t.shape == x.shape for t in held)
+
+
+def test_max_seq_len_finds_the_longest_sequence_whose_peak_fits():
+    cfg = _config(["--config", "debug_model.toml", "--training.local_batch_size", "1"], "full")
+    budget = 200 * 2**20
+    seq_len, peak = em.longest_seq_len(cfg, 1, budget)
+    assert seq_len % em.seq_len_step(cfg) == 0 and peak <= budget
+    assert em.peak_at(cfg, 1, seq_len + em.seq_len_step(cfg), None, 1.0) > budget
+
+
+def test_max_seq_len_that_fits_nothing_exits_2_naming_what_the_shortest_needs(capsys):
+    with pytest.raises(SystemExit) as info:
+        em.main(["--config", "debug_model.toml", "--ngpu", "1", "--max-seq-len", "0.01"])
+    assert info.value.code == 2
+    assert "the shortest sequence searched, 1024 tokens, needs" in capsys.readouterr().err

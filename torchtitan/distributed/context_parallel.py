@@ -21,9 +21,8 @@ every rank does the same attention work; ``none`` gives each rank one contiguous
 """
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,9 +31,10 @@ import torch.distributed._functional_collectives as funcol
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 
-_ACTIVE: contextvars.ContextVar["ContextParallelStep | None"] = contextvars.ContextVar(
-    "context_parallel_step", default=None
-)
+# The micro-batch being run under context parallelism. A plain global, not a ContextVar:
+# torch.compile cannot trace `ContextVar.get`. Only the model's top level reads it; the blocks
+# get what they need with their masks.
+_active: "ContextParallelStep | None" = None
 
 
 def token_positions(seq_len: int, cp: int, rank: int, load_balancer: str) -> list[int]:
@@ -89,17 +89,20 @@ class ContextParallel:
         """Yield this rank's share of one micro-batch, (inputs, labels) of ``[batch, seq / cp]``,
         with attention exchanging keys and values inside the block.
 
-        Forward and backward must both run inside: activation checkpointing recomputes
-        attention during backward, and the recompute must exchange as the forward did.
+        The model's forward must run inside; backward may, and reads nothing of it (the
+        blocks' attention gets this micro-batch's exchange with its masks).
         """
+        global _active
         seq_len = inputs.shape[1]
         positions = self.positions(seq_len, inputs.device)
-        step = ContextParallelStep(self, inputs, positions, self.gathered_positions(seq_len, inputs.device))
-        token = _ACTIVE.set(step)
+        outer, _active = (
+            _active,
+            ContextParallelStep(self, inputs, positions, self.gathered_positions(seq_len, inputs.device)),
+        )
         try:
             yield inputs[:, positions], labels[:, positions]
         finally:
-            _ACTIVE.reset(token)
+            _active = outer
 
 
 @dataclass
@@ -112,19 +115,17 @@ class ContextParallelStep:
             boundaries) are built from them.
         positions: this rank's token positions.
         gathered_positions: the positions of `gather_sequence`'s output.
-        cache: per micro-batch results that every layer shares (masks read at the positions).
     """
 
     plan: ContextParallel
     full_tokens: torch.Tensor
     positions: torch.Tensor
     gathered_positions: torch.Tensor
-    cache: dict = field(default_factory=dict)
 
     def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``[batch, heads, tokens, dim]`` in one tensor along the tokens, in rank
         order (`gathered_positions`); its backward reduce-scatters the gradient."""
-        return funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=2, group=self.plan.group)
+        return funcol.all_gather_single_autograd(x.contiguous(), gather_dim=2, group=self.plan.group)
 
     def heads_for_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """``[batch, heads, tokens / cp, dim]`` -> ``[batch, heads / cp, tokens, dim]``: this rank
@@ -147,7 +148,7 @@ class ContextParallelStep:
 
 def active_step() -> ContextParallelStep | None:
     """The micro-batch under context parallelism being run, or None."""
-    return _ACTIVE.get()
+    return _active
 
 
 def tokens_for_masks(tokens: torch.Tensor) -> torch.Tensor:

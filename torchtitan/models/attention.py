@@ -125,6 +125,10 @@ class AttentionMasks:
         dense_mask: bool tensor ``[batch or 1, 1, seq, seq]`` where True means "may attend", or None.
             It costs ``batch * seq**2`` bytes for masks that read the tokens (and its additive form, see
             `additive_mask`, 2 or 4 times that), so it suits tests and small runs.
+        context_parallel: set on the masks of a micro-batch under context parallelism
+            (`masks_under_context_parallel`): its queries are this rank's tokens, its keys the
+            whole sequence's, and attention exchanges them (`context_parallel_attention`). The
+            mask then covers ``seq_len`` queries and the keys the exchange gives.
     """
 
     mask_type: str
@@ -132,6 +136,7 @@ class AttentionMasks:
     seq_len: int
     block_mask: BlockMask | None = None
     dense_mask: torch.Tensor | None = None
+    context_parallel: ContextParallelStep | None = field(default=None, compare=False, repr=False)
     _additive: dict = field(default_factory=dict, compare=False, repr=False)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -355,14 +360,13 @@ class ScaledDotProductAttention(nn.Module):
 
         Args:
             q, k, v: ``[batch, heads, seq, head_dim]``; k and v may have fewer heads (GQA).
-            masks: ignored (this backend is always causal); accepted so models call both backends alike.
-
-        Under context parallelism (`context_parallel.ContextParallel.sharded`) the tokens are this
-        rank's share, and attention runs over the whole sequence (`context_parallel_attention`).
+            masks: ignored (this backend is always causal); accepted so models call both backends
+                alike. Under context parallelism, the causal mask the exchange needs
+                (`masks_under_context_parallel`).
             scale: softmax scale; None means ``1 / sqrt(head_dim)``.
         """
-        if (step := active_step()) is not None:
-            return context_parallel_attention(step, q, k, v, None, scale)
+        if masks is not None and masks.context_parallel is not None:
+            return context_parallel_attention(q, k, v, masks, scale)
         k, v = _repeat_kv(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
@@ -395,8 +399,8 @@ class FlexAttention(nn.Module):
         """
         if masks is None:
             raise ValueError("the flex backend needs masks: pass build_attention_masks(tokens, mask_type)")
-        if (step := active_step()) is not None:
-            return context_parallel_attention(step, q, k, v, masks, scale)
+        if masks.context_parallel is not None:
+            return context_parallel_attention(q, k, v, masks, scale)
         if masks.seq_len != q.shape[2]:
             raise ValueError(f"masks cover seq_len {masks.seq_len} but q has seq_len {q.shape[2]}")
         return _masked_attention(q, k, v, masks, scale)
@@ -417,57 +421,64 @@ def _masked_attention(
 
 
 def context_parallel_attention(
-    step: ContextParallelStep,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    masks: AttentionMasks | None,
-    scale: float | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: AttentionMasks, scale: float | None
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, under context parallelism.
 
     Args:
-        step: the micro-batch being run (`context_parallel.ContextParallelStep`).
         q, k, v: ``[batch, heads, tokens / cp, head_dim]`` of this rank's tokens; k and v may
             have fewer heads (GQA).
-        masks: the whole sequence's masks (built from `step.full_tokens`); None means causal.
+        masks: from `masks_under_context_parallel`, which says how to exchange.
         scale: softmax scale; None means ``1 / sqrt(head_dim)``.
 
     Returns:
-        ``[batch, heads, tokens / cp, head_dim]``, this rank's rows of one process's output.
+        ``[batch, heads, tokens / cp, head_dim]``: this rank's rows of one process's output.
     """
-    if masks is None:
-        masks = build_attention_masks(step.full_tokens, "causal")
+    step = masks.context_parallel
     if step.plan.method == "ulysses":
         if k.shape[1] % step.plan.cp:
             k, v = _repeat_kv(q, k, v)
         q, k, v = (step.heads_for_sequence(t) for t in (q, k, v))
-        at = step.gathered_positions
-        out = _masked_attention(q, k, v, _masks_at(step, masks, at, at), scale)
-        return step.sequence_for_heads(out)
-    k, v = step.gather_sequence(k), step.gather_sequence(v)
-    return _masked_attention(q, k, v, _masks_at(step, masks, step.positions, step.gathered_positions), scale)
+        return step.sequence_for_heads(_masked_attention(q, k, v, masks, scale))
+    return _masked_attention(q, step.gather_sequence(k), step.gather_sequence(v), masks, scale)
 
 
-def _masks_at(step: ContextParallelStep, masks: AttentionMasks, rows: torch.Tensor, cols: torch.Tensor):
-    """`masks` read at query positions `rows` and key positions `cols`, made once per micro-batch
-    (the layers share them)."""
-    key = (id(masks), id(rows), id(cols))
-    if key not in step.cache:
-        mod = masks.mask_mod
+def masks_under_context_parallel(layer_masks: list[AttentionMasks | None]) -> list[AttentionMasks | None]:
+    """Each layer's masks as attention under context parallelism needs them, or `layer_masks`
+    unchanged without it.
 
-        def mask_mod(b, h, q_idx, kv_idx):
-            return mod(b, h, rows[q_idx], cols[kv_idx])
+    Under context parallelism the masks (built from the whole sequence, `tokens_for_masks`) are
+    read at the positions the exchange puts the queries and keys at: this rank's tokens against
+    every rank's in rank order (all-gather of keys and values), or every rank's against every
+    rank's (Ulysses). The sdpa backend's None becomes the causal mask. Each distinct mask is
+    read once and shared by its layers.
+    """
+    step = active_step()
+    if step is None:
+        return layer_masks
+    every = step.gathered_positions
+    rows = every if step.plan.method == "ulysses" else step.positions
+    read: dict[int, AttentionMasks] = {}
+    for masks in layer_masks:
+        if id(masks) not in read:
+            whole = masks if masks is not None else build_attention_masks(step.full_tokens, "causal")
+            read[id(masks)] = _read_at(whole, rows, every, step)
+    return [read[id(masks)] for masks in layer_masks]
 
-        if masks.block_mask is not None:
-            batch = masks.block_mask.kv_num_blocks.shape[0]
-            batch = batch if batch > 1 else None
-            block = build_block_mask(mask_mod, batch, len(rows), rows.device, len(cols))
-            step.cache[key] = AttentionMasks(masks.mask_type, mask_mod, len(rows), block_mask=block)
-        else:
-            dense = masks.dense_mask.index_select(2, rows).index_select(3, cols)
-            step.cache[key] = AttentionMasks(masks.mask_type, mask_mod, len(rows), dense_mask=dense)
-    return step.cache[key]
+
+def _read_at(masks: AttentionMasks, rows: torch.Tensor, cols: torch.Tensor, step: ContextParallelStep):
+    """`masks` read at query positions `rows` and key positions `cols`."""
+    mod = masks.mask_mod
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mod(b, h, rows[q_idx], cols[kv_idx])
+
+    if masks.block_mask is not None:
+        batch = masks.block_mask.kv_num_blocks.shape[0]
+        block = build_block_mask(mask_mod, batch if batch > 1 else None, len(rows), rows.device, len(cols))
+        return AttentionMasks(masks.mask_type, mask_mod, len(rows), block_mask=block, context_parallel=step)
+    dense = masks.dense_mask.index_select(2, rows).index_select(3, cols)
+    return AttentionMasks(masks.mask_type, mask_mod, len(rows), dense_mask=dense, context_parallel=step)
 
 
 def build_attention(backend: str) -> nn.Module:

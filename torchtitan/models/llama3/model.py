@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from torchtitan.distributed.context_parallel import rope_rows, tokens_for_masks
 from torchtitan.distributed.param_init import init_param_, part_rng
-from torchtitan.models.attention import AttentionMasks, build_attention
+from torchtitan.models.attention import AttentionMasks, build_attention, masks_under_context_parallel
 from torchtitan.models.layers import DecoderBlock, FeedForward, RMSNorm, depth_scaled_std, trunc_normal
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.rope import apply_rope, precompute_rope_cache
@@ -111,7 +111,7 @@ class Transformer(nn.Module):
         are this rank's share of each sequence (`context_parallel.ContextParallel.sharded`).
         """
         # Once per batch, not per layer: block_causal's mask depends on where this batch's EOS are.
-        masks = self.args.build_layer_masks(tokens_for_masks(tokens))
+        masks = masks_under_context_parallel(self.args.build_layer_masks(tokens_for_masks(tokens)))
         rope_cache = rope_rows(self.rope_cache)
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer_id, block in self.layers.items():
