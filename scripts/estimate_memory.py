@@ -2,6 +2,7 @@
 
 Usage:
     python scripts/estimate_memory.py --config NAME_OR_PATH --ngpu N [--all-ac-modes] [--sec.key VALUE ...]
+    python scripts/estimate_memory.py --config NAME_OR_PATH --ngpu N --max-seq-len GIB [--all-ac-modes] [...]
     ./run_memory_estimation.sh --config llama3_8b.toml --ngpu 8 --all-ac-modes
 
 The model is built through its TrainSpec on the meta device in `training.dtype` and parallelized
@@ -19,6 +20,10 @@ FSDP "parameters" are this rank's shards (in `training.dtype`) and "gathered par
 unsharded copies, in `training.mixed_precision_param`, that FSDP all-gathers for compute. With
 `--all-ac-modes`: one column per activation-checkpointing mode (none, full, selective op,
 selective 2). A config mistake prints one message and exits with code 2.
+
+With `--max-seq-len GIB` it searches instead, per AC mode, the longest `training.seq_len` whose
+peak fits GIB per rank (`longest_seq_len`). Under context parallelism each rank runs its share of
+the sequence and attention's exchange runs on fake tensors.
 
 Under pipeline parallelism each pipeline rank gets a column (a rank's stages differ in what they
 hold), each measured in a process of its own, as many at once as there are cores: the rank's

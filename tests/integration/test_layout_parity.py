@@ -23,11 +23,14 @@ CONFIGS = {
     "qwen3 moe": "qwen3_debug_model_moe.toml",
     "deepseek_v3": "deepseek_v3_debug_model.toml",
     "llama3 window": "debug_model_flex_attn.toml",
+    "llama3 global layers": "debug_model_flex_attn.toml",
 }
 # What a model entry sets besides its config file, in every layout and in its reference.
 MODEL_ARGV = {
     "llama3 window": ["--model.attn_mask_type", "sliding_window", "--model.sliding_window", "24"],
-}
+    "llama3 global layers": ["--model.attn_mask_type", "chunked", "--model.attn_chunk_size", "16",
+                             "--model.attn_global_every_n_layers", "2"],
+}  # fmt: skip
 GLOBAL_BATCH = 4
 COMMON = ["--training.seq_len", "64", "--training.mixed_precision_param", "float32",
           "--training.global_batch_size", str(GLOBAL_BATCH)]  # fmt: skip
@@ -137,6 +140,8 @@ CONTEXT_LAYOUTS = {
     "CP 2, ulysses": (("llama3", 2, 4, _cp("ulysses"), "op-SAC"), FULL),
     "CP 2, allgather_kv, flex sliding_window": (("llama3 window", 2, 4, _cp("allgather_kv"), "op-SAC"), FULL),
     "CP 2, ulysses, flex sliding_window": (("llama3 window", 2, 4, _cp("ulysses"), "full"), FULL),
+    "CP 2, ulysses, flex chunked with global layers": (
+        ("llama3 global layers", 2, 4, _cp("ulysses"), "op-SAC"), FULL),
     "CP 2, contiguous chunks": (
         ("llama3", 2, 4, _cp("allgather_kv", _P + "context_parallel_load_balancer", "none"), "full"), FULL),
     "CP 2 x FSDP 2, allgather_kv": (("llama3", 4, 2, _cp("allgather_kv"), "full"), FULL),

@@ -79,16 +79,17 @@ def test_a_hub_dataset_with_too_few_documents_for_the_ranks_ends_every_rank_with
     assert "Traceback" not in proc.stderr and "Connection closed" not in proc.stderr
 
 
-def test_validation_loss_is_the_same_on_one_process_fsdp_tensor_and_pipeline_parallel(tmp_path):
+def test_validation_loss_is_the_same_on_one_process_fsdp_tensor_pipeline_and_context_parallel(tmp_path):
     """The mean over every data-parallel rank's batches (FSDP 2 splits the global batch), the
-    loss-parallel loss (TP 2) and the pipeline's last stage (PP 2, 4 microbatches) give the
-    single process's value."""
+    loss-parallel loss (TP 2), the pipeline's last stage (PP 2, 4 microbatches) and whole
+    sequences on CP ranks that trained on halves (CP 2) give the single process's value."""
     single = _validation_losses(tmp_path, "single", 1, 4)
     fsdp = _validation_losses(tmp_path, "fsdp", 2, 2)
     tp = _validation_losses(tmp_path, "tp", 2, 4, ["--parallelism.tensor_parallel_degree", "2"])
     pp = _validation_losses(tmp_path, "pp", 2, 4, ["--parallelism.pipeline_parallel_degree", "2"])
+    cp = _validation_losses(tmp_path, "cp", 2, 4, ["--parallelism.context_parallel_degree", "2"])
     assert len(single) == 1 and 7 < single[0] < 9, single  # one step from the initial 8.1
-    for layout in (fsdp, tp, pp):
+    for layout in (fsdp, tp, pp, cp):
         assert layout == pytest.approx(single, rel=1e-5)
 
 

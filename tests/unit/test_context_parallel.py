@@ -75,3 +75,22 @@ def test_a_layout_context_parallelism_cannot_run_is_refused_naming_the_key(argv,
 
 def test_a_sequence_of_cp_chunks_is_enough_without_the_balancer():
     _check("--training.seq_len", "62", "--parallelism.context_parallel_load_balancer", "none")
+
+
+@pytest.mark.parametrize("method", ["allgather_kv", "ulysses"])
+@pytest.mark.parametrize("mask_type", ["causal", "block_causal", "sliding_window", "chunked"])
+def test_the_mask_mod_a_gpu_builds_its_block_mask_from_allows_what_the_dense_mask_does(method, mask_type):
+    """On a GPU the masks read at a rank's positions are flex block masks built from their mask
+    mod; on the CPU the dense mask's rows and columns are picked. Both must allow the same."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from torchtitan.models.attention import build_attention_masks, masks_under_context_parallel
+
+    tokens = torch.randint(0, 4, (2, 16), generator=torch.Generator().manual_seed(0))
+    whole = build_attention_masks(tokens, mask_type, eos_id=0, sliding_window=5, chunk_size=4)
+    with _plan(method).sharded(tokens, tokens) as _:
+        (read,) = masks_under_context_parallel([whole])
+    rows, cols = read.dense_mask.shape[-2:]
+    batch = 2 if mask_type == "block_causal" else None
+    assert torch.equal(create_mask(read.mask_mod, batch, None, rows, cols), read.dense_mask)
+    assert (rows, cols) == ((8, 16) if method == "allgather_kv" else (16, 16))

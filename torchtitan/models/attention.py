@@ -13,6 +13,10 @@ Backends:
 Models call `build_attention(backend)` once and then ``attn(q, k, v, masks)`` for either backend; they
 never branch on the backend or the device themselves.
 
+Under context parallelism a model passes its masks through `masks_under_context_parallel`: they
+are then read at the positions of this rank's tokens, and carry the exchange that lets both
+backends attend over the whole sequence (`context_parallel_attention`).
+
 Every mask here allows the diagonal (a token always attends to itself), so no query row is ever fully
 masked. Keep it that way when adding a mask type: SDPA with a boolean mask returns NaN for a fully
 masked row, while flex attention returns zeros, so the two paths would silently disagree.
