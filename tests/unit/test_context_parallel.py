@@ -64,13 +64,19 @@ def _check(*argv: str, dims: ParallelDims | None = None):
         (["--training.seq_len", "62"], None, "'training.seq_len' = 62 does not split into 4 equal chunks"),
         (["--parallelism.context_parallel_method", "ulysses", "--parallelism.tensor_parallel_degree", "16"],
          ParallelDims(1, 1, 16, 32, cp=2), "splits the 1 attention heads per tensor-parallel rank"),
-        ([], ParallelDims(1, 1, 1, 4, pp=2, cp=2), "does not run with pipeline_parallel_degree = 2 yet"),
     ],
-    ids=["sequence", "ulysses-heads", "pipeline"],
+    ids=["sequence", "ulysses-heads"],
 )  # fmt: skip
 def test_a_layout_context_parallelism_cannot_run_is_refused_naming_the_key(argv, dims, message):
     with pytest.raises(ConfigError, match=message):
         _check(*argv, dims=dims)
+
+
+@pytest.mark.parametrize("degrees, key", [({"pp": 2}, "pipeline_parallel_degree"),
+                                          ({"ep": 2}, "expert_parallel_degree")])  # fmt: skip
+def test_a_layout_context_parallelism_does_not_run_with_yet_is_refused_before_a_mesh_is_built(degrees, key):
+    with pytest.raises(ConfigError, match=f"does not run with {key} = 2 yet"):
+        ParallelDims(1, -1, 1, 8, cp=2, **degrees)
 
 
 def test_a_sequence_of_cp_chunks_is_enough_without_the_balancer():

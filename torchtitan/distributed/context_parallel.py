@@ -169,8 +169,8 @@ def check_context_parallel(job_config: JobConfig, model_args, parallel_dims) -> 
     """Refuse what context parallelism cannot run, naming the key to change.
 
     Raises:
-        ConfigError: a sequence that does not split evenly, heads that the Ulysses method cannot
-            split, or a layout it does not run with yet (pipeline or expert parallelism).
+        ConfigError: a sequence that does not split evenly, or heads that the Ulysses method
+            cannot split. (`ParallelDims` refuses the layouts CP does not run with yet.)
     """
     p, seq_len = job_config.parallelism, job_config.training.seq_len
     cp = p.context_parallel_degree
@@ -188,10 +188,3 @@ def check_context_parallel(job_config: JobConfig, model_args, parallel_dims) -> 
             f"tensor-parallel rank over context_parallel_degree {cp}, which does not divide them; use "
             "context_parallel_method = 'allgather_kv', or a degree that divides the heads."
         )
-    not_yet = (parallel_dims.pp, "pipeline_parallel_degree"), (parallel_dims.ep, "expert_parallel_degree")
-    for degree, what in not_yet:
-        if degree > 1:
-            raise ConfigError(
-                f"'parallelism.context_parallel_degree' = {cp} does not run with {what} = {degree} yet; "
-                f"set one of them to 1."
-            )

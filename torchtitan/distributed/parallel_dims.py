@@ -41,8 +41,8 @@ class ParallelDims:
     dp_shard. Without EP, `etp` does not matter: TP shards the experts.
 
     Raises:
-        ConfigError: when the degrees do not multiply to the world size, or ep does not fit
-            dp_shard (and tp, when it borrows tp).
+        ConfigError: when the degrees do not multiply to the world size, ep does not fit
+            dp_shard (and tp, when it borrows tp), or cp meets pp or ep (not built yet).
     """
 
     dp_replicate: int
@@ -89,6 +89,12 @@ class ParallelDims:
             )
         if conflict := expert_parallel_conflict(self.ep, self.tp, self.etp, self.dp_shard):
             raise ConfigError(conflict)
+        for degree, key in ((self.pp, "pipeline_parallel_degree"), (self.ep, "expert_parallel_degree")):
+            if self.cp > 1 and degree > 1:
+                raise ConfigError(
+                    f"'parallelism.context_parallel_degree' = {self.cp} does not run with {key} = "
+                    f"{degree} yet; set one of them to 1."
+                )
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
