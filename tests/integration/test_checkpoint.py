@@ -122,7 +122,7 @@ PINNED = ["--checkpoint.async_mode", "async_with_pinned_mem"]
      pytest.param("FSDP 2 x TP 2", [], marks=pytest.mark.full_matrix),
      pytest.param("FSDP 2 x TP 2", ASYNC, marks=pytest.mark.full_matrix),
      pytest.param("FSDP 2 x TP 2", PINNED, marks=pytest.mark.full_matrix),
-     ("PP 2 x FSDP 2", []), ("CP 2 x FSDP 2", [])],
+     ("PP 2 x FSDP 2", []), pytest.param("CP 2 x FSDP 2", [], marks=pytest.mark.full_matrix)],
     ids=["1 process", "1 process, async", "FSDP 2, async_with_pinned_mem", "FSDP 2 x TP 2",
          "FSDP 2 x TP 2, async", "FSDP 2 x TP 2, async_with_pinned_mem", "PP 2 x FSDP 2", "CP 2 x FSDP 2"],
 )  # fmt: skip
@@ -187,6 +187,7 @@ def test_a_checkpoint_of_one_process_continues_under_pp2_x_fsdp2(uninterrupted, 
     _assert_steps_6_to_10_match(_losses(tmp_path), _losses(uninterrupted))
 
 
+@pytest.mark.full_matrix
 def test_checkpoint_of_cp2_x_fsdp2_continues_without_context_parallelism(
     saved_by_cp2_x_fsdp2, uninterrupted, tmp_path
 ):
