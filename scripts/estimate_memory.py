@@ -78,6 +78,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
+from torchtitan.components.loss_head import build_chunked_loss
 from torchtitan.components.optimizer import OptimizerInBackward, check_early_step_in_backward
 from torchtitan.components.training_step import (
     describe_layout,
@@ -629,7 +630,7 @@ def tracked_step(
     batch = _batch(cfg, device)
     tracker = make_tracker(model, optimizer, batch)
     with tracking(tracker):
-        loss_fn = spec.build_loss_fn(cfg)
+        loss_fn = build_chunked_loss(cfg, spec.build_loss_fn)
         train_step(cfg, parallel_dims, model, optimizer, loss_fn, spec.extra_loss_fn, batch, tracker)
     return tracker.get_tracker_snapshot("peak").get(device, {})
 
@@ -790,8 +791,9 @@ def tracked_pipeline_step(
     _prime_optimizer(model, optimizer)
     batch = _batch(cfg, device)
     accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
+    loss_fn = build_chunked_loss(cfg, spec.build_loss_fn)
     pipeline = Pipeline(
-        plan, stages, spec.build_loss_fn(cfg), parallel_dims.submesh("pp").get_group(), device,
+        plan, stages, loss_fn, parallel_dims.submesh("pp").get_group(), device,
         plan.n_microbatches * accum_steps, cfg.parallelism.pipeline_parallel_schedule_csv,
         stage_io=None if embedding is None else stage_io(cfg, plan, embedding, batch[0], device),
     )  # fmt: skip

@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torchtitan.components.checkpoint import CheckpointManager, TrainState, why_nothing_is_saved
 from torchtitan.components.compile import tag_compile_caches_with_process_groups
 from torchtitan.components.dataloader import build_validation_dataloader, unwrap_worker_error
+from torchtitan.components.loss_head import build_chunked_loss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.model_converter import build_model_converters
 from torchtitan.components.optimizer import OptimizerInBackward, check_early_step_in_backward
@@ -110,7 +111,7 @@ class Trainer:
             lambda: self.spec.build_dataloader_fn(cfg, self.tokenizer, dp_rank, dp_degree)
         )
 
-        self.loss_fn = self.spec.build_loss_fn(cfg)
+        self.loss_fn = build_chunked_loss(cfg, self.spec.build_loss_fn)
         self.context_parallel = ContextParallel.from_config(cfg, self.parallel_dims, self.model_args)
         self.pipeline: Pipeline | None = None
         self.whole_model_shapes = None  # under PP, where this rank's model is a part of it

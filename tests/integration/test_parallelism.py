@@ -128,6 +128,14 @@ def test_fsdp_reshard_after_forward_policies_gather_what_they_free(fsdp_comm_rep
     assert report["reshard never"] == {"all_gather": 6 + 2, "reduce_scatter": 6 + 2}
 
 
+def test_a_chunked_loss_head_gathers_and_reduces_the_output_weight_once(fsdp_comm_report):
+    """The 16 chunks run inside the root's forward, so FSDP sees one forward and one backward of
+    the output weight: the counts equal the unchunked step's, whatever the root's policy."""
+    report = fsdp_comm_report
+    for base in ("none", "reshard always", "reshard never"):
+        assert report[f"{base}, 16 loss chunks"] == report[base], base
+
+
 def test_op_sac_recommunicates_only_the_sequence_parallel_all_gathers():
     report = run_worker("tp_comm_worker")
     none, full, op_sac = report["none"], report["full"], report["selective op"]

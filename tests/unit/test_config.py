@@ -565,3 +565,15 @@ def test_an_empty_config_file_warns_that_every_default_is_taken(tmp_path, caplog
     config.write_text("")
     parse_args(["--config", str(config)], env={})
     assert f"config file {config} is empty: the run takes every default" in caplog.text
+
+
+def test_more_loss_chunks_than_the_tokens_of_a_forward_are_refused():
+    message = _error(["--training.local_batch_size", "2", "--training.loss_chunks", "1024"])  # seq_len 256
+    assert "'training.loss_chunks' = 1024 exceeds the 512 tokens of one forward" in message
+    assert "set training.loss_chunks to at most 512" in message
+
+
+def test_loss_chunks_under_pipeline_parallelism_count_a_microbatchs_tokens():
+    pp = ["--parallelism.pipeline_parallel_degree", "2", "--training.loss_chunks", "512"]
+    message = _error(pp)  # microbatches of 1 sequence of 256 tokens
+    assert "exceeds the 256 tokens of a pipeline microbatch (1 sequence(s) x seq_len 256)" in message

@@ -6,6 +6,7 @@ from dataclasses import replace
 import torch
 
 from torchtitan.components.loss import cross_entropy_loss
+from torchtitan.components.loss_head import ChunkedLoss
 from torchtitan.components.training_step import forward_backward
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -27,8 +28,8 @@ def _gradients(micro_batches: int) -> dict[str, torch.Tensor]:
     tokens = torch.randint(0, 2048, (4, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
     cfg = parse_args(["--config", "qwen3_debug_model_moe.toml", "--training.seq_len", str(SEQ_LEN)], env={})
     for inputs, labels in zip(tokens[:, :-1].chunk(micro_batches), tokens[:, 1:].chunk(micro_batches)):
-        forward_backward(model, cross_entropy_loss, inputs, labels, micro_batches, ParallelDims(1, 1, 1, 1),
-                         cfg, extra_loss_fn=pop_aux_loss)  # fmt: skip
+        forward_backward(model, ChunkedLoss(cross_entropy_loss, 4), inputs, labels, micro_batches,
+                         ParallelDims(1, 1, 1, 1), cfg, extra_loss_fn=pop_aux_loss)  # fmt: skip
     return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 

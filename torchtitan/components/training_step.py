@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from torchtitan.components.loss_head import ChunkedLoss
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.context_parallel import ContextParallel
@@ -76,7 +77,7 @@ def describe_layout(job_config: JobConfig, parallel_dims: ParallelDims) -> str:
 
 def forward_backward(
     model: nn.Module,
-    loss_fn,
+    loss_fn: ChunkedLoss,
     inputs: torch.Tensor,
     labels: torch.Tensor,
     accum_steps: int,
@@ -88,6 +89,8 @@ def forward_backward(
 ) -> torch.Tensor:
     """Forward, loss (scaled by 1/accum_steps) and backward of one micro-batch.
 
+    The model computes the loss itself, with `loss_fn`, so that a chunked head never holds the
+    whole logits (see `components.loss_head`).
     `extra_loss_fn(model)` returns a loss the model adds (e.g. MoE auxiliary losses) or None; it
     joins backward but not the returned loss. It is the spec's `extra_loss_fn`, required so that
     no caller (the trainer, the memory estimator) leaves a model's own losses out of backward;
@@ -101,9 +104,7 @@ def forward_backward(
         sharded = context_parallel.sharded(inputs, labels)
     with sharded as (inputs, labels), loss_context(parallel_dims, job_config):
         with autocast_context(job_config, parallel_dims, inputs.device):
-            logits = model(inputs)
-        loss = loss_fn(logits, labels) / accum_steps
-        del logits
+            loss = model(inputs, labels, loss_fn) / accum_steps
         extra = extra_loss_fn(model) if extra_loss_fn is not None else None
         # Under loss parallel the loss is a (replicated) DTensor and the extra a local tensor.
         (loss if extra is None else plain_tensor(loss) + extra / accum_steps).backward()

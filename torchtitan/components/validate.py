@@ -12,7 +12,8 @@ class Validator:
 
     Args:
         dataloader: finite loader of (input, label) batches; rewound before each pass.
-        loss_fn: `(logits, labels) -> mean loss`.
+        loss_fn: the `ChunkedLoss` the model computes its loss with; in chunks, validation
+            never holds the whole logits either.
         max_steps: batches per pass; -1 for all the loader has (every whole global batch of
             the split: up to local batch x dp - 1 windows at its end are left out).
         pipeline: under pipeline parallelism, the trainer's `Pipeline`, whose schedule runs
@@ -36,7 +37,7 @@ class Validator:
             if self.pipeline is not None:
                 loss = self.pipeline.eval_loss(inputs, labels)
             else:
-                loss = self.loss_fn(model(inputs), labels)
+                loss = model(inputs, labels, self.loss_fn)
             total += plain_tensor(loss.detach())
             batches += 1
         model.train()

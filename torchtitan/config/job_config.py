@@ -162,6 +162,12 @@ class Training:
         -1, "sequences per optimizer step over all ranks; -1 = local x dp (no accumulation)"
     )
     seq_len: int = opt(2048, "tokens per sequence", min=1)
+    loss_chunks: int = opt(
+        16,
+        "token ranges the output head and loss run over, one at a time, each recomputed in "
+        "backward, so the whole logits never exist; 1 = the whole logits at once",
+        min=1,
+    )
     max_norm: float = opt(1.0, "gradient clipping max global norm; 0 disables", min=0.0)
     steps: int = opt(10000, "optimizer steps to train", min=1)
     dtype: Literal["float32", "bfloat16"] = opt(

@@ -252,6 +252,7 @@ def _check_consistency(config: JobConfig) -> None:
     _check_converters(config)
     _check_upstream_datasets(config)
     _check_validation(config.validation, t)
+    _check_loss_chunks(config)
     _check_checkpoint(config)
     _check_profiling(config.profiling)
     if config.compile.enable:
@@ -336,6 +337,24 @@ def _check_validation(v, t) -> None:
             f"'validation.seq_len' = {v.seq_len} exceeds 'training.seq_len' = {t.seq_len}: the "
             f"model's RoPE table covers only training.seq_len positions. Set validation.seq_len "
             f"to at most {t.seq_len}."
+        )
+
+
+def _check_loss_chunks(config: JobConfig) -> None:
+    """Every chunk of the output head needs a token: the chunks of one forward (a microbatch
+    under pipeline parallelism, this rank's share of each sequence under context parallelism)."""
+    t, p = config.training, config.parallelism
+    pipelined = p.pipeline_parallel_degree > 1
+    sequences = p.pipeline_parallel_microbatch_size if pipelined else t.local_batch_size
+    tokens = sequences * t.seq_len // p.context_parallel_degree
+    if t.loss_chunks > tokens:
+        forward = "a pipeline microbatch" if pipelined else "one forward"
+        cp_degree = p.context_parallel_degree
+        cp = f" / context_parallel_degree {cp_degree}" if cp_degree > 1 else ""
+        raise ConfigError(
+            f"'training.loss_chunks' = {t.loss_chunks} exceeds the {tokens} tokens of {forward} "
+            f"({sequences} sequence(s) x seq_len {t.seq_len}{cp}); set training.loss_chunks to at "
+            f"most {tokens} (1 computes the whole logits at once)."
         )
 
 

@@ -516,6 +516,17 @@ def apply_ac(
     return plan
 
 
+def recompute_in_backward(fn, *args):
+    """`fn(*args)`, saving only its inputs: backward runs `fn` again for what it needs.
+
+    The chunked output head (`components.loss_head.ChunkedLoss`) runs each chunk's projection
+    and loss this way, outside the blocks and whatever `[activation_checkpoint]` says: its
+    logits are worth more memory than any block's activations and cost one matmul to redo.
+    `fn` must draw no random numbers (the RNG state is not restored for the recompute).
+    """
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+
 # ----- forced recompute, by module -------------------------------------------------------
 
 

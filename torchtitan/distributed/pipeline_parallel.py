@@ -271,8 +271,10 @@ class Pipeline:
     Args:
         plan: the split (`PipelinePlan`).
         stage_models: this rank's parallelized stage modules, in `plan.stage_ids` order.
-        loss_fn: `(output, labels) -> loss` of one microbatch; the schedule divides by
-            `scale` (microbatches x accumulation steps) so that the gradients are the mean's.
+        loss_fn: the `ChunkedLoss` with which the last stage's model computes each
+            microbatch's loss in its forward (so that a chunked head never holds the whole
+            logits); the schedule divides that loss by `scale` (microbatches x accumulation
+            steps) so that the gradients are the mean's.
         pp_group: the process group of the pipeline's ranks.
         csv_path: a schedule CSV (`parallelism.pipeline_parallel_schedule_csv`), or "".
         stage_io: per stage, an example (input, output) of one microbatch. Given, the stages
@@ -302,7 +304,8 @@ class Pipeline:
                 _undo_buffer_changes_of_first_forward(model)
         self.has_first_stage = 0 in plan.stage_ids
         self.has_last_stage = plan.num_stages - 1 in plan.stage_ids
-        scaled = lambda output, labels: loss_fn(output, labels) / scale  # noqa: E731
+        self.loss_fn = loss_fn
+        scaled = lambda loss, _labels: loss / scale  # noqa: E731
         stages = self.stages[0] if plan.single_stage and not csv_path else self.stages
         try:
             self.schedule = plan.schedule(stages, n_microbatches=plan.n_microbatches, loss_fn=scaled,
@@ -323,9 +326,13 @@ class Pipeline:
         """`run` (the schedule's `step` or `eval`) on one batch: the first stage takes the inputs,
         the last the labels; returns the last stage's microbatch losses ([] elsewhere)."""
         losses: list[torch.Tensor] = []
+        # The last stage's forward computes the loss: it takes each microbatch's labels, and the
+        # ChunkedLoss, as keyword arguments, which the schedule hands to every stage of a rank.
+        loss_kwargs = {"labels": labels, "loss": self.loss_fn} if self.has_last_stage else {}
         target = labels if self.has_last_stage else None
-        # The last stage would otherwise keep every microbatch's logits until the step ends.
-        run(*((inputs,) if self.has_first_stage else ()), target=target, losses=losses, return_outputs=False)
+        # The last stage would otherwise keep every microbatch's loss output until the step ends.
+        run(*((inputs,) if self.has_first_stage else ()), target=target, losses=losses, return_outputs=False,
+            **loss_kwargs)  # fmt: skip
         return losses
 
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

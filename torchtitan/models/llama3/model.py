@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torchtitan.components.loss_head import ChunkedLoss
 from torchtitan.distributed.context_parallel import rope_rows, tokens_for_masks
 from torchtitan.distributed.param_init import init_param_, part_rng
 from torchtitan.models.attention import AttentionMasks, build_attention, masks_under_context_parallel
@@ -102,8 +103,12 @@ class Transformer(nn.Module):
             with part_rng(1 + self.args.n_layers, device):
                 init_param_(self.output.weight, trunc_normal(self.args.dim**-0.5))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of `tokens` ([batch, seq] ids).
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss: ChunkedLoss | None = None
+    ) -> torch.Tensor:
+        """Logits of `tokens` ([batch, seq] ids), or with `labels` ([batch, seq]) the mean loss
+        that `loss` computes from the final hidden states, which never holds the whole logits
+        when it runs in chunks.
 
         A pipeline stage holds some of the parts (see `pipeline_parallel.prune_to_stage`): one
         without the embedding takes the previous stage's hidden states instead of ids, one
@@ -119,6 +124,13 @@ class Transformer(nn.Module):
         if self.norm is None:
             return h
         h = self.norm(h)
+        if labels is None:
+            return self.project(h)
+        # Inside this forward, so that FSDP gathers the output weight once for all the chunks.
+        return loss(self.project, h, labels)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of the final norm's output: the output projection, or the embedding when tied."""
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)

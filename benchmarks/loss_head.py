@@ -1,0 +1,132 @@
+"""The chunked output head and loss (`training.loss_chunks`): memory at a large model's head, and
+time on the debug model, per chunk count, side by side in one run.
+
+    python benchmarks/loss_head.py [--chunks 1 4 8 16 32] [--seq-len 8192] [--flavor 8B] \\
+        [--steps 12] [--repeats 20]
+
+Memory: forward and backward of Llama 3 FLAVOR's final norm output through the output projection
+and cross-entropy (`ChunkedLoss`), batch 1 x SEQ_LEN tokens, in bf16 as FSDP's mixed precision
+gathers it, run under `FakeTensorMode` (nothing is allocated) and tracked by PyTorch's
+MemTracker. "head peak" is what the head holds at its peak above its inputs (the hidden states,
+the weight, the labels): the logits and their gradients, the hidden states' gradient, and the
+output weight's gradient (vocab x dim in bf16: 0.98 GiB at 8B). With more than one chunk,
+autograd sums the chunks' weight gradients in its input buffer, and up to three
+weight-gradient-sized buffers are live at once (measured alike on real and fake tensors).
+
+Time: the debug model's training step (`debug_model.toml` as shipped: 8 x 256 tokens, op-SAC,
+fp32) through the real trainer, median step after 2 warm-up steps, one process per chunk count;
+and the debug model's head alone (forward and backward), in this process, the chunk counts
+interleaved so that drift in the machine's speed falls on all of them alike.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+
+from torchtitan.components.loss import cross_entropy_loss  # noqa: E402
+from torchtitan.components.loss_head import ChunkedLoss  # noqa: E402
+from torchtitan.models.llama3 import llama3_flavors  # noqa: E402
+
+GIB = 2**30
+
+
+def head_peak_bytes(flavor: str, seq_len: int, chunks: int) -> int:
+    """Bytes the head holds at its peak above its inputs, forward and backward, under fake tensors."""
+    args = llama3_flavors[flavor]
+    with FakeTensorMode():
+        weight = torch.empty(args.vocab_size, args.dim, dtype=torch.bfloat16, requires_grad=True)
+        hidden = torch.empty(1, seq_len, args.dim, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.zeros(1, seq_len, dtype=torch.long)
+        tracker = MemTracker()
+        tracker.track_external(weight, hidden, labels)
+        # A function, not a Linear: MemTracker refuses a module called more than once per step.
+        project = lambda h: F.linear(h, weight)  # noqa: E731
+        with tracker:
+            before = tracker.get_tracker_snapshot("current")
+            ChunkedLoss(cross_entropy_loss, chunks)(project, hidden, labels).backward()
+            peak = tracker.get_tracker_snapshot("peak")
+    device = next(iter(peak))
+    return peak[device]["Total"] - before.get(device, {}).get("Total", 0)
+
+
+def trainer_step_seconds(chunks: int, steps: int, folder: Path) -> float | str:
+    """The debug model's median trainer step, or why there is none."""
+    argv = ["--config", "debug_model.toml", "--training.steps", str(steps), "--training.loss_chunks",
+            str(chunks), "--metrics.log_freq", "1", "--job.dump_folder", str(folder)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torchtitan.train", *argv]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        return f"failed (exit {proc.returncode})"
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median([r["step_seconds"] for r in records if "step_seconds" in r][2:])
+
+
+def head_seconds(chunk_counts: list[int], repeats: int) -> dict[int, float]:
+    """Median forward + backward of the debug model's head (8 x 256 tokens, fp32) per chunk count."""
+    args = llama3_flavors["debugmodel"]
+    torch.manual_seed(0)
+    output = torch.nn.Linear(args.dim, args.vocab_size, bias=False)
+    hidden = torch.randn(8, 256, args.dim, requires_grad=True)
+    labels = torch.randint(0, args.vocab_size, (8, 256))
+    times: dict[int, list[float]] = {c: [] for c in chunk_counts}
+    for repeat in range(repeats + 1):
+        for chunks in chunk_counts:
+            start = time.perf_counter()
+            ChunkedLoss(cross_entropy_loss, chunks)(output, hidden, labels).backward()
+            if repeat:  # the first round warms up
+                times[chunks].append(time.perf_counter() - start)
+    return {c: statistics.median(t) for c, t in times.items()}
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    parser.add_argument("--flavor", default="8B")
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=20)
+    cli = parser.parse_args()
+    if cli.chunks[0] != 1:
+        parser.error("--chunks must start with 1, the unchunked head every ratio is taken against")
+    peaks = {c: head_peak_bytes(cli.flavor, cli.seq_len, c) for c in cli.chunks}
+    heads = head_seconds(cli.chunks, cli.repeats)
+    with tempfile.TemporaryDirectory() as tmp:
+        steps = {c: trainer_step_seconds(c, cli.steps, Path(tmp) / str(c)) for c in cli.chunks}
+    print(f"Head peak: Llama 3 {cli.flavor}, 1 x {cli.seq_len} tokens, bf16, FakeTensorMode. "
+          "Time: debug model, 8 x 256 tokens, fp32, CPU.\n")  # fmt: skip
+    print("| loss_chunks | head peak GiB | vs 1 | debug head fwd+bwd ms | vs 1 | debug step ms | vs 1 |")
+    print("|---|---|---|---|---|---|---|")
+    failed = False
+    for c in cli.chunks:
+        step = steps[c]
+        if isinstance(step, str):
+            step_cells, failed = [step, ""], True
+        elif isinstance(steps[1], str):
+            step_cells = [f"{1000 * step:.1f}", ""]
+        else:
+            step_cells = [f"{1000 * step:.1f}", f"{step / steps[1]:.3f}"]
+        cells = [f"{peaks[c] / GIB:.3f}", f"{peaks[c] / peaks[1]:.3f}", f"{1000 * heads[c]:.2f}",
+                 f"{heads[c] / heads[1]:.3f}", *step_cells]  # fmt: skip
+        print(f"| {c} | " + " | ".join(cells) + " |")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
