@@ -120,3 +120,27 @@ def test_a_forward_with_fewer_tokens_than_chunks_runs_one_chunk_per_token():
         want = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).item()
         got = model(tokens[:, :-1], tokens[:, 1:], ChunkedLoss(cross_entropy_loss, 16)).item()
     assert got == pytest.approx(want, rel=RTOL)
+
+
+def _logits_saved_for_backward(chunks: int) -> int:
+    """Rows of logits that forward leaves saved for backward (outside a recomputed region)."""
+    model = _model("llama3")
+    tokens = _tokens(model.args.vocab_size)
+    vocab, rows = model.args.vocab_size, 0
+
+    def pack(t):
+        nonlocal rows
+        if t.dim() >= 2 and t.shape[-1] == vocab:
+            rows += t.numel() // vocab
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens[:, :-1], tokens[:, 1:], ChunkedLoss(cross_entropy_loss, chunks))
+    return rows
+
+
+def test_a_chunked_forward_saves_no_logits_for_backward():
+    # Unchunked, the cross-entropy saves its log-softmax of every token; chunked, each chunk's
+    # region saves only its inputs, and backward recomputes the logits.
+    assert _logits_saved_for_backward(1) >= BATCH * SEQ_LEN
+    assert _logits_saved_for_backward(16) == 0
