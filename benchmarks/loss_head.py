@@ -2,7 +2,7 @@
 time on the debug model, per chunk count, side by side in one run.
 
     python benchmarks/loss_head.py [--chunks 1 4 8 16 32] [--seq-len 8192] [--flavor 8B] \\
-        [--steps 12] [--repeats 20]
+        [--rounds 5] [--steps-per-round 4] [--repeats 20]
 
 Memory: forward and backward of Llama 3 FLAVOR's final norm output through the output projection
 and cross-entropy (`ChunkedLoss`), batch 1 x SEQ_LEN tokens, in bf16 as FSDP's mixed precision
@@ -10,20 +10,18 @@ gathers it, run under `FakeTensorMode` (nothing is allocated) and tracked by PyT
 MemTracker. "head peak" is what the head holds at its peak above its inputs (the hidden states,
 the weight, the labels): the logits and their gradients, the hidden states' gradient, and the
 output weight's gradient (vocab x dim in bf16: 0.98 GiB at 8B). With more than one chunk,
-autograd sums the chunks' weight gradients in its input buffer, and up to three
-weight-gradient-sized buffers are live at once (measured alike on real and fake tensors).
+autograd sums the chunks' weight gradients in its input buffer out of place (each chunk's is a
+view of its matmul's output, which autograd will not add into), so three weight-gradient-sized
+buffers are live at once (measured alike on real and fake tensors).
 
 Time: the debug model's training step (`debug_model.toml` as shipped: 8 x 256 tokens, op-SAC,
-fp32) through the real trainer, median step after 2 warm-up steps, one process per chunk count;
-and the debug model's head alone (forward and backward), in this process, the chunk counts
-interleaved so that drift in the machine's speed falls on all of them alike.
+fp32), one `Trainer` in this process whose `ChunkedLoss` switches chunk count between rounds,
+the chunk counts interleaved so that drift in the machine's speed falls on all of them alike
+(median round); and the debug model's head alone (forward and backward), interleaved the same way.
 """
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +37,10 @@ from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
 
 from torchtitan.components.loss import cross_entropy_loss  # noqa: E402
 from torchtitan.components.loss_head import ChunkedLoss  # noqa: E402
+from torchtitan.config.manager import parse_args  # noqa: E402
 from torchtitan.models.llama3 import llama3_flavors  # noqa: E402
+from torchtitan.tools.logging import init_logger  # noqa: E402
+from torchtitan.train import Trainer  # noqa: E402
 
 GIB = 2**30
 
@@ -63,18 +64,24 @@ def head_peak_bytes(flavor: str, seq_len: int, chunks: int) -> int:
     return peak[device]["Total"] - before.get(device, {}).get("Total", 0)
 
 
-def trainer_step_seconds(chunks: int, steps: int, folder: Path) -> float | str:
-    """The debug model's median trainer step, or why there is none."""
-    argv = ["--config", "debug_model.toml", "--training.steps", str(steps), "--training.loss_chunks",
-            str(chunks), "--metrics.log_freq", "1", "--job.dump_folder", str(folder)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torchtitan.train", *argv]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        return f"failed (exit {proc.returncode})"
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median([r["step_seconds"] for r in records if "step_seconds" in r][2:])
+def step_seconds(chunk_counts: list[int], rounds: int, steps_per_round: int, folder: str) -> dict[int, float]:
+    """Median step of the debug model's trainer per chunk count, rounds interleaved in one process."""
+    argv = ["--config", "debug_model.toml", "--metrics.log_freq", "1000000", "--training.steps", "1",
+            "--lr_scheduler.warmup_steps", "0", "--job.dump_folder", folder]  # fmt: skip
+    trainer = Trainer(parse_args(argv, env={}))
+    times: dict[int, list[float]] = {c: [] for c in chunk_counts}
+    try:
+        for round_ in range(rounds + 1):
+            for chunks in chunk_counts:
+                trainer.loss_fn.chunks = chunks
+                trainer.job_config.training.steps = trainer.step + steps_per_round
+                start = time.perf_counter()
+                trainer.train()
+                if round_:  # the first round warms up
+                    times[chunks].append((time.perf_counter() - start) / steps_per_round)
+    finally:
+        trainer.close()
+    return {c: statistics.median(t) for c, t in times.items()}
 
 
 def head_seconds(chunk_counts: list[int], repeats: int) -> dict[int, float]:
@@ -100,32 +107,26 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--flavor", default="8B")
     parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps-per-round", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=20)
     cli = parser.parse_args()
     if cli.chunks[0] != 1:
         parser.error("--chunks must start with 1, the unchunked head every ratio is taken against")
+    init_logger()
     peaks = {c: head_peak_bytes(cli.flavor, cli.seq_len, c) for c in cli.chunks}
     heads = head_seconds(cli.chunks, cli.repeats)
     with tempfile.TemporaryDirectory() as tmp:
-        steps = {c: trainer_step_seconds(c, cli.steps, Path(tmp) / str(c)) for c in cli.chunks}
-    print(f"Head peak: Llama 3 {cli.flavor}, 1 x {cli.seq_len} tokens, bf16, FakeTensorMode. "
-          "Time: debug model, 8 x 256 tokens, fp32, CPU.\n")  # fmt: skip
+        steps = step_seconds(cli.chunks, cli.rounds, cli.steps_per_round, tmp)
+    print(f"\nHead peak: Llama 3 {cli.flavor}, 1 x {cli.seq_len} tokens, bf16, FakeTensorMode. "
+          f"Time: debug model, 8 x 256 tokens, fp32, {torch.__version__}.\n")  # fmt: skip
     print("| loss_chunks | head peak GiB | vs 1 | debug head fwd+bwd ms | vs 1 | debug step ms | vs 1 |")
     print("|---|---|---|---|---|---|---|")
-    failed = False
     for c in cli.chunks:
-        step = steps[c]
-        if isinstance(step, str):
-            step_cells, failed = [step, ""], True
-        elif isinstance(steps[1], str):
-            step_cells = [f"{1000 * step:.1f}", ""]
-        else:
-            step_cells = [f"{1000 * step:.1f}", f"{step / steps[1]:.3f}"]
-        cells = [f"{peaks[c] / GIB:.3f}", f"{peaks[c] / peaks[1]:.3f}", f"{1000 * heads[c]:.2f}",
-                 f"{heads[c] / heads[1]:.3f}", *step_cells]  # fmt: skip
+        cells = [f"{peaks[c] / GIB:.3f}", f"{peaks[c] / peaks[1]:.3f}",
+                 f"{1000 * heads[c]:.2f}", f"{heads[c] / heads[1]:.3f}",
+                 f"{1000 * steps[c]:.1f}", f"{steps[c] / steps[1]:.3f}"]  # fmt: skip
         print(f"| {c} | " + " | ".join(cells) + " |")
-    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
