@@ -326,6 +326,18 @@ class ActivationCheckpoint:
         max=1.0,
     )
     visualize_memory_budget_pareto: bool = opt(False, "dump the partitioner's pareto plot")
+    offload: Literal["none", "saved"] = opt(
+        "none",
+        '"saved": what each chosen block keeps for backward (under mode none every saved tensor, '
+        "under full AC the block's input, under op-SAC its input and saved op outputs) waits in "
+        "host memory, copied out as it is made and back one block ahead of backward",
+    )
+    offload_blocks: str = opt("all", 'the blocks that offload: "all", or indices and ranges such as "0-3,8"')
+    offload_min_bytes: int = opt(
+        2**20,
+        "offload only tensors of at least this many bytes (smaller copies cost more than they free)",
+        min=0,
+    )
 
 
 @dataclass

@@ -40,17 +40,23 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper as ptd_checkpoint_wrapper,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import _CONSUMED as _SAC_CONSUMED
+from torch.utils.checkpoint import _RECOMPUTE as _SAC_RECOMPUTE
 from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
     CheckpointPolicy,
     _CachedTorchDispatchMode,
+    _CachingTorchDispatchMode,
     _sac_storage_key,
+    _VersionWrapper,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import ActivationCheckpoint
+from torchtitan.distributed.activation_offload import ActivationOffloader, OffloadedTensor
 from torchtitan.tools.fqn import clean_fqn
 from torchtitan.tools.torch_version import release
 
@@ -196,12 +202,20 @@ class ACPlan:
         self.config, self.facts = config, facts
         self._wrapped: dict[str, list[str]] = defaultdict(list)
         self._block_count = 0
+        self._offload_blocks = (
+            parse_offload_blocks(config.offload_blocks) if config.offload == "saved" else None
+        )
+        # Set by `apply` when blocks offload; tests and the benchmark read its pool and log.
+        self.offloader: ActivationOffloader | None = None
 
     def apply(self, model: nn.Module) -> None:
         """Wrap `model.layers` (a ModuleDict or ModuleList of blocks) in place, and log
         `describe()`. Every plan resets torch's process-wide partitioner budget, which a
         previous model's memory_budget plan may have set (see `MemoryBudgetAC`)."""
         torch._functorch.config.activation_memory_budget = 1.0
+        if self._offload_blocks is not None:
+            self.offloader = ActivationOffloader(self.config.offload_min_bytes)
+            model.register_forward_pre_hook(lambda module, args: self.offloader.new_pass())
         blocks = list(model.layers.named_children())
         self._block_count = len(blocks)
         for name, block in blocks:
@@ -211,7 +225,21 @@ class ACPlan:
             if kind is not None:
                 model.layers.register_module(name, wrapped)
                 self._wrapped[kind].append(name)
+            if self._offloads(int(name)):
+                _offload_in_forward(wrapped, self.offloader, int(name))
+                at_least = _format_bytes(self.config.offload_min_bytes)
+                self._wrapped[f"offload of saved tensors of {at_least} or more"].append(name)
         logger.info(self.describe())
+
+    def _offloads(self, index: int) -> bool:
+        """Whether block `index` offloads what it holds for backward."""
+        return self._offload_blocks is not None and (
+            not self._offload_blocks or index in self._offload_blocks
+        )
+
+    def _offloader_of(self, index: int) -> ActivationOffloader | None:
+        """The offloader that block `index`'s SAC cache hands its saved outputs to, if any."""
+        return self.offloader if self._offloads(index) else None
 
     def wrap_block(self, index: int, block: nn.Module, model: nn.Module) -> tuple[nn.Module, str | None]:
         """(the block, wrapped or not, and what was done to it; None when left as is)."""
@@ -262,9 +290,12 @@ class ACPlan:
 
 
 class NoAC(ACPlan):
-    """mode = "none": nothing is wrapped (and nothing logged)."""
+    """mode = "none": nothing is wrapped (and nothing logged), unless blocks offload."""
 
     def apply(self, model):
+        if self._offload_blocks is not None:
+            super().apply(model)
+            return
         torch._functorch.config.activation_memory_budget = 1.0
 
 
@@ -283,7 +314,9 @@ class FullAC(ACPlan):
         replay = self.config.full_ac_all_to_all == "replay"
         skip = replay and self._skips_all_to_all_inputs(block)
         policy = lambda: _full_ac_moe_policy(replay, self.facts.context_parallel_group)  # noqa: E731
-        context_fn = _selective_context_fn(policy, skip, keep=self.facts.split_backward)
+        context_fn = _selective_context_fn(
+            policy, skip, keep=self.facts.split_backward, offloader=self._offloader_of(index)
+        )
         kind += f" (MoE: routing saved, all-to-alls {self.config.full_ac_all_to_all})"
         return self._checkpoint(block, context_fn), kind
 
@@ -309,7 +342,7 @@ class OpSAC(ACPlan):
         roles = _LinearRoles.of_block(block, self.forced, track_end=self.config.early_stop)
         context_fn = op_sac_context_fn(
             self.facts.save_list, roles, self._skips_all_to_all_inputs(block), keep=self.facts.split_backward,
-            context_parallel_group=self.facts.context_parallel_group,
+            context_parallel_group=self.facts.context_parallel_group, offloader=self._offloader_of(index),
         )  # fmt: skip
         sac = lambda m: self._checkpoint(m, context_fn)  # noqa: E731
         if self.facts.flex_attention and not self.facts.compile_enabled:
@@ -377,6 +410,8 @@ def plan_activation_checkpointing(config: ActivationCheckpoint, facts: ACFacts) 
         _check_selective_option(config.selective_ac_option)
     if config.mode == "memory_budget":
         _check_memory_budget(config, facts)
+    if config.offload != "none":
+        _check_offload(config, facts)
     if config.debug and config.mode != "none":
         _check_debug(config, facts)
     if facts.compile_enabled and facts.compiles and config.mode != "none":
@@ -424,6 +459,36 @@ def _check_memory_budget(config: ActivationCheckpoint, facts: ACFacts) -> None:
             f"'activation_checkpoint.mode' = 'memory_budget' has no effect with 'compile.backend' = "
             f"'{facts.compile_backend}', which does not apply the budget; use one of "
             f"{', '.join(MEMORY_BUDGET_BACKENDS)}, or another AC mode."
+        )
+
+
+def _check_offload(config: ActivationCheckpoint, facts: ACFacts) -> None:
+    """Offload runs in eager blocks, through autograd's saved-tensor hooks and SAC's cache."""
+    offloads = ("none", "saved")
+    if config.offload not in offloads:
+        raise ConfigError(
+            f"'activation_checkpoint.offload' = '{config.offload}' is unknown; use one of "
+            f"{', '.join(offloads)}."
+        )
+    parse_offload_blocks(config.offload_blocks)
+    if config.mode == "memory_budget":
+        raise ConfigError(
+            "'activation_checkpoint.offload' = 'saved' with mode = 'memory_budget': the compiled "
+            "partitioner decides what is saved inside its graph, where offload cannot reach. Use mode "
+            '"none", "full" or "selective" with offload, or offload = "none".'
+        )
+    if facts.compile_enabled:
+        raise ConfigError(
+            "'activation_checkpoint.offload' = 'saved' with compile.enable (\"model\" in "
+            "compile.components): a compiled block keeps its saved tensors inside its graph, where "
+            "offload cannot reach. Set "
+            'compile.enable = false (or drop "model" from compile.components), or offload = "none".'
+        )
+    if facts.split_backward:
+        raise ConfigError(
+            "'activation_checkpoint.offload' = 'saved' under a zero-bubble pipeline schedule (its two "
+            "backward passes read the saved tensors twice, out of block order) is not supported. Use "
+            'parallelism.pipeline_parallel_schedule = "1F1B" or "Interleaved1F1B", or offload = "none".'
         )
 
 
@@ -734,6 +799,7 @@ def op_sac_context_fn(
     skip_all_to_all_inputs: bool = False,
     keep: bool = False,
     context_parallel_group: str = "",
+    offloader: ActivationOffloader | None = None,
 ):
     """A `context_fn` for op-SAC; each checkpointed call gets fresh matmul counters, shared
     by its forward and its recompute so that both make the same choices. `roles` tells the
@@ -741,18 +807,23 @@ def op_sac_context_fn(
     after one of their matmuls is not saved, which holds only under `early_stop` (that never
     recomputes it). `skip_all_to_all_inputs` (only when `save_ops` holds the all-to-all): see
     `all_to_all_input`. `keep`: see `_KeptSACCache`. `context_parallel_group`: see
-    `context_parallel_collective`."""
+    `context_parallel_collective`. `offloader`: the saved outputs go to host memory (see
+    `_OffloadingSACCache`)."""
 
     def new_policy():
         return _op_sac_policy(save_ops, roles, defaultdict(int), context_parallel_group)
 
     skip = skip_all_to_all_inputs and _c10d.all_to_all_single.default in save_ops
-    return _selective_context_fn(new_policy, skip, keep)
+    return _selective_context_fn(new_policy, skip, keep, offloader)
 
 
-def _selective_context_fn(new_policy, skip_all_to_all_inputs: bool, keep: bool = False):
+def _selective_context_fn(
+    new_policy, skip_all_to_all_inputs: bool, keep: bool = False, offloader: ActivationOffloader | None = None
+):
     def context_fn():
         forward, recompute = create_selective_checkpoint_contexts(new_policy())
+        if offloader is not None:
+            forward = _OffloadingSACCache(forward.policy_fn, forward.storage, offloader)
         if keep:
             recompute = _KeptSACCache(None, forward.storage, recompute.allow_cache_entry_mutation)
         if skip_all_to_all_inputs:
@@ -780,6 +851,85 @@ class _KeptSACCache(_CachedTorchDispatchMode):
         if kept is not None and entries.get(index) is _SAC_CONSUMED:
             entries[index] = kept
         return out
+
+
+class _OffloadingSACCache(_CachingTorchDispatchMode):
+    """The forward side of SAC, handing each output it saves to the offloader: the cache then
+    holds a handle (`_OffloadedEntry`), and the recompute reads the tensor back from it."""
+
+    def __init__(self, policy_fn, storage, offloader: ActivationOffloader):
+        super().__init__(policy_fn, storage)
+        self.offloader = offloader
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in SAC_IGNORED_OPS:
+            return out
+        key = _sac_storage_key(func, args)
+        entries, index = self.storage[key], self.func_counter[key] - 1
+        if entries[index] is not _SAC_RECOMPUTE:
+            entries[index] = tree_map(self._offloaded, entries[index])
+        return out
+
+    def _offloaded(self, saved):
+        if isinstance(saved, _VersionWrapper) and self.offloader.offloads(saved.val):
+            return _OffloadedEntry(self.offloader.offload(saved.val), self.offloader)
+        return saved
+
+
+class _OffloadedEntry:
+    """A SAC cache entry in host memory, read like torch's `_VersionWrapper`."""
+
+    def __init__(self, handle: OffloadedTensor, offloader: ActivationOffloader):
+        self.handle, self.offloader = handle, offloader
+
+    def get_val(self, allow_cache_entry_mutation):
+        return self.offloader.restore(self.handle)
+
+
+def _offload_in_forward(block: nn.Module, offloader: ActivationOffloader, index: int) -> None:
+    """Run `block`'s forward as block `index` of `offloader`, with its saved-tensor hooks: what
+    autograd saves (with a checkpoint: the checkpoint's inputs) goes to host memory. The method
+    is shadowed on this module only, so parameter names do not change."""
+    forward = block.forward
+
+    def offloading_forward(*args, **kwargs):
+        with offloader.block(index), offloader.saved_tensors_hooks():
+            return forward(*args, **kwargs)
+
+    block.forward = offloading_forward
+
+
+def _format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} bytes"
+
+
+def parse_offload_blocks(spec: str) -> frozenset[int]:
+    """The block indices `[activation_checkpoint] offload_blocks` names: "all" (empty: every
+    block) or comma-separated indices and ranges, e.g. "0-3,8".
+
+    Raises:
+        ConfigError: naming the value and the syntax.
+    """
+    if spec.strip() == "all":
+        return frozenset()
+    indices: set[int] = set()
+    try:
+        for part in spec.split(","):
+            first, _, last = part.strip().partition("-")
+            low, high = int(first), int(last or first)
+            if low < 0 or high < low:
+                raise ValueError
+            indices.update(range(low, high + 1))
+    except ValueError:
+        raise ConfigError(
+            f"'activation_checkpoint.offload_blocks' = '{spec}' is invalid: use \"all\" or block indices "
+            'and ranges separated by commas, e.g. "0-3,8".'
+        ) from None
+    return frozenset(indices)
 
 
 # ----- the recompute that skips the all-to-all's input ----------------------------------------

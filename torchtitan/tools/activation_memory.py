@@ -49,13 +49,16 @@ def _storage_keys(tensors) -> set[int]:
     return keys
 
 
-def bytes_held_for_backward(module: torch.nn.Module, *inputs: torch.Tensor) -> int:
+def bytes_held_for_backward(module: torch.nn.Module, *inputs: torch.Tensor, elsewhere=()) -> int:
     """Bytes of the storages created by `module(*inputs)` that stay alive after it returns.
 
     Each input is first copied inside the measurement, as the previous layer's output would
-    be, so a block input that backward keeps (as full AC does) counts as held.
+    be, so a block input that backward keeps (as full AC does) counts as held. `elsewhere`:
+    tensors whose storages are not the device's to count (an activation offloader's host
+    buffers, which the forward fills).
     """
-    excluded = _storage_keys(list(module.parameters()) + list(module.buffers()) + list(inputs))
+    kept = list(module.parameters()) + list(module.buffers()) + list(inputs) + list(elsewhere)
+    excluded = _storage_keys(kept)
     recorder = _StorageRecorder(excluded)
     with recorder:
         copies = [x.clone() if x.requires_grad else x for x in inputs]
