@@ -44,6 +44,10 @@ Where the CPU's kernels hold more for backward than a GPU's, the GPU's are model
 attention for every SDPA and flex call (`gpu_attention_kernels`) and fused RMSNorm
 (`gpu_norm_kernel`).
 
+With `activation_checkpoint.offload = "saved"` the offloaded tensors leave the device's peak
+(only their copies back, in backward, count), and the table adds the bytes a step sends to the
+host and the time that takes each way at `--offload-gbps`.
+
 Not modelled: torch.compile (the step runs eagerly), the caching allocator's rounding,
 fragmentation and reserved memory, and CUDA/NCCL context memory; keep some headroom. DDP
 (replicas without sharding) is refused: its C++ reducer cannot run on fake tensors.
@@ -88,6 +92,7 @@ from torchtitan.components.training_step import (
 )
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig, parse_args
 from torchtitan.config.job_config import model_compile_enabled
+from torchtitan.distributed.activation_offload import offloaders_in
 from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.expert_parallel import is_ep_local
@@ -129,6 +134,10 @@ ROWS = {
     "inputs": ("Inputs", "Other"),
 }
 TOTAL = "peak total"
+# Not part of the peak: the bytes activation offload sends to the host in one step (and back).
+OFFLOADED = "offloaded to host per step"
+# PCIe Gen5 x16's peak per direction; real pinned copies reach somewhat less.
+DEFAULT_OFFLOAD_GBPS = 64.0
 ALWAYS_SHOWN = ("parameters", "gradients", "optimizer state", "activations")
 
 
@@ -195,8 +204,16 @@ def parse_cli(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
         help="instead of one estimate, search the longest training.seq_len whose peak per rank fits GIB, "
         "per AC mode (under pipeline parallelism, on every pipeline rank)",
     )
+    parser.add_argument(
+        "--offload-gbps",
+        type=positive_float,
+        default=DEFAULT_OFFLOAD_GBPS,
+        metavar="GBPS",
+        help="with activation_checkpoint.offload: host-device bandwidth per direction in GB/s, for the "
+        f"copy time of what a step offloads (default {DEFAULT_OFFLOAD_GBPS:g}, PCIe Gen5 x16's peak)",
+    )
     args, rest = parser.parse_known_args(argv)
-    own = ["--ngpu", "--all-ac-modes", "--ep-imbalance", "--max-seq-len"]
+    own = ["--ngpu", "--all-ac-modes", "--ep-imbalance", "--max-seq-len", "--offload-gbps"]
     for arg in rest:
         name = arg.split("=", 1)[0]
         # An option without a section is one of ours misspelled, not a config key.
@@ -632,7 +649,15 @@ def tracked_step(
     with tracking(tracker):
         loss_fn = build_chunked_loss(cfg, spec.build_loss_fn)
         train_step(cfg, parallel_dims, model, optimizer, loss_fn, spec.extra_loss_fn, batch, tracker)
-    return tracker.get_tracker_snapshot("peak").get(device, {})
+    return _with_offloaded(tracker.get_tracker_snapshot("peak").get(device, {}), model, cfg, parallel_dims)
+
+
+def _with_offloaded(snapshot: dict, model, cfg: JobConfig, parallel_dims: ParallelDims) -> dict:
+    """`snapshot` and the bytes activation offload sends to the host in a whole step: what the
+    measured micro-batches (at most 2) sent, scaled to the step's micro-batches."""
+    accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
+    sent = sum(offloader.bytes_total for offloader in offloaders_in(model))
+    return {**snapshot, OFFLOADED: sent * accum_steps // min(accum_steps, 2)}
 
 
 def breakdown(snapshot: dict) -> dict[str, int]:
@@ -640,6 +665,7 @@ def breakdown(snapshot: dict) -> dict[str, int]:
     by_name = {getattr(kind, "value", kind): n for kind, n in snapshot.items()}
     rows = {row: sum(by_name.get(name, 0) for name in names) for row, names in ROWS.items()}
     rows[TOTAL] = by_name.get("Total", 0)
+    rows[OFFLOADED] = snapshot.get(OFFLOADED, 0)
     return rows
 
 
@@ -807,7 +833,7 @@ def tracked_pipeline_step(
             pipeline_forward_backward(pipeline, *batch, parallel_dims, cfg)
         clip_grad_norm_(model.parameters(), cfg.training.max_norm, pipeline.pp_group)
         optimizer.step()
-    return tracker.get_tracker_snapshot("peak").get(device, {})
+    return _with_offloaded(tracker.get_tracker_snapshot("peak").get(device, {}), model, cfg, parallel_dims)
 
 
 # ----- the longest sequence -------------------------------------------------------------------
@@ -891,8 +917,10 @@ def mode_label(ac: ActivationCheckpoint) -> str:
     return f"{ac.mode} {ac.selective_ac_option}" if ac.mode == "selective" else ac.mode
 
 
-def format_table(results: dict[str, dict[str, int]]) -> str:
-    """Markdown table in GiB: a row per kind of memory (minor kinds left out when zero), a column per mode."""
+def format_table(results: dict[str, dict[str, int]], offload_gbps: float = DEFAULT_OFFLOAD_GBPS) -> str:
+    """Markdown table in GiB: a row per kind of memory (minor kinds left out when zero), a column
+    per mode; with activation offload, what a step sends to the host and the copy time that
+    takes each way at `offload_gbps` GB/s (hidden when it overlaps compute)."""
     lines = ["| GiB per rank | " + " | ".join(results) + " |", "|---" * (len(results) + 1) + "|"]
     for row in [*ROWS, TOTAL]:
         values = [results[mode][row] / GiB for mode in results]
@@ -900,6 +928,11 @@ def format_table(results: dict[str, dict[str, int]]) -> str:
             lines.append(f"| **{row}** | " + " | ".join(f"**{v:.3f}**" for v in values) + " |")
         elif any(values) or row in ALWAYS_SHOWN:
             lines.append(f"| {row} | " + " | ".join(f"{v:.3f}" for v in values) + " |")
+    sent = [results[mode].get(OFFLOADED, 0) for mode in results]
+    if any(sent):
+        lines.append(f"| {OFFLOADED} | " + " | ".join(f"{n / GiB:.3f}" for n in sent) + " |")
+        times = [f"{1000 * n / (offload_gbps * 1e9):.1f}" for n in sent]
+        lines.append(f"| copy time each way at {offload_gbps:g} GB/s, ms | " + " | ".join(times) + " |")
     return "\n".join(lines)
 
 
@@ -954,7 +987,7 @@ def main(argv: list[str] | None = None) -> None:
             "more on the ranks that receive the most tokens (see --ep-imbalance).",
             file=sys.stderr,
         )
-    print(f"Estimated peak memory per rank: {title}\n\n{format_table(results)}")
+    print(f"Estimated peak memory per rank: {title}\n\n{format_table(results, args.offload_gbps)}")
     if cfg.parallelism.pipeline_parallel_degree > 1:
         print("\n" + "\n".join(describe_stages(cfg)))
 

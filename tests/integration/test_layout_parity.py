@@ -156,7 +156,26 @@ CONTEXT_LAYOUTS = {
     "DeepSeek-V3 CP 2, ulysses": (("deepseek_v3", 2, 4, _cp("ulysses"), "full"), FULL),
 }  # fmt: skip
 LAYOUTS.update({name: layout for name, (layout, _) in CONTEXT_LAYOUTS.items()})
-MARKS = {name: marks for name, (_, marks) in {**PIPELINE_LAYOUTS, **CONTEXT_LAYOUTS}.items()}
+# Activation offload (`[activation_checkpoint] offload = "saved"`), every activation of these
+# models (4 KiB and more) through the host pool, the same tolerance: offload moves bytes, and the
+# numbers that come back are the numbers that left (bit for bit in one process:
+# tests/unit/test_activation_offload.py).
+OFFLOAD = ["--activation_checkpoint.offload", "saved", "--activation_checkpoint.offload_min_bytes", "4096"]
+OFFLOAD_LAYOUTS = {
+    "Qwen3 MoE EP 2, offload": (("qwen3 moe", 2, 2, EP2 + OFFLOAD, "op-SAC"), ()),
+    "Qwen3 MoE FSDP 2, offload": (("qwen3 moe", 2, 2, OFFLOAD, "op-SAC"), FULL),
+    "Qwen3 MoE FSDP 2, offload, full AC": (("qwen3 moe", 2, 2, OFFLOAD, "full"), FULL),
+    "Qwen3 MoE TP 2, offload": (("qwen3 moe", 2, 4, ETP2 + OFFLOAD, "op-SAC"), FULL),
+    "Qwen3 MoE TP 2, offload, no AC": (("qwen3 moe", 2, 4, ETP2 + OFFLOAD, "none"), FULL),
+    "Qwen3 MoE EP 2, offload, full AC replay": (("qwen3 moe", 2, 2, EP2 + OFFLOAD, "full replay"), FULL),
+    "Qwen3 MoE EP 2, offload, no AC": (("qwen3 moe", 2, 2, EP2 + OFFLOAD, "none"), FULL),
+    "Qwen3 MoE EP 2, 2 micro-batches, offload": (("qwen3 moe", 2, 1, EP2 + OFFLOAD, "op-SAC"), FULL),
+    "PP 2, 1F1B, offload": (("llama3", 2, 4, _pp(2, "1F1B") + OFFLOAD, "full"), FULL),
+}  # fmt: skip
+LAYOUTS.update({name: layout for name, (layout, _) in OFFLOAD_LAYOUTS.items()})
+MARKS = {
+    name: marks for name, (_, marks) in {**PIPELINE_LAYOUTS, **CONTEXT_LAYOUTS, **OFFLOAD_LAYOUTS}.items()
+}
 
 _references: dict = {}
 

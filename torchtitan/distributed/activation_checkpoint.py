@@ -56,7 +56,7 @@ from torch.utils.checkpoint import (
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import ActivationCheckpoint
-from torchtitan.distributed.activation_offload import ActivationOffloader, OffloadedTensor
+from torchtitan.distributed.activation_offload import ActivationOffloader, OffloadedTensor, attach
 from torchtitan.tools.fqn import clean_fqn
 from torchtitan.tools.torch_version import release
 
@@ -215,7 +215,7 @@ class ACPlan:
         torch._functorch.config.activation_memory_budget = 1.0
         if self._offload_blocks is not None:
             self.offloader = ActivationOffloader(self.config.offload_min_bytes)
-            model.register_forward_pre_hook(lambda module, args: self.offloader.new_pass())
+            attach(model, self.offloader)
         blocks = list(model.layers.named_children())
         self._block_count = len(blocks)
         for name, block in blocks:
@@ -868,12 +868,14 @@ class _OffloadingSACCache(_CachingTorchDispatchMode):
         key = _sac_storage_key(func, args)
         entries, index = self.storage[key], self.func_counter[key] - 1
         if entries[index] is not _SAC_RECOMPUTE:
-            entries[index] = tree_map(self._offloaded, entries[index])
+            # A functional collective's output holds its data only after the block waits for it.
+            later = func.namespace.startswith("_c10d_functional")
+            entries[index] = tree_map(lambda saved: self._offloaded(saved, later), entries[index])
         return out
 
-    def _offloaded(self, saved):
+    def _offloaded(self, saved, when_block_ends: bool):
         if isinstance(saved, _VersionWrapper) and self.offloader.offloads(saved.val):
-            return _OffloadedEntry(self.offloader.offload(saved.val), self.offloader)
+            return _OffloadedEntry(self.offloader.offload(saved.val, when_block_ends), self.offloader)
         return saved
 
 

@@ -10,8 +10,9 @@ On an accelerator the copies run on two side streams, device-to-host into pinned
 reused `HostPool`, host-to-device into fresh device memory; events order them with the compute
 stream, so nothing waits on the host. A device tensor handed to the copy is dropped at once: its
 memory is marked used by the copy stream (`record_stream`), so the allocator reuses it only
-after the copy has run. On the CPU (and for fake tensors) the same steps copy synchronously,
-and "host" is the pool, which tests can inspect apart from the tensors autograd holds.
+after the copy has run. On the CPU the same steps copy synchronously, and "host" is the pool,
+which tests can inspect apart from the tensors autograd holds. Fake tensors (the memory
+estimator's) move no data: their host side is a byte count, and only the device side allocates.
 """
 
 import contextlib
@@ -31,8 +32,8 @@ class HostPool:
     """Host buffers kept for reuse, one free list per byte size: activations come in a few sizes
     that repeat every block and every step, so after the first step nothing is allocated.
 
-    Buffers for an accelerator's tensors are pinned (asynchronous copies need it); a fake
-    tensor's (the memory estimator's) are fake.
+    Buffers for an accelerator's tensors are pinned (asynchronous copies need it). A fake
+    tensor's buffer (the memory estimator's) has no memory: it only counts bytes.
     """
 
     def __init__(self):
@@ -46,14 +47,19 @@ class HostPool:
         if free:
             buffer = free.pop()
         else:
-            buffer = _HostBuffer(torch.empty(nbytes, dtype=torch.uint8, pin_memory=kind == "pinned"), kind)
+            data = (
+                None
+                if kind == "fake"
+                else torch.empty(nbytes, dtype=torch.uint8, pin_memory=kind == "pinned")
+            )
+            buffer = _HostBuffer(data, nbytes, kind)
             self.bytes_allocated += nbytes
         self.bytes_in_use += nbytes
         return buffer
 
     def give_back(self, buffer: "_HostBuffer") -> None:
-        self.bytes_in_use -= buffer.data.numel()
-        self._free[buffer.data.numel(), buffer.kind].append(buffer)
+        self.bytes_in_use -= buffer.nbytes
+        self._free[buffer.nbytes, buffer.kind].append(buffer)
 
     @property
     def free_buffers(self) -> int:
@@ -61,15 +67,15 @@ class HostPool:
 
     def free_buffer_tensors(self) -> list[torch.Tensor]:
         """The free buffers' memory (a measurement leaves it out of the device's bytes)."""
-        return [buffer.data for free in self._free.values() for buffer in free]
+        return [buffer.data for free in self._free.values() for buffer in free if buffer.data is not None]
 
 
 class _HostBuffer:
     """One pooled host buffer; `last_read` is the event after the last copy out of it, which a
     new copy into it waits for."""
 
-    def __init__(self, data: torch.Tensor, kind: str):
-        self.data, self.kind = data, kind
+    def __init__(self, data: torch.Tensor | None, nbytes: int, kind: str):
+        self.data, self.nbytes, self.kind = data, nbytes, kind
         self.last_read: torch.Event | None = None
 
 
@@ -82,11 +88,15 @@ class _StorageCopy:
         self.nbytes = local.untyped_storage().nbytes()
         self._offloader = offloader
         self._buffer: _HostBuffer | None = offloader.pool.take(self.nbytes, _buffer_kind(local))
-        self._copied: torch.Event | None = offloader._to_host(local, self._buffer)
+        self._copied: torch.Event | None = None
         self.on_device: torch.Tensor | None = None
         self._arrived: torch.Event | None = None
         # A copy that backward never reads (a checkpoint's early stop) still returns its buffer.
         weakref.finalize(self, _give_back_once, offloader.pool, self.__dict__)
+
+    def start(self, local: torch.Tensor) -> None:
+        """Start the copy of `local` (a tensor on this storage) to the host buffer."""
+        self._copied = self._offloader._to_host(local, self._buffer)
 
     def prefetch(self) -> None:
         """Start the copy back to the device (no wait); the host buffer goes back to the pool."""
@@ -163,6 +173,9 @@ class _Group:
         # While the block runs forward: each offloaded storage by address, with a tensor on it
         # held so that its memory (and so its address) is not reused before the block ends.
         self.packing: dict[int, tuple[torch.Tensor, _StorageCopy]] = {}
+        # Copies that start when the block ends: a collective's output is written only once
+        # the block waits for it.
+        self.deferred: list[tuple[torch.Tensor, _StorageCopy]] = []
         self.bytes = 0
         self.entered_backward = False
 
@@ -185,6 +198,8 @@ class ActivationOffloader:
             ("prefetch", block) when a block's copies back start. `new_pass()` clears it unless
             `keep_log` is set.
         bytes_by_block: the bytes each block offloaded in the latest forward.
+        bytes_total: the bytes offloaded since this offloader was made (each crosses the bus
+            twice: out in forward, back in backward).
 
     Pitfalls: a tensor is offloaded only when it is a plain tensor (or a DTensor of one) that
     owns its whole storage, is not a parameter or a view of one, and has at least `min_bytes`;
@@ -201,6 +216,7 @@ class ActivationOffloader:
         self.log: list[tuple] = []
         self.keep_log = False
         self.bytes_by_block: dict[int, int] = defaultdict(int)
+        self.bytes_total = 0
 
     # ----- forward ---------------------------------------------------------------------------
 
@@ -219,6 +235,9 @@ class ActivationOffloader:
         try:
             yield
         finally:
+            for local, copy in self._group.deferred:
+                copy.start(local)
+            self._group.deferred.clear()
             self._group.packing.clear()
             self._last_group, self._group = self._group, None
 
@@ -242,18 +261,28 @@ class ActivationOffloader:
         nbytes = local.numel() * local.element_size()
         return nbytes >= self.min_bytes and local.untyped_storage().nbytes() == nbytes
 
-    def offload(self, tensor: torch.Tensor) -> OffloadedTensor:
+    def offload(self, tensor: torch.Tensor, when_block_ends: bool = False) -> OffloadedTensor:
         """Start the copy of `tensor`'s storage to host memory and return its handle; the caller
         drops `tensor`. Tensors on one storage (saved by several ops, or views of each other)
-        share one copy within a block."""
+        share one copy within a block.
+
+        Args:
+            when_block_ends: start the copy only when the block's forward ends: for the output
+                of an asynchronous collective, which holds its data only after a wait.
+        """
         group, local = self._group, _local(tensor)
         address = local.untyped_storage().data_ptr()
         if address not in group.packing:
             copy = _StorageCopy(self, local, group)
+            if when_block_ends:
+                group.deferred.append((local, copy))
+            else:
+                copy.start(local)
             group.packing[address] = (local, copy)
             group.copies.add(copy)
             group.bytes += copy.nbytes
             self.bytes_by_block[group.block] += copy.nbytes
+            self.bytes_total += copy.nbytes
             self.log.append(("offload", group.block, copy.nbytes))
         return OffloadedTensor(tensor, group.packing[address][1])
 
@@ -295,8 +324,10 @@ class ActivationOffloader:
     def _to_host(self, local: torch.Tensor, buffer: _HostBuffer) -> torch.Event | None:
         """Copy `local`'s storage into `buffer`; from an accelerator, asynchronously on the
         offload stream, after the last copy out of that buffer."""
+        if buffer.kind == "fake":
+            return None
         host, local = buffer.data, _storage_bytes(local)
-        if buffer.kind != "pinned":
+        if buffer.kind == "plain":
             with torch.no_grad():
                 host.copy_(local)
             return None
@@ -315,8 +346,10 @@ class ActivationOffloader:
         self, buffer: _HostBuffer, copied: torch.Event | None, device: torch.device
     ) -> tuple[torch.Tensor, torch.Event | None]:
         """A device copy of `buffer` (flat uint8), and the event after which it is there."""
-        on_device = torch.empty(buffer.data.numel(), dtype=torch.uint8, device=device)
-        if buffer.kind != "pinned":
+        on_device = torch.empty(buffer.nbytes, dtype=torch.uint8, device=device)
+        if buffer.kind == "fake":
+            return on_device, None
+        if buffer.kind == "plain":
             with torch.no_grad():
                 on_device.copy_(buffer.data)
             return on_device, None
@@ -338,3 +371,19 @@ class ActivationOffloader:
 
     def _wait_for(self, event: torch.Event, device: torch.device) -> None:
         torch.accelerator.current_stream(device).wait_event(event)
+
+
+# The offloader of each model whose AC plan offloads (see `attach`).
+_OFFLOADERS: "weakref.WeakKeyDictionary[nn.Module, ActivationOffloader]" = weakref.WeakKeyDictionary()
+
+
+def attach(model: nn.Module, offloader: ActivationOffloader) -> None:
+    """Make `offloader` `model`'s: each forward of `model` starts a new pass of it, and
+    `offloaders_in` finds it."""
+    _OFFLOADERS[model] = offloader
+    model.register_forward_pre_hook(lambda module, args: offloader.new_pass())
+
+
+def offloaders_in(module: nn.Module) -> list[ActivationOffloader]:
+    """The offloaders attached to `module` or its submodules (one per pipeline stage)."""
+    return [_OFFLOADERS[m] for m in module.modules() if m in _OFFLOADERS]
