@@ -382,3 +382,29 @@ def test_max_seq_len_that_fits_nothing_exits_2_naming_what_the_shortest_needs(ca
         em.main(["--config", "debug_model.toml", "--ngpu", "1", "--max-seq-len", "0.01"])
     assert info.value.code == 2
     assert "the shortest sequence searched, 1024 tokens, needs" in capsys.readouterr().err
+
+
+OFFLOAD = ["--activation_checkpoint.offload", "saved", "--activation_checkpoint.offload_min_bytes", "1024"]
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "selective op"])
+def test_offload_sends_the_bytes_a_real_run_sends_and_leaves_the_device_peak(mode):
+    cfg = _config(DEBUG + OFFLOAD, mode)
+    estimated = em.measure(cfg, 1, fake=True)
+    measured = em.measure(cfg, 1, fake=False)
+    without = em.measure(_config(DEBUG, mode), 1, fake=True)
+    assert estimated[em.OFFLOADED] == measured[em.OFFLOADED] > 0
+    assert estimated["activations"] < without["activations"]
+    # Under full AC the debug model's peak is one block's recompute, which offload leaves as is.
+    assert estimated[em.TOTAL] <= without[em.TOTAL]
+    if mode != "full":
+        assert estimated[em.TOTAL] < without[em.TOTAL]
+
+
+def test_an_offloading_estimate_reports_the_bytes_and_their_copy_time(capsys):
+    em.main(DEBUG + OFFLOAD + ["--ngpu", "1", "--offload-gbps", "10"])
+    table = capsys.readouterr().out
+    sent = _table_row(table, em.OFFLOADED)["selective op"]
+    assert sent > 0
+    copy_ms = _table_row(table, "copy time each way at 10 GB/s, ms")["selective op"]
+    assert copy_ms == pytest.approx(1000 * sent * 2**30 / 10e9, abs=0.05)

@@ -170,8 +170,8 @@ class _Group:
     def __init__(self, block: int, previous: "_Group | None"):
         self.block, self.previous = block, previous
         self.copies: weakref.WeakSet = weakref.WeakSet()
-        # While the block runs forward: each offloaded storage by address, with a tensor on it
-        # held so that its memory (and so its address) is not reused before the block ends.
+        # While the block runs forward: each offloaded storage by identity, with a tensor on it
+        # held so that the storage is not freed (and its identity reused) before the block ends.
         self.packing: dict[int, tuple[torch.Tensor, _StorageCopy]] = {}
         # Copies that start when the block ends: a collective's output is written only once
         # the block waits for it.
@@ -271,7 +271,8 @@ class ActivationOffloader:
                 of an asynchronous collective, which holds its data only after a wait.
         """
         group, local = self._group, _local(tensor)
-        address = local.untyped_storage().data_ptr()
+        # The storage's identity (its C++ object), which fake tensors have too, unlike an address.
+        address = local.untyped_storage()._cdata
         if address not in group.packing:
             copy = _StorageCopy(self, local, group)
             if when_block_ends:
