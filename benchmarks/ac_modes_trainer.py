@@ -8,7 +8,9 @@ remaining steps). Made for one GPU, e.g. Llama 3 1B at seq_len 8192 in bf16:
         --steps 8 --warmup 3 [--modes none full "selective 2" "selective op"] [-- EXTRA OVERRIDES]
 
 `--modes` may also name "none + compile", "full + compile" and "selective op + compile"
-(`compile.enable`: each block compiled after AC); compiling happens in the warm-up steps.
+(`compile.enable`: each block compiled after AC; compiling happens in the warm-up steps), and
+"selective op + offload" and "selective op + offload 0-7" (`activation_checkpoint.offload`, on
+every block or on blocks 0-7).
 
 It also runs on the CPU with the debug model (MFU is then n/a: no peak FLOPs are known). A mode
 whose run fails, or outlasts `--timeout`, gets a row saying so and the exit code is 1.
@@ -34,6 +36,11 @@ MODES = {
 # compiled, the policy is applied once, in the graph. Not in the default --modes.
 EAGER_MODES = list(MODES)
 MODES |= {f"{m} + compile": [*MODES[m], "--compile.enable"] for m in ("none", "full", "selective op")}
+# op-SAC with activation offload: every block, or the first eight (early blocks' copies have the
+# most compute after them to hide behind). Not in the default --modes.
+_OFFLOAD = "--activation_checkpoint.offload"
+MODES["selective op + offload"] = [*MODES["selective op"], _OFFLOAD, "saved"]
+MODES["selective op + offload 0-7"] = [*MODES["selective op"], _OFFLOAD, "saved", _OFFLOAD + "_blocks", "0-7"]
 MEMORY_KEYS = ("memory/max_allocated_gib", "memory/max_rss_gib")
 
 

@@ -10,8 +10,8 @@
 #   2. each model's flex-attention debug config in bf16, 10 steps with op-SAC + compile, then
 #      with full AC: six trainer runs;
 #   3. the AC benchmark through the trainer on Llama 3 1B at seq_len 8192 (bf16): tokens/s,
-#      MFU and peak memory per AC mode, as one table (the eager modes, then no AC and op-SAC
-#      with compile);
+#      MFU and peak memory per AC mode, as one table (the eager modes, op-SAC with activation
+#      offload on every block and on blocks 0-7, then no AC and op-SAC with compile);
 #   4. building the block_causal BlockMask eagerly vs compiled at 4 x 8192 (time, peak memory).
 # Steps 1 and 2 are mostly compiling on the host, so their nine processes run at once (the
 # debug models use little of the GPU; step 2's tokens/s are therefore only indicative); steps 3
@@ -72,7 +72,8 @@ else
     # 60 + 220 + 190 + 90 s, plus up to 10 s each to kill a stage: under the 600 s a lent
     # machine allows one command. The pre-flight's budget covers a fresh machine's cold start
     # (first CUDA context, first Triton compile). Measured on an H200 (2026-12-04): pre-flight
-    # and steps 1-2 197 s; step 3 107 s (its six modes); step 4 about 50 s, 42 of them the
+    # and steps 1-2 197 s; step 3 107 s (six modes; the two offload
+    # modes since added make eight, about 145 s at that rate); step 4 about 50 s, 42 of them the
     # first compiled build (the 35 s it had in the first run stopped it before its first row).
     budget_preflight=60 budget_parallel=220 budget_bench=190 budget_mask=90
 fi
@@ -202,7 +203,8 @@ cat "$out/flex.md"
 
 echo "== 3. AC modes through the trainer (at $((SECONDS - start)) s)"
 # Eager modes first: a stage stopped at its budget keeps the rows already printed.
-bench_modes=(none full "selective 2" "selective op" "none + compile" "selective op + compile")
+bench_modes=(none full "selective 2" "selective op" "selective op + offload" "selective op + offload 0-7"
+    "none + compile" "selective op + compile")
 run_limited "$budget_bench" "$out/ac_modes.md" "$py" benchmarks/ac_modes_trainer.py "${bench[@]}" \
     --modes "${bench_modes[@]}" -- "${bf16[@]}" --optimizer.lr 3e-4
 rc=$?
