@@ -25,7 +25,7 @@ LAYER_OF_PACKAGE = {
 
 # The AC module knows no model by name: torch, the config dataclasses and the tools layer only.
 AC_MODULE = "torchtitan.distributed.activation_checkpoint"
-AC_MAY_IMPORT = ("torchtitan.config", "torchtitan.tools")
+AC_MAY_IMPORT = ("torchtitan.config", "torchtitan.tools", "torchtitan.distributed.activation_offload")
 
 
 def _module_name(path: Path) -> str:
@@ -129,10 +129,15 @@ def test_nothing_imports_the_trainer():
     assert [source for source, target in _all_imports() if target == "torchtitan.train"] == []
 
 
-def test_activation_checkpoint_module_imports_only_config_and_tools():
+def test_activation_checkpoint_module_imports_only_config_tools_and_its_offload():
     path = PACKAGE / "distributed" / "activation_checkpoint.py"
     assert _imported_modules(path), "the AC module imports the config dataclasses at least"
     assert {m for m in _imported_modules(path) if not m.startswith(AC_MAY_IMPORT)} == set()
+
+
+def test_activation_offload_imports_nothing_of_torchtitan():
+    path = PACKAGE / "distributed" / "activation_offload.py"
+    assert {m for m in _imported_modules(path) if m.startswith("torchtitan")} == set()
 
 
 @pytest.mark.parametrize(
