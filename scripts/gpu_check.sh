@@ -6,7 +6,8 @@
 #   1. the test suite's GPU-marked tests (tests/gpu: compiled flex BlockMask vs the exact dense
 #      path, bf16 grouped-mm experts, the GPU attention kernel under op-SAC, a bf16 run, a
 #      float8 run, the CUDA memory snapshots, a resume from an async_with_pinned_mem save, the
-#      optimizer stepping in backward), in three pytest processes;
+#      optimizer stepping in backward, activation offload's streams and pinned pool), in three
+#      pytest processes;
 #   2. each model's flex-attention debug config in bf16, 10 steps with op-SAC + compile, then
 #      with full AC: six trainer runs;
 #   3. the AC benchmark through the trainer on Llama 3 1B at seq_len 8192 (bf16): tokens/s,
