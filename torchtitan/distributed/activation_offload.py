@@ -347,20 +347,24 @@ class ActivationOffloader:
         self, buffer: _HostBuffer, copied: torch.Event | None, device: torch.device
     ) -> tuple[torch.Tensor, torch.Event | None]:
         """A device copy of `buffer` (flat uint8), and the event after which it is there."""
-        on_device = torch.empty(buffer.nbytes, dtype=torch.uint8, device=device)
-        if buffer.kind == "fake":
+        if buffer.kind != "pinned":
+            on_device = torch.empty(buffer.nbytes, dtype=torch.uint8, device=device)
+            if buffer.kind == "plain":
+                with torch.no_grad():
+                    on_device.copy_(buffer.data)
             return on_device, None
-        if buffer.kind == "plain":
-            with torch.no_grad():
-                on_device.copy_(buffer.data)
-            return on_device, None
+        compute = torch.accelerator.current_stream(device)
         _, to_device = self._side_streams(device)
         if copied is not None:
             to_device.wait_event(copied)
+        # Allocated on the copy stream, so that the copy cannot overwrite memory the compute
+        # stream's queued kernels still read; marked used by the compute stream, which frees it.
         with to_device, torch.no_grad():
+            on_device = torch.empty(buffer.nbytes, dtype=torch.uint8, device=device)
             on_device.copy_(buffer.data, non_blocking=True)
             arrived = torch.Event(device=device)
             arrived.record(to_device)
+        on_device.record_stream(compute)
         buffer.last_read = arrived
         return on_device, arrived
 
