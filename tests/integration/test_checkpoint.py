@@ -506,6 +506,37 @@ def test_last_save_in_hf_then_initial_load_in_hf_gives_the_dcp_weights(tmp_path)
     assert want < _losses(tmp_path / "dcp_export")[1]  # trained weights, not a fresh init
 
 
+# Upstream torchtitan's sequence: export at the end, then start from <folder>/step-N/ in HF.
+EXPORT = ["--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"]
+LOAD_EXPORT = ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_model_only"]
+
+
+def test_torchtitans_export_then_load_sequence_runs_as_written(tmp_path):
+    """`initial_load_path = <folder>/step-10/` (upstream's name for its export) finds the export,
+    which is `step-10-hf` here, and the new run starts from the trained weights."""
+    first = tmp_path / "first"
+    _train(first, extra=EXPORT)
+    folder = first / "checkpoint"
+    assert (folder / "step-10-hf" / "model.safetensors.index.json").is_file()
+    second = tmp_path / "second"
+    proc = _train(second, extra=["--checkpoint.initial_load_path", f"{folder}/step-10/", *LOAD_EXPORT])
+    assert f"names the Hugging Face export {folder / 'step-10-hf'}" in proc.stderr, proc.stderr[-2000:]
+    assert "Initialized the model from Hugging Face safetensors" in proc.stderr
+    assert _losses(second)[1] < _losses(first)[1]  # the same first batch, on trained weights
+
+
+def test_the_sequence_in_the_same_dump_folder_starts_from_the_export_it_names(tmp_path):
+    """A folder holding only exports is no run to resume; with initial_load_path set, the run
+    starts from it instead of refusing."""
+    two = ["--training.steps", "2"]
+    _train(tmp_path, extra=two + EXPORT)
+    folder = tmp_path / "checkpoint"
+    load = ["--checkpoint.initial_load_path", f"{folder}/step-2/", *LOAD_EXPORT]
+    proc = _train(tmp_path, extra=two + load)
+    assert "holds only exports" in proc.stderr and "Initialized the model from Hugging Face" in proc.stderr
+    assert complete_steps(folder) == [2] and (folder / "step-2-hf").is_dir()
+
+
 @pytest.mark.full_matrix
 def test_an_hf_export_under_pp2_x_fsdp2_is_one_processs_and_loads_back_under_pp2(tmp_path):
     """Each stage's weights reach the export (float32, so that it matches to rounding: 3e-6 at

@@ -12,6 +12,7 @@ from torchtitan.components.checkpoint_folders import (
     BackgroundFileWork,
     complete_steps,
     delete_folders,
+    hf_export_named_by,
     prune_checkpoints,
     step_folder,
     step_of,
@@ -255,6 +256,31 @@ def test_a_folder_of_hf_exports_only_is_refused_rather_than_restarted_from_rando
     with pytest.raises(ConfigError, match=r"only Hugging Face exports \(steps \[2\].*initial_load_path = "
                        r"'.*step-2-hf' and checkpoint.initial_load_in_hf = true"):  # fmt: skip
         manager.load(TrainState())
+
+
+def test_a_folder_of_exports_only_is_passed_over_when_the_run_names_its_initial_load_path(tmp_path):
+    manager = _manager(tmp_path, "--checkpoint.initial_load_path", str(tmp_path / "elsewhere"))
+    (manager.folder / "step-2-hf").mkdir(parents=True)
+    _save(manager.folder, 2, resumable=False)  # a last_save_model_only export
+
+    assert manager.resume_step() is None
+
+
+def test_a_step_n_path_names_the_step_n_hf_export_beside_it(tmp_path):
+    export = tmp_path / "step-10-hf"
+    export.mkdir()
+    assert hf_export_named_by(tmp_path / "step-10") == export
+    (tmp_path / "step-10").mkdir()  # a DCP checkpoint of the same step
+    assert hf_export_named_by(tmp_path / "step-10") == export
+
+
+def test_a_path_that_holds_safetensors_or_names_no_export_is_itself(tmp_path):
+    (tmp_path / "step-3").mkdir()
+    (tmp_path / "step-3" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "step-3-hf").mkdir()
+    assert hf_export_named_by(tmp_path / "step-3") == tmp_path / "step-3"
+    assert hf_export_named_by(tmp_path / "step-4") == tmp_path / "step-4"
+    assert hf_export_named_by(tmp_path / "weights") == tmp_path / "weights"
 
 
 def test_a_checkpoint_folder_that_is_a_file_is_refused_before_training(tmp_path):

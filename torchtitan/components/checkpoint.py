@@ -47,6 +47,7 @@ from torchtitan.components.checkpoint_folders import (
     BackgroundFileWork,
     complete_steps,
     delete_folders,
+    hf_export_named_by,
     is_dcp,
     load_from,
     prune_checkpoints,
@@ -584,6 +585,9 @@ class CheckpointManager:
 
     def _load_initial(self, path: Path, train_state: TrainState) -> None:
         c = self.config
+        if c.initial_load_in_hf and (export := hf_export_named_by(path)) != path:
+            logger.info(f"checkpoint.initial_load_path '{path}' names the Hugging Face export {export}")
+            path = export
         if not path.exists():
             raise ConfigError(f"'checkpoint.initial_load_path' = '{path}' does not exist.")
         if c.initial_load_in_hf:

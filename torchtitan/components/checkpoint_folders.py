@@ -193,6 +193,21 @@ def hf_export_steps(folder: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in folder.iterdir() if (m := HF_EXPORT_FOLDER.match(p.name)))
 
 
+def hf_export_named_by(path: Path) -> Path:
+    """The Hugging Face export that `path` names: `path` itself when it holds safetensors (or
+    names nothing else), else the `step-N-hf` export beside a `step-N` path.
+
+    Why: upstream torchtitan names its final export `step-N`, so its users load it with
+    `initial_load_path = <folder>/step-N`. Here the export keeps its `-hf` suffix, because in a
+    checkpoint folder a `step-N` without DCP metadata is an interrupted save, set aside on resume.
+    """
+    match = STEP_FOLDER.match(path.name)
+    if match is None or any(path.glob("*.safetensors")):
+        return path
+    export = step_folder(path.parent, int(match.group(1)), hf=True)
+    return export if export.is_dir() else path
+
+
 def resumable_steps(folder: Path) -> list[int]:
     """Complete checkpoints that hold a training state (not model-only exports), ascending."""
     return [s for s in complete_steps(folder) if "train_state" in saved_keys(step_folder(folder, s))]

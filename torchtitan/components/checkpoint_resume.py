@@ -28,7 +28,8 @@ def choose_resume_step(folder: Path, config: Checkpoint) -> int | None:
 
     A model-only final save (`last_save_model_only`) is an export: a later run resumes from the
     full checkpoint before it, and with none, is refused rather than restarted from step 0 with
-    the exported weights (which would repeat warmup and data on them).
+    the exported weights (which would repeat warmup and data on them), unless it names the
+    weights to start from (`initial_load_path`): then None.
 
     Raises:
         ConfigError: for a missing `load_step`, or a folder of exports only.
@@ -45,19 +46,29 @@ def choose_resume_step(folder: Path, config: Checkpoint) -> int | None:
     resumable = resumable_steps(folder)
     if resumable:
         return resumable[-1]
-    if exports := [s for s in steps if s > 0]:
+    exports = [s for s in steps if s > 0]
+    hf_exports = hf_export_steps(folder)
+    if (exports or hf_exports) and config.initial_load_path:
+        # The run names its start, so the exports are passed over; upstream torchtitan, which
+        # resumes only from folders with DCP metadata, does the same.
+        logger.info(
+            f"{folder} holds only exports (model-only steps {exports}, Hugging Face steps {hf_exports}), "
+            f"which a run cannot resume from: starting from checkpoint.initial_load_path"
+        )
+        return None
+    if exports:
         raise ConfigError(
             f"{folder} holds only model-only checkpoints (steps {exports}: the exports a "
             "run writes at its end with checkpoint.last_save_model_only), which a run cannot "
-            "resume from. To train on from those weights, start a new job.dump_folder with "
+            "resume from. To train on from those weights, set "
             f"checkpoint.initial_load_path = '{folder / f'step-{exports[-1]}'}'; to end runs "
             "resumably, set checkpoint.last_save_model_only = false."
         )
-    if hf_exports := hf_export_steps(folder):
+    if hf_exports:
         raise ConfigError(
             f"{folder} holds only Hugging Face exports (steps {hf_exports}: what a run "
             "writes at its end with checkpoint.last_save_in_hf), which a run cannot resume from. "
-            "To train on from those weights, start a new job.dump_folder with "
+            "To train on from those weights, set "
             f"checkpoint.initial_load_path = '{folder / f'step-{hf_exports[-1]}-hf'}' and "
             "checkpoint.initial_load_in_hf = true; to end runs resumably, set last_save_in_hf = false."
         )
