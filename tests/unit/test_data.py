@@ -125,9 +125,55 @@ def test_candidate_names_are_used_without_tokenizer_config(tmp_path):
     assert (_name(tok, tok.bos_id), _name(tok, tok.eos_id)) == ("<s>", "</s>")
 
 
-def test_tokenizer_config_naming_a_token_outside_the_vocab_names_file_key_and_token(tmp_path):
-    with pytest.raises(ConfigError, match=r"tokenizer_config.json sets 'eos_token' = '<\|eot_id\|>'"):
-        _word_tokenizer(tmp_path, {"bos_token": "<s>", "eos_token": "<|eot_id|>"})
+def test_a_special_token_the_vocab_lacks_is_added_after_it_as_transformers_does(tmp_path, caplog):
+    with caplog.at_level("INFO"):
+        tok = _word_tokenizer(tmp_path, {"bos_token": "<s>", "eos_token": "<|eot_id|>"})
+    assert tok.vocab_size == 9 and tok.eos_id == 8  # 3 words and 5 special tokens before it
+    assert _name(tok, tok.eos_id) == "<|eot_id|>"
+    assert tok.encode("hello world") == [3, 1, 2, 8]
+    assert "Added 1 tokens" in caplog.text and "<|eot_id|>" in caplog.text
+
+
+def test_added_tokens_change_the_fingerprint_that_keys_token_caches(tmp_path):
+    plain = _word_tokenizer(tmp_path / "a", {"bos_token": "<s>", "eos_token": "</s>"})
+    added = _word_tokenizer(tmp_path / "b", {"bos_token": "<s>", "eos_token": "<|eot_id|>"})
+    assert plain.fingerprint != added.fingerprint
+
+
+# Declared in every way tokenizer_config.json can declare a token; some are in the vocabulary.
+DECLARED = {
+    "bos_token": "<|begin_of_text|>",
+    "eos_token": {"content": "<|my_eos|>", "__type": "AddedToken"},
+    "unk_token": "<|my_unk|>",
+    "pad_token": "<|my_pad|>",
+    "mask_token": "<|my_mask|>",
+    "additional_special_tokens": ["<|extra_a|>", "<|begin_of_text|>"],
+    "extra_special_tokens": ["<|extra_b|>"],
+    "added_tokens_decoder": {
+        "5000": {"content": "<|decoder_entry|>", "special": True, "lstrip": False, "rstrip": False,
+                 "normalized": False, "single_word": False},
+    },
+}  # fmt: skip
+
+
+def test_tokens_the_vocab_lacks_get_the_ids_transformers_autotokenizer_gives(tmp_path):
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    vocab = HuggingFaceTokenizer(BUNDLED_TOKENIZER)._tok
+    vocab.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(DECLARED))
+    ours = HuggingFaceTokenizer(str(tmp_path))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    names = ["<|begin_of_text|>", "<|my_eos|>", "<|my_unk|>", "<|my_pad|>", "<|my_mask|>", "<|extra_b|>",
+             "<|decoder_entry|>", "<|end_of_text|>"]  # fmt: skip
+    assert {n: ours._tok.token_to_id(n) for n in names} == {n: theirs.convert_tokens_to_ids(n) for n in names}
+    assert ours.vocab_size == len(theirs) > vocab.get_vocab_size(with_added_tokens=True)
+    assert (ours.bos_id, ours.eos_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    # transformers 5 reads the older "additional_special_tokens" only without "extra_special_tokens".
+    assert ours._tok.token_to_id("<|extra_a|>") is None
+    assert (
+        ours.encode("hello world", bos=False, eos=False)
+        == theirs("hello world", add_special_tokens=False)["input_ids"]
+    )
 
 
 def _take(dataset, n):
@@ -566,3 +612,16 @@ def test_without_flock_a_build_leaves_other_builds_temporary_files_alone(tmp_pat
     other_build.write_bytes(b"\0" * 64)
     token_cache.load_or_build([data], tokenizer, lambda: iter(["one"]))
     assert other_build.exists()
+
+
+def test_added_tokens_beyond_the_models_embedding_rows_are_refused_naming_the_counts(tmp_path, capsys):
+    from torchtitan.train import main
+
+    HuggingFaceTokenizer(BUNDLED_TOKENIZER)._tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|new_bos|>"}))
+    with pytest.raises(SystemExit) as info:  # the debug model embeds the bundled 2048 tokens
+        main(["--config", "debug_model.toml", "--model.hf_assets_path", str(tmp_path),
+              "--job.dump_folder", str(tmp_path / "dump")])  # fmt: skip
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "has 2049 tokens but flavor 'debugmodel' embeds only 2048" in err and "Traceback" not in err

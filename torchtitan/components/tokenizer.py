@@ -5,7 +5,7 @@ import json
 import logging
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
@@ -16,18 +16,16 @@ logger = logging.getLogger(__name__)
 # Tried in order when tokenizer_config.json is missing or lacks the bos_token/eos_token key.
 _BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<|im_start|>", "<｜begin▁of▁sentence｜>")
 _EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<|im_end|>", "<｜end▁of▁sentence｜>")
+# tokenizer_config.json's special-token keys, in the order transformers adds missing ones.
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def _token_name(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def _read_special_tokens(config_file: Path) -> dict[str, str | None]:
-    """The BOS/EOS token names tokenizer_config.json sets, None meaning "no such token".
-
-    A key the file lacks is left out, so only then are candidate names tried: Qwen-style files
-    say `"bos_token": null` precisely because none of their special tokens is a BOS.
-    """
+def _read_config(config_file: Path) -> dict:
+    """tokenizer_config.json's object; empty when the file is missing."""
     if not config_file.is_file():
         return {}
     try:
@@ -36,6 +34,52 @@ def _read_special_tokens(config_file: Path) -> dict[str, str | None]:
         raise _unreadable(config_file, error) from None
     if not isinstance(data, dict):
         raise _unreadable(config_file, ValueError("it holds no JSON object"))
+    return data
+
+
+def _tokens_to_add(data: dict, tokenizer: Tokenizer) -> list[AddedToken]:
+    """The tokens tokenizer_config.json declares that `tokenizer`'s vocabulary lacks, in the
+    order transformers' fast tokenizer adds them (ids after the vocabulary): its
+    `added_tokens_decoder` by index, then the special-token keys, then the extra special
+    tokens.
+
+    Raises:
+        ConfigError: for an `added_tokens_decoder` entry without a "content".
+    """
+    declared = []
+    decoder = data.get("added_tokens_decoder") or {}
+    for _, entry in sorted(decoder.items(), key=lambda item: int(item[0])):
+        if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
+            raise ConfigError(
+                f'tokenizer_config.json\'s added_tokens_decoder entry {entry!r} has no "content" '
+                "string; fetch the file again, or fix the entry."
+            )
+        flags = ("single_word", "lstrip", "rstrip", "normalized", "special")
+        declared.append(AddedToken(entry["content"], **{k: entry[k] for k in flags if k in entry}))
+    names = [_token_name(data.get(key)) for key in _SPECIAL_KEYS]
+    # transformers 5 reads "extra_special_tokens" (a list, or a dict of named tokens), and the
+    # older "additional_special_tokens" only when the file lacks the newer key.
+    extra = (
+        data["extra_special_tokens"]
+        if "extra_special_tokens" in data
+        else data.get("additional_special_tokens")
+    )
+    names += [_token_name(t) for t in (extra.values() if isinstance(extra, dict) else extra or ())]
+    declared += [AddedToken(name, special=True, normalized=False) for name in names if name]
+    to_add, seen = [], set()
+    for token in declared:
+        if tokenizer.token_to_id(token.content) is None and token.content not in seen:
+            seen.add(token.content)
+            to_add.append(token)
+    return to_add
+
+
+def _read_special_tokens(data: dict) -> dict[str, str | None]:
+    """The BOS/EOS token names tokenizer_config.json (`data`) sets, None meaning "no such token".
+
+    A key the file lacks is left out, so only then are candidate names tried: Qwen-style files
+    say `"bos_token": null` precisely because none of their special tokens is a BOS.
+    """
     special = {k: _token_name(data[k]) for k in ("bos_token", "eos_token") if k in data}
     # add_bos_token: false is how a model family says it trains without BOS. add_eos_token is
     # false even for families that end every document with EOS (HF leaves that to the data
@@ -83,9 +127,21 @@ class HuggingFaceTokenizer:
         # code) is text: ids of special tokens come from bos/eos only, or fake document
         # boundaries would appear (which block_causal masks at).
         self._tok.encode_special_tokens = True
-        self.fingerprint = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
         config_file = folder / "tokenizer_config.json"
-        special = _read_special_tokens(config_file)
+        config = _read_config(config_file)
+        # As transformers does: tokens the config names but the vocabulary lacks get new ids.
+        added = _tokens_to_add(config, self._tok)
+        self._tok.add_tokens(added)
+        fingerprint = hashlib.sha256(file.read_bytes())
+        if added:  # the ids depend on the config too; without additions they do not
+            fingerprint.update(json.dumps([t.content for t in added]).encode())
+        self.fingerprint = fingerprint.hexdigest()[:16]
+        if added:
+            logger.info(
+                f"Added {len(added)} tokens that {config_file} names but the vocabulary lacks, as "
+                f"transformers does: {', '.join(t.content for t in added)}"
+            )
+        special = _read_special_tokens(config)
         self.bos_id = self._special_id("bos_token", special, _BOS_CANDIDATES, config_file)
         self.eos_id = self._special_id("eos_token", special, _EOS_CANDIDATES, config_file)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
