@@ -2,7 +2,8 @@
 with one rank made slower or different than the others, as ranks of a real run are. The first
 argument says how:
 
-- `slow-export`: rank 0's Hugging Face export (`last_save_in_hf`), which it writes alone.
+- `slow-export`: rank 0's part of the Hugging Face export (`last_save_in_hf`): its consolidation
+  of the output files, while the others wait to gather the index.
 - `slow-write`: rank 1's writes of its checkpoint shards.
 - `slow-delete`: rank 0's folder deletions (pruning old checkpoints, replacing a folder).
 - `rank-1-stops`: rank 1 alone is asked to stop before step 3, as by a SIGTERM only it got.
@@ -24,7 +25,7 @@ import datasets
 from torch.distributed.checkpoint import FileSystemWriter
 
 from torchtitan import train
-from torchtitan.components import checkpoint_hf_export, stop
+from torchtitan.components import hf_distributed_export, stop
 
 SLOW_SECONDS = 12
 
@@ -61,8 +62,9 @@ _load_dataset = datasets.load_dataset
 
 def main(how: str, argv: list[str]) -> None:
     rank = int(os.environ["RANK"])
-    if how == "slow-export":
-        checkpoint_hf_export.save_hf = _slowed(checkpoint_hf_export.save_hf)
+    if how == "slow-export" and rank == 0:
+        consolidate = hf_distributed_export.consolidate_safetensors_files_on_every_rank
+        hf_distributed_export.consolidate_safetensors_files_on_every_rank = _slowed(consolidate)
     elif how == "slow-write" and rank == 1:
         FileSystemWriter.write_data = _slowed(FileSystemWriter.write_data)
     elif how == "slow-delete" and rank == 0:

@@ -61,8 +61,6 @@ from torchtitan.components.checkpoint_folders import (
 from torchtitan.components.checkpoint_hf_export import (
     check_exportable,
     in_export_dtype,
-    whole_model_state,
-    write_hf_export,
 )
 from torchtitan.components.checkpoint_resume import (
     choose_resume_step,
@@ -70,6 +68,7 @@ from torchtitan.components.checkpoint_resume import (
     use_the_schedulers_lr,
 )
 from torchtitan.components.checkpoint_staging import HostStaging
+from torchtitan.components.hf_distributed_export import write_hf_export_from_all_ranks
 from torchtitan.components.hf_load import load_hf_checkpoint
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import CHECKPOINT_STATE_KEYS as STATE_KEYS
@@ -223,7 +222,8 @@ class CheckpointManager:
     def own_groups(self) -> tuple:
         """The groups whose timeout the trainer must not shorten after step 1: the async save's,
         whose background collectives wait for the slowest rank's write, and the one the other
-        ranks wait on while rank 0 alone writes (a Hugging Face export) or renames."""
+        ranks wait on while the slowest writes its part of a Hugging Face export, or rank 0
+        renames."""
         return tuple(group for group in (self.async_group, self.wait_group) if group is not None)
 
     def _barrier(self) -> None:
@@ -421,10 +421,13 @@ class CheckpointManager:
             self.file_work.submit(lambda: delete_folders(prune_checkpoints(folder, keep)))
 
     def _save_hf(self, folder: Path) -> None:
-        export_dtype = self.config.export_dtype
-        whole = whole_model_state(self.model, export_dtype, self.pp_group)
+        # Every rank writes its own shards (see `hf_distributed_export`): no rank gathers the model.
+        replaced = write_hf_export_from_all_ranks(
+            folder, self.model, self.hf_adapter, self.config.export_dtype, self.whole_model_shapes,
+            process_group=self.wait_group,
+        )  # fmt: skip
         if _rank() == 0:
-            self.file_work.delete(write_hf_export(folder, whole, self.hf_adapter, export_dtype))
+            self.file_work.delete(replaced)
             # The abandoned run's step-N folders would otherwise be the next resume's newest.
             self._after_first_save(step_of(folder))
             logger.info(f"Saved the model as Hugging Face safetensors in {folder}")

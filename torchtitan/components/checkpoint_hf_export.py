@@ -1,5 +1,8 @@
 """The final save as Hugging Face safetensors (`checkpoint.last_save_in_hf`): checked at
-startup, gathered whole on rank 0, written aside and renamed into place."""
+startup (`check_exportable`), in the export dtype (`in_export_dtype`). Every rank writes its
+part (`hf_distributed_export`). `whole_model_state` and `write_hf_export`, which gather the
+model on rank 0 and write it there, are the earlier path: the tests and
+`benchmarks/hf_export.py` compare the export with theirs."""
 
 import logging
 import shutil

@@ -127,6 +127,14 @@ class StateDictAdapter(ABC):
             raise StateDictMismatchError(f"keys with no Hugging Face counterpart: {name_few(unknown)}")
         return hf
 
+    def hf_layout_change(self, key: str) -> str:
+        """How `to_hf` changes our tensor `key` beyond its name: "rope" (rows permuted per rotary
+        head of `rope_head_dim`), "stacked" (one HF tensor per slice of dim 0), or "renamed"."""
+        template, _ = split_indices(key)
+        if template in self._stacked:
+            return "stacked"
+        return "rope" if template in self.rope_permuted else "renamed"
+
     def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF keys and layouts -> our state dict; the inverse of `to_hf`.
 
