@@ -67,12 +67,12 @@ def write_hf_export_from_all_ranks(
     """
     partial = folder.with_name(folder.name + PARTIAL_SUFFIX)
     distributed = dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    rank = dist.get_rank() if distributed else 0
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
     _barrier(distributed, process_group)
     state = hf_shards(model, adapter, export_dtype)
-    files = file_of_each_key(adapter, whole_model_shapes or _global_shapes(model), world)
+    files = file_of_each_key(adapter, whole_model_shapes or _global_shapes(model))
     sharded = str(partial / SHARDED)
     writer = HuggingFaceStorageWriter(sharded, fqn_to_index_mapping=files, save_distributed=True)
     dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not distributed)
@@ -159,15 +159,19 @@ def _converted_rows(key: str, value: DTensor, rows: tuple[int, int], adapter, ch
     return pieces
 
 
-def file_of_each_key(adapter, shapes: dict[str, torch.Size], files: int) -> dict[str, int]:
-    """The output file (1 to `files`, fewer when there are fewer layers) of every HF key: a
-    layer's tensors share one, layers go round the files, the rest go to file 1. The same on
-    every rank: it is computed from the whole model's shapes."""
+def file_of_each_key(adapter, shapes: dict[str, torch.Size]) -> dict[str, int]:
+    """The output file (numbered from 1) of every HF key: one per tensor outside the layers (the
+    embedding and the output projection are the largest tensors), then one per layer. The same
+    on every rank: it is computed from the whole model's shapes.
+
+    Why so many: torch's writer and consolidation hold one file's bytes in memory at a time, and
+    the ranks consolidate the files in turns (file i on rank i mod world)."""
     hf = adapter.to_hf({key: torch.empty(shape, device="meta") for key, shape in shapes.items()})
+    outside = sorted(key for key in hf if not split_indices(key)[1])
     layers = sorted({indices[0] for key in hf if (indices := split_indices(key)[1])})
-    files = max(1, min(files, len(layers)))
-    index = {layer: i % files + 1 for i, layer in enumerate(layers)}
-    return {key: index[indices[0]] if (indices := split_indices(key)[1]) else 1 for key in hf}
+    index = {key: i + 1 for i, key in enumerate(outside)}
+    index |= {layer: len(outside) + i + 1 for i, layer in enumerate(layers)}
+    return {key: index[indices[0]] if (indices := split_indices(key)[1]) else index[key] for key in hf}
 
 
 def _global_shapes(model: nn.Module) -> dict[str, torch.Size]:
