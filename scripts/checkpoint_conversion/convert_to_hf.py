@@ -13,8 +13,12 @@ writes to its dump folder) instead takes the model, flavor, seq_len, tokenizer f
 `[model]` key from the run, ``model.always_apply_yarn`` and attention overrides included, as
 the trainer's own export does (and imports its ``job.custom_import``; ``--custom_import MODULE``
 does so without it, for a model registered outside this repository). Tokenizer files are not
-copied. Runs in one process, without a
-process group, holding the whole model in CPU memory; the output appears whole or not at all.
+copied. The output appears whole or not at all.
+
+In one process it holds the whole model in CPU memory. Under `torchrun --nproc-per-node N` every
+rank reads (from the DCP) and writes (through DCP's HuggingFaceStorageWriter) the layers it is
+given, one in N, so each holds 1/N of the model; the ranks then consolidate the output files in
+turns (see `torchtitan/components/hf_distributed_export.py`).
 
 Bad input (a missing or unreadable folder, an unknown model or flavor, a checkpoint whose keys
 or shapes are not the flavor's, a flavor Hugging Face cannot express, an output folder that is
@@ -24,20 +28,28 @@ Usage:
     python scripts/checkpoint_conversion/convert_to_hf.py --model llama3 --flavor 8B \\
         --dcp ./outputs/checkpoint/step-1000 --out ./outputs/llama3_8b_hf [--dtype bfloat16] \\
         [--seq_len 8192]
+    torchrun --nproc-per-node 8 scripts/checkpoint_conversion/convert_to_hf.py --model llama3 \\
+        --flavor 405B --dcp ./outputs/checkpoint/step-1000 --out ./outputs/llama3_405b_hf
     python scripts/checkpoint_conversion/convert_to_hf.py --run_config ./outputs/config.toml \\
         --dcp ./outputs/checkpoint/step-1000 --out ./outputs/llama3_8b_hf
 """
 
 import argparse
+import contextlib
+import json
+import os
+import shutil
 import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from torchtitan.components.checkpoint_folders import is_dcp, load_from, saved_shapes
-from torchtitan.components.hf_io import save_hf
+from torchtitan.components.hf_distributed_export import file_of_each_key, write_hf_tensors_from_all_ranks
+from torchtitan.components.hf_io import CONFIG_FILE
 from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args as parse_run_config
@@ -47,6 +59,7 @@ from torchtitan.protocols.state_dict_adapter import (
     StateDictAdapter,
     StateDictMismatchError,
     describe_mismatch,
+    split_indices,
 )
 from torchtitan.protocols.train_spec import import_custom_module
 from torchtitan.tools.dtypes import TORCH_DTYPES
@@ -87,13 +100,54 @@ def convert_to_hf(
     expected = {key: tensor.shape for key, tensor in template.items()}
     if mismatch := describe_mismatch(expected, _stored_model_shapes(dcp_dir)):
         raise StateDictMismatchError(f"'{dcp_dir}' does not hold a {model} {flavor} model: {mismatch}")
-    state_dict = {key: torch.empty_like(tensor, device="cpu") for key, tensor in template.items()}
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    writers = _writer_of_each_key(template, world)
+    mine = {key: torch.empty_like(t, device="cpu") for key, t in template.items() if writers[key] == rank}
     with warnings.catch_warnings():
         # One process on purpose; DCP's warning that no process group is set says nothing new.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load_from(Path(dcp_dir), {MODEL_KEY: state_dict}, DCP_KEY)
-    with written_whole(out) as partial:
-        save_hf(adapter.to_hf(state_dict), config, partial)
+        load_from(Path(dcp_dir), {MODEL_KEY: mine}, DCP_KEY)
+    with _written_whole_by_every_rank(out, rank) as partial:
+        write_hf_tensors_from_all_ranks(partial, adapter.to_hf(mine), file_of_each_key(adapter, expected))
+        if rank == 0:
+            (partial / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _writer_of_each_key(template: dict, world: int) -> dict[str, int]:
+    """The rank that reads and writes each key: a layer's keys go together, the layers and the
+    tensors outside them (one group each) round the ranks."""
+    outside = sorted(key for key in template if not split_indices(key)[1])
+    layers = sorted({split_indices(key)[1][0] for key in template if split_indices(key)[1]})
+    group = {key: i for i, key in enumerate(outside)} | {
+        layer: len(outside) + i for i, layer in enumerate(layers)
+    }
+    return {key: group[i[0] if (i := split_indices(key)[1]) else key] % world for key in template}
+
+
+@contextlib.contextmanager
+def _written_whole_by_every_rank(out: Path, rank: int):
+    """`written_whole`, shared by the ranks: rank 0 makes the partial folder and publishes it
+    once every rank has written its part."""
+    if not dist.is_initialized():
+        with written_whole(out) as partial:
+            yield partial
+        return
+    partial = out.with_name(out.name + ".partial")
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    try:
+        yield partial
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    dist.barrier()
+    if rank == 0:
+        if out.exists():
+            out.rmdir()
+        partial.rename(out)
 
 
 def _run_adapter(run_config: str, model: str | None, flavor: str | None) -> tuple[StateDictAdapter, str, str]:
@@ -157,6 +211,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 2 bad input)."""
     args = parse_args(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")  # under torchrun: the ranks share the work
     try:
         dtype = TORCH_DTYPES[args.dtype]
         import_custom_module(args.custom_import, key="--custom_import")
@@ -167,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BAD_INPUT_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

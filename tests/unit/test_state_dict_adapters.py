@@ -650,15 +650,41 @@ def test_to_hf_a_dcp_with_a_truncated_shard_exits_2_and_writes_nothing(tmp_path,
 def test_a_conversion_that_fails_while_writing_leaves_no_output(tmp_path, to_hf_script, monkeypatch):
     dcp.save({"model": _random_state_dict("llama3")}, checkpoint_id=str(tmp_path / "dcp"))
 
-    def write_one_shard_then_fail(state_dict, config, folder):
-        save_hf(dict(list(state_dict.items())[:1]), config, folder)
+    def write_one_shard_then_fail(folder, state, files, process_group=None):
+        save_hf(dict(list(state.items())[:1]), {}, folder)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(to_hf_script, "save_hf", write_one_shard_then_fail)
+    monkeypatch.setattr(to_hf_script, "write_hf_tensors_from_all_ranks", write_one_shard_then_fail)
     argv = ["--model", "llama3", "--flavor", "debugmodel", "--dcp", str(tmp_path / "dcp")]
     with pytest.raises(OSError, match="No space left"):
         to_hf_script.main([*argv, "--out", str(tmp_path / "hf")])
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+
+
+@pytest.mark.parametrize("case", ["llama3", "qwen3_moe"])
+def test_a_conversion_on_two_ranks_writes_what_one_process_writes(tmp_path, case):
+    name, flavor, _ = CASES[case]
+    dcp.save({"model": _random_state_dict(case)}, checkpoint_id=str(tmp_path / "dcp"))
+    argv = ["--model", name, "--flavor", flavor, "--dcp", str(tmp_path / "dcp"), "--dtype", "bfloat16"]
+    one = _run_script("convert_to_hf", *argv, "--out", str(tmp_path / "one"))
+    script = ("script", str(SCRIPTS / "convert_to_hf.py"))
+    two = launch_ranks(script, [*argv, "--out", str(tmp_path / "two")], 2, timeout=120, cwd=REPO)
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
+    got, want = load_hf(tmp_path / "two"), load_hf(tmp_path / "one")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert (tmp_path / "two" / CONFIG_FILE).read_text() == (tmp_path / "one" / CONFIG_FILE).read_text()
+    assert not (tmp_path / "two.partial").exists()
+
+
+def test_a_conversion_gives_each_rank_whole_layers_and_every_rank_some(to_hf_script):
+    template = _meta_model("llama3").state_dict()
+    writers = to_hf_script._writer_of_each_key(template, 4)
+    assert set(writers.values()) == {0, 1, 2, 3}
+    by_layer = {}
+    for key, rank in writers.items():
+        if key.startswith("layers."):
+            by_layer.setdefault(key.split(".")[1], set()).add(rank)
+    assert all(len(ranks) == 1 for ranks in by_layer.values())
 
 
 def test_to_hf_refuses_an_hf_assets_folder_without_config_json(tmp_path, to_hf_script, capsys):

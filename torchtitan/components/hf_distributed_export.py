@@ -73,23 +73,37 @@ def write_hf_export_from_all_ranks(
     _barrier(distributed, process_group)
     state = hf_shards(model, adapter, export_dtype)
     files = file_of_each_key(adapter, whole_model_shapes or _global_shapes(model))
-    sharded = str(partial / SHARDED)
-    writer = HuggingFaceStorageWriter(sharded, fqn_to_index_mapping=files, save_distributed=True)
-    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not distributed)
+    write_hf_tensors_from_all_ranks(partial, state, files, process_group)
     del state
-    # Each rank writes the output files of its indices; one process writes the index too.
-    if distributed:
-        consolidate_safetensors_files_on_every_rank(sharded, str(partial), files, process_group=process_group)
-    else:
-        consolidate_safetensors_files(sharded, str(partial), files)
     replaced = []
     if rank == 0:
         config = adapter.hf_config(TORCH_DTYPES[export_dtype])
         (partial / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        shutil.rmtree(partial / SHARDED)
         replaced = replace_folder(folder, partial)
     _barrier(distributed, process_group)
     return replaced
+
+
+def write_hf_tensors_from_all_ranks(folder: Path, state: dict, files: dict[str, int], process_group=None):
+    """Write HF-keyed `state` (this rank's part: DTensors of its shards, plain tensors it writes)
+    into `folder` as consolidated safetensors and their index. Collective.
+
+    `files`: the output file of every key of the whole state (`file_of_each_key`). The shards
+    go to `folder/sharded` first, through DCP's `HuggingFaceStorageWriter`; each rank then
+    consolidates its turn of the output files, and `sharded` is removed.
+    """
+    distributed = dist.is_initialized()
+    sharded = str(folder / SHARDED)
+    writer = HuggingFaceStorageWriter(sharded, fqn_to_index_mapping=files, save_distributed=True)
+    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not distributed)
+    # Each rank writes the output files of its indices; one process writes the index too.
+    if distributed:
+        consolidate_safetensors_files_on_every_rank(sharded, str(folder), files, process_group=process_group)
+    else:
+        consolidate_safetensors_files(sharded, str(folder), files)
+    if not distributed or dist.get_rank() == 0:
+        shutil.rmtree(sharded)
+    _barrier(distributed, process_group)
 
 
 def _barrier(distributed: bool, group) -> None:
