@@ -176,7 +176,6 @@ class _Group:
         # Copies that start when the block ends: a collective's output is written only once
         # the block waits for it.
         self.deferred: list[tuple[torch.Tensor, _StorageCopy]] = []
-        self.bytes = 0
         self.entered_backward = False
 
 
@@ -272,20 +271,19 @@ class ActivationOffloader:
         """
         group, local = self._group, _local(tensor)
         # The storage's identity (its C++ object), which fake tensors have too, unlike an address.
-        address = local.untyped_storage()._cdata
-        if address not in group.packing:
+        identity = local.untyped_storage()._cdata
+        if identity not in group.packing:
             copy = _StorageCopy(self, local, group)
             if when_block_ends:
                 group.deferred.append((local, copy))
             else:
                 copy.start(local)
-            group.packing[address] = (local, copy)
+            group.packing[identity] = (local, copy)
             group.copies.add(copy)
-            group.bytes += copy.nbytes
             self.bytes_by_block[group.block] += copy.nbytes
             self.bytes_total += copy.nbytes
             self.log.append(("offload", group.block, copy.nbytes))
-        return OffloadedTensor(tensor, group.packing[address][1])
+        return OffloadedTensor(tensor, group.packing[identity][1])
 
     def _pack(self, tensor):
         # Autograd also saves tensors outside the graph (masks, the RoPE table, a module's
