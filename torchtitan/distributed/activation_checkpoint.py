@@ -24,6 +24,11 @@ Modes (`[activation_checkpoint].mode`):
 Wherever a recompute replays the expert-parallel combine all-to-all from its cache (op-SAC,
 full AC with "replay"), it skips the matmul that makes that all-to-all's input (see
 `all_to_all_input`).
+
+With `offload = "saved"` (any mode but memory_budget, eager blocks), the chosen blocks
+(`offload_blocks`) run their forward under the plan's `ActivationOffloader`
+(`activation_offload.py`): what autograd saves there (for a checkpoint, its inputs) and what
+SAC's cache keeps (`_OffloadingSACCache`) wait in host memory until backward.
 """
 
 import contextlib
