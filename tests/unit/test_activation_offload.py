@@ -141,24 +141,29 @@ def test_a_checkpoint_that_stops_early_still_returns_the_buffers_it_never_read()
     assert plan.offloader.pool.bytes_in_use == 0
 
 
-def _live_tensors() -> int:
+def _live_objects() -> tuple[int, int]:
+    """(live tensors, live offload handles), after a collection."""
     gc.collect()
-    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+    objects = gc.get_objects()
+    tensors = sum(isinstance(o, torch.Tensor) for o in objects)
+    return tensors, sum(isinstance(o, OffloadedTensor) for o in objects)
 
 
 def test_twenty_steps_keep_live_tensors_and_pool_buffers_flat():
     model, plan = _model(_offloading(MODES["op-SAC"]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tensors, allocated, handles = [], [], []
-    for step in range(20):
+    counted, allocated = [], []
+    for step in range(1, 21):
         next_token_loss_and_grads(model, _tokens(step))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        tensors.append(_live_tensors())
         allocated.append(plan.offloader.pool.bytes_allocated)
-        handles.append(sum(1 for obj in gc.get_objects() if isinstance(obj, OffloadedTensor)))
-    # The first step allocates the pool and the optimizer's state; from the second on, nothing grows.
-    assert len(set(tensors[1:])) == 1, tensors
+        if step in (2, 8, 14, 20):  # a pass over every object is slow in a long test session
+            counted.append(_live_objects())
+    tensors, handles = zip(*counted)
+    # The first step allocates the pool and the optimizer's state; from the second on, nothing
+    # grows (the count may fall as other tests' garbage is collected, never rise).
+    assert max(tensors) == tensors[0], tensors
     assert len(set(allocated)) == 1, allocated
     assert set(handles) == {0}
     assert plan.offloader.pool.bytes_in_use == 0
@@ -203,5 +208,4 @@ def test_a_forward_without_backward_frees_what_it_offloaded():
     model, _ = _model(_offloading(MODES["none"]))
     out = model(_tokens()[:, :-1])
     del out
-    gc.collect()
-    assert not any(isinstance(obj, OffloadedTensor) for obj in gc.get_objects())
+    assert _live_objects()[1] == 0
