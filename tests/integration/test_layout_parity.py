@@ -171,6 +171,9 @@ OFFLOAD_LAYOUTS = {
     "Qwen3 MoE EP 2, offload, no AC": (("qwen3 moe", 2, 2, EP2 + OFFLOAD, "none"), FULL),
     "Qwen3 MoE EP 2, 2 micro-batches, offload": (("qwen3 moe", 2, 1, EP2 + OFFLOAD, "op-SAC"), FULL),
     "PP 2, 1F1B, offload": (("llama3", 2, 4, _pp(2, "1F1B") + OFFLOAD, "full"), FULL),
+    "CP 2, allgather_kv, offload": (("llama3", 2, 4, _cp("allgather_kv") + OFFLOAD, "op-SAC"), FULL),
+    "CP 2, ulysses, offload": (("llama3", 2, 4, _cp("ulysses") + OFFLOAD, "op-SAC"), FULL),
+    "FSDP 2 x TP 2, offload": (("llama3", 4, 2, TP2 + OFFLOAD, "op-SAC"), FULL),
 }  # fmt: skip
 LAYOUTS.update({name: layout for name, (layout, _) in OFFLOAD_LAYOUTS.items()})
 MARKS = {
