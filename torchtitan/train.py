@@ -45,6 +45,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import format_help, parse_args, wants_help
 from torchtitan.config.toml_writer import to_toml
 from torchtitan.config.validation import dump_folder_error
+from torchtitan.distributed.activation_offload import offloaders_in
 from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.determinism import set_determinism
@@ -127,6 +128,9 @@ class Trainer:
         self.first_step = 1  # of this run; later when it resumes from a checkpoint
         self.lr = cfg.optimizer.lr
         self.step_metrics: dict[str, torch.Tensor] = {}
+        # Activation offload's per step: the bytes that crossed to the host (and back).
+        self.offloaders = [o for part in self.model_parts for o in offloaders_in(part)]
+        self.offloaded_step_bytes = 0
         self.stop = StopRequests(cfg.comm.init_timeout_seconds)
         if self.stop.stop_file_is_users and (unsaved := why_nothing_is_saved(cfg)) and self.rank == 0:
             logger.warning(
@@ -258,6 +262,7 @@ class Trainer:
         tensors stay on the device so nothing waits for the host here.
         """
         self.optimizer.zero_grad(set_to_none=True)
+        offloaded_before = sum(o.bytes_total for o in self.offloaders)
         steps_in_backward = isinstance(self.optimizer, OptimizerInBackward)
         if steps_in_backward:
             # An async_with_pinned_mem save of the last step may still be copying these weights.
@@ -300,6 +305,7 @@ class Trainer:
         self.converters.post_optimizer_hook(self.model)
         if self.spec.post_optimizer_step_fn is not None:
             self.step_metrics = self.spec.post_optimizer_step_fn(self.model, self.parallel_dims.dp_group())
+        self.offloaded_step_bytes = sum(o.bytes_total for o in self.offloaders) - offloaded_before
         return total_loss, grad_norm, data_seconds
 
     def _finite_or_raise(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float, float]:
@@ -324,6 +330,8 @@ class Trainer:
         steps_done = self.step - self.first_step + 1  # in this run: a resumed run starts later
         eta = (time.perf_counter() - started) / steps_done * steps_left
         extra = {name: value.item() for name, value in self.step_metrics.items()}
+        if self.offloaders:
+            extra["offload_gib"] = self.offloaded_step_bytes / 2**30
         if self.pipeline is not None:
             extra = largest_over_stages(extra, self.pipeline.pp_group)
         self.metrics.log(self.step, global_loss, norm, self.lr, eta, extra=extra, max_loss=max_loss)

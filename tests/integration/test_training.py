@@ -152,3 +152,17 @@ def test_sigterm_stops_after_the_current_step_and_cleans_up(tmp_path):
     stopped_at = int(re.search(r"Stopped on request \(SIGTERM\) after step (\d+)", err).group(1))
     steps = [r["step"] for r in read_metrics(dump)]
     assert steps[0] == 1 and steps[-1] == stopped_at  # that step finished and was logged
+
+
+def test_a_run_with_activation_offload_logs_the_bytes_each_step_sends_to_the_host(tmp_path):
+    argv = ["--config", "debug_model.toml", "--training.steps", "3", "--metrics.log_freq", "1",
+            "--training.seq_len", "128", "--activation_checkpoint.offload", "saved",
+            "--activation_checkpoint.offload_min_bytes", "4096",
+            "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    proc = run_trainer(argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sent = [record["offload_gib"] for record in read_metrics(tmp_path)]
+    # op-SAC's saved outputs and block inputs: the same bytes every step, and more than the
+    # blocks' inputs alone (6 blocks x 8 x 128 tokens x 256 x 4 bytes = 6 MiB).
+    assert len(sent) == 3 and len(set(sent)) == 1 and sent[0] * 2**30 > 6 * 2**20, sent
+    assert "offload_gib:" in proc.stderr
