@@ -18,7 +18,6 @@ Per tensor (`StateDictAdapter.hf_layout_change`):
 """
 
 import json
-import logging
 import shutil
 from pathlib import Path
 
@@ -41,8 +40,6 @@ from torchtitan.distributed.expert_parallel import expert_parallel_params, globa
 from torchtitan.protocols.state_dict_adapter import split_indices
 from torchtitan.tools.dtypes import TORCH_DTYPES
 from torchtitan.tools.fqn import clean_fqn
-
-logger = logging.getLogger(__name__)
 
 SHARDED = "sharded"
 
