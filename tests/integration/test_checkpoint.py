@@ -525,6 +525,7 @@ def test_torchtitans_export_then_load_sequence_runs_as_written(tmp_path):
     assert _losses(second)[1] < _losses(first)[1]  # the same first batch, on trained weights
 
 
+@pytest.mark.full_matrix
 def test_the_sequence_in_the_same_dump_folder_starts_from_the_export_it_names(tmp_path):
     """A folder holding only exports is no run to resume; with initial_load_path set, the run
     starts from it instead of refusing."""

@@ -33,7 +33,9 @@ LAYOUTS = {
     "PP 2": (2, [*DENSE, "--training.local_batch_size", "4", _P + "pipeline_parallel_degree", "2"]),
 }
 FULL = pytest.mark.full_matrix
-MARKS = {"FSDP 2 x TP 2": FULL, "PP 2": FULL}
+# FSDP 4 x EP 2 in the default run: it has every way a tensor is written (shards as they are,
+# RoPE rows permuted per rank, experts by their holder).
+MARKS = {"FSDP 4": FULL, "FSDP 2 x TP 2": FULL, "PP 2": FULL}
 
 
 def _export(layout: str, folder: Path) -> dict:

@@ -387,7 +387,12 @@ def test_max_seq_len_that_fits_nothing_exits_2_naming_what_the_shortest_needs(ca
 OFFLOAD = ["--activation_checkpoint.offload", "saved", "--activation_checkpoint.offload_min_bytes", "1024"]
 
 
-@pytest.mark.parametrize("mode", ["none", "full", "selective op"])
+FULL_MATRIX = pytest.mark.full_matrix
+
+
+@pytest.mark.parametrize(
+    "mode", [pytest.param("none", marks=FULL_MATRIX), pytest.param("full", marks=FULL_MATRIX), "selective op"]
+)
 def test_offload_sends_the_bytes_a_real_run_sends_and_leaves_the_device_peak(mode):
     cfg = _config(DEBUG + OFFLOAD, mode)
     estimated = em.measure(cfg, 1, fake=True)
