@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from torchtitan.config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.device import local_device
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST
@@ -39,12 +40,6 @@ MODES = {
     "op-SAC": ActivationCheckpoint(mode="selective", selective_ac_option="op"),
 }
 MIB = 2**20
-
-
-def _device() -> torch.device:
-    if torch.accelerator.is_available():
-        return torch.accelerator.current_accelerator()
-    return torch.device("cpu")
 
 
 def _synchronize() -> None:
@@ -109,7 +104,7 @@ def main() -> None:
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--min-bytes", type=int, default=MIB)
     cli = parser.parse_args()
-    device = _device()
+    device = local_device()
     settings = {}
     for name, ac in MODES.items():
         settings[name] = Setting(cli, ac, device)

@@ -48,7 +48,11 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.components.checkpoint_folders import is_dcp, load_from, saved_shapes
-from torchtitan.components.hf_distributed_export import file_of_each_key, write_hf_tensors_from_all_ranks
+from torchtitan.components.hf_distributed_export import (
+    file_of_each_key,
+    layer_groups,
+    write_hf_tensors_from_all_ranks,
+)
 from torchtitan.components.hf_io import CONFIG_FILE
 from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.config.errors import ConfigError
@@ -59,7 +63,6 @@ from torchtitan.protocols.state_dict_adapter import (
     StateDictAdapter,
     StateDictMismatchError,
     describe_mismatch,
-    split_indices,
 )
 from torchtitan.protocols.train_spec import import_custom_module
 from torchtitan.tools.dtypes import TORCH_DTYPES
@@ -116,12 +119,7 @@ def convert_to_hf(
 def _writer_of_each_key(template: dict, world: int) -> dict[str, int]:
     """The rank that reads and writes each key: a layer's keys go together, the layers and the
     tensors outside them (one group each) round the ranks."""
-    outside = sorted(key for key in template if not split_indices(key)[1])
-    layers = sorted({split_indices(key)[1][0] for key in template if split_indices(key)[1]})
-    group = {key: i for i, key in enumerate(outside)} | {
-        layer: len(outside) + i for i, layer in enumerate(layers)
-    }
-    return {key: group[i[0] if (i := split_indices(key)[1]) else key] % world for key in template}
+    return {key: group % world for key, group in layer_groups(template).items()}
 
 
 @contextlib.contextmanager

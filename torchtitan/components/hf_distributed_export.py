@@ -69,7 +69,8 @@ def write_hf_export_from_all_ranks(
         shutil.rmtree(partial, ignore_errors=True)
     _barrier(distributed, process_group)
     state = hf_shards(model, adapter, export_dtype)
-    files = file_of_each_key(adapter, whole_model_shapes or _global_shapes(model))
+    shapes = whole_model_shapes or {key: value.shape for key, value in _whole_views(model).items()}
+    files = file_of_each_key(adapter, shapes)
     write_hf_tensors_from_all_ranks(partial, state, files, process_group)
     del state
     replaced = []
@@ -114,11 +115,8 @@ def hf_shards(model: nn.Module, adapter, export_dtype: str) -> dict[str, torch.T
     gathered: every rank of its mesh calls it, for the same keys in the same order."""
     dtype = TORCH_DTYPES[export_dtype]
     buffers = {clean_fqn(name) for name, _ in model.named_buffers()}
-    ep_params = expert_parallel_params(model)
     state, gathered = {}, 0
-    for key, value in get_model_state_dict(model).items():
-        if key in ep_params:
-            value = global_expert_view(value, ep_params[key])
+    for key, value in _whole_views(model).items():
         if value.is_floating_point() and key not in buffers:
             value = value.to(dtype)
         change = adapter.hf_layout_change(key)
@@ -171,23 +169,31 @@ def _converted_rows(key: str, value: DTensor, rows: tuple[int, int], adapter, ch
 
 
 def file_of_each_key(adapter, shapes: dict[str, torch.Size]) -> dict[str, int]:
-    """The output file (numbered from 1) of every HF key: one per tensor outside the layers (the
-    embedding and the output projection are the largest tensors), then one per layer. The same
-    on every rank: it is computed from the whole model's shapes.
+    """The output file (numbered from 1) of every HF key: one per group of `layer_groups`. The
+    same on every rank: it is computed from the whole model's shapes.
 
-    Why so many: torch's writer and consolidation hold one file's bytes in memory at a time, and
-    the ranks consolidate the files in turns (file i on rank i mod world)."""
+    Why so many files: torch's writer and consolidation hold one file's bytes in memory at a
+    time, and the ranks consolidate the files in turns (file i on rank i mod world)."""
     hf = adapter.to_hf({key: torch.empty(shape, device="meta") for key, shape in shapes.items()})
-    outside = sorted(key for key in hf if not split_indices(key)[1])
-    layers = sorted({indices[0] for key in hf if (indices := split_indices(key)[1])})
-    index = {key: i + 1 for i, key in enumerate(outside)}
-    index |= {layer: len(outside) + i + 1 for i, layer in enumerate(layers)}
-    return {key: index[indices[0]] if (indices := split_indices(key)[1]) else index[key] for key in hf}
+    return {key: group + 1 for key, group in layer_groups(hf).items()}
 
 
-def _global_shapes(model: nn.Module) -> dict[str, torch.Size]:
+def layer_groups(keys) -> dict[str, int]:
+    """A group number for each state-dict key (ours or HF's): one group per key outside the
+    layers (the embedding and the output projection are the largest tensors), then one per
+    layer, numbered from 0 in that order."""
+    outside = sorted(key for key in keys if not split_indices(key)[1])
+    layers = sorted({indices[0] for key in keys if (indices := split_indices(key)[1])})
+    group = {key: i for i, key in enumerate(outside)}
+    group |= {layer: len(outside) + i for i, layer in enumerate(layers)}
+    return {key: group[indices[0]] if (indices := split_indices(key)[1]) else group[key] for key in keys}
+
+
+def _whole_views(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s state dict with each expert-parallel slice as a view of the whole experts
+    (`global_expert_view`), so that every value has the whole tensor's shape."""
     ep_params = expert_parallel_params(model)
     return {
-        key: torch.Size(ep_params[key]._ep_full_shape) if key in ep_params else value.shape
+        key: global_expert_view(value, ep_params[key]) if key in ep_params else value
         for key, value in get_model_state_dict(model).items()
     }
