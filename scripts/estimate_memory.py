@@ -81,7 +81,9 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.utils.flop_counter import FlopCounterMode
 
+from torchtitan.components.ac_auto import DEFAULT_TFLOPS
 from torchtitan.components.loss_head import build_chunked_loss
 from torchtitan.components.optimizer import OptimizerInBackward, check_early_step_in_backward
 from torchtitan.components.training_step import (
@@ -92,7 +94,10 @@ from torchtitan.components.training_step import (
 )
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig, parse_args
 from torchtitan.config.job_config import model_compile_enabled
+from torchtitan.distributed.ac_planner import BlockCost, BlockPlan, NothingFits, RankCosts, solve
+from torchtitan.distributed.activation_checkpoint import BLOCK_CHOICES, format_block_plan
 from torchtitan.distributed.activation_offload import offloaders_in
+from torchtitan.tools.activation_memory import held_per_block
 from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.expert_parallel import is_ep_local
@@ -136,6 +141,8 @@ ROWS = {
 TOTAL = "peak total"
 # Not part of the peak: the bytes activation offload sends to the host in one step (and back).
 OFFLOADED = "offloaded to host per step"
+# Not a row: with `probe`, per block the bytes one forward holds for backward and the step's FLOPs.
+BLOCKS = "blocks"
 # PCIe Gen5 x16's peak per direction; real pinned copies reach somewhat less.
 DEFAULT_OFFLOAD_GBPS = 64.0
 ALWAYS_SHOWN = ("parameters", "gradients", "optimizer state", "activations")
@@ -212,8 +219,24 @@ def parse_cli(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
         help="with activation_checkpoint.offload: host-device bandwidth per direction in GB/s, for the "
         f"copy time of what a step offloads (default {DEFAULT_OFFLOAD_GBPS:g}, PCIe Gen5 x16's peak)",
     )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help='instead of one estimate, plan mode "auto": the per-block AC choices with the least recompute '
+        "whose peak fits --budget-gib (or activation_checkpoint.auto_memory_gib)",
+    )
+    parser.add_argument("--budget-gib", type=positive_float, metavar="GIB", help="with --plan: the memory per rank")
+    parser.add_argument(
+        "--tflops",
+        type=positive_float,
+        metavar="TFLOPS",
+        help="with --plan: recompute throughput for the table's milliseconds (default: "
+        f"activation_checkpoint.auto_tflops, or {DEFAULT_TFLOPS:g})",
+    )
+    parser.add_argument("--plan-out", metavar="PATH", help="with --plan: also write the plan as JSON to PATH")
     args, rest = parser.parse_known_args(argv)
-    own = ["--ngpu", "--all-ac-modes", "--ep-imbalance", "--max-seq-len", "--offload-gbps"]
+    own = ["--ngpu", "--all-ac-modes", "--ep-imbalance", "--max-seq-len", "--offload-gbps", "--plan",
+           "--budget-gib", "--tflops", "--plan-out"]  # fmt: skip
     for arg in rest:
         name = arg.split("=", 1)[0]
         # An option without a section is one of ours misspelled, not a config key.
@@ -632,11 +655,12 @@ def tracked_step(
     parallel_dims: ParallelDims,
     device: torch.device,
     prepare: Callable[[torch.nn.Module], None] | None = None,
+    probe: bool = False,
 ) -> dict:
     """Give `model` storage, build its optimizer, run one tracked step; the peak snapshot.
 
     `prepare(model)` runs once the model has storage, before the optimizer exists: a real
-    (not fake) run's weight init, for example.
+    (not fake) run's weight init, for example. `probe`: also measure each block (`probing`).
     """
     spec = get_train_spec(cfg.model.name)
     model.to_empty(device=device).train()
@@ -646,10 +670,11 @@ def tracked_step(
     _prime_optimizer(model, optimizer)
     batch = _batch(cfg, device)
     tracker = make_tracker(model, optimizer, batch)
-    with tracking(tracker):
+    with tracking(tracker), probing(model, cfg, parallel_dims, probe) as blocks:
         loss_fn = build_chunked_loss(cfg, spec.build_loss_fn)
         train_step(cfg, parallel_dims, model, optimizer, loss_fn, spec.extra_loss_fn, batch, tracker)
-    return _with_offloaded(tracker.get_tracker_snapshot("peak").get(device, {}), model, cfg, parallel_dims)
+    snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
+    return _with_offloaded(snapshot, model, cfg, parallel_dims) | ({BLOCKS: blocks} if probe else {})
 
 
 def _with_offloaded(snapshot: dict, model, cfg: JobConfig, parallel_dims: ParallelDims) -> dict:
@@ -660,17 +685,40 @@ def _with_offloaded(snapshot: dict, model, cfg: JobConfig, parallel_dims: Parall
     return {**snapshot, OFFLOADED: sent * accum_steps // min(accum_steps, 2)}
 
 
+@contextlib.contextmanager
+def probing(model: torch.nn.Module, cfg: JobConfig, parallel_dims: ParallelDims, enabled: bool):
+    """With `enabled`, measure every block of `model.layers` over the step: yields a dict, filled
+    on exit, block index (a string, as JSON keeps it) -> [bytes one forward holds for backward
+    (`held_per_block`), FLOPs the whole step runs in the block (FlopCounterMode, scaled from the
+    measured micro-batches to all of the step's)]. What the mode "auto" planner needs."""
+    if not enabled:
+        yield None
+        return
+    blocks = {int(name): block for name, block in model.layers.named_children()}
+    measured: dict[str, list[int]] = {}
+    with held_per_block(blocks) as held, FlopCounterMode(display=False) as counter:
+        yield measured
+    accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
+    per_module = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
+    for index in blocks:
+        own = [n for name, n in per_module.items() if name.endswith(f".layers.{index}")]
+        flops = max(own, default=0) * accum_steps // min(accum_steps, 2)
+        measured[str(index)] = [held.get(index, 0), flops]
+
+
 def breakdown(snapshot: dict) -> dict[str, int]:
     """Bytes per report row, plus TOTAL, from one device's MemTracker snapshot."""
     by_name = {getattr(kind, "value", kind): n for kind, n in snapshot.items()}
     rows = {row: sum(by_name.get(name, 0) for name in names) for row, names in ROWS.items()}
     rows[TOTAL] = by_name.get("Total", 0)
     rows[OFFLOADED] = snapshot.get(OFFLOADED, 0)
+    if BLOCKS in snapshot:
+        rows[BLOCKS] = snapshot[BLOCKS]
     return rows
 
 
 def measure(
-    cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 1.0, pp_rank: int = 0
+    cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 1.0, pp_rank: int = 0, probe: bool = False
 ) -> dict[str, int]:  # fmt: skip
     """Peak bytes on one rank of `ngpu` during one steady-state training step, by report row:
     rank 0, or under pipeline parallelism the first rank of pipeline rank `pp_rank`.
@@ -680,6 +728,7 @@ def measure(
     tensors it receives from other stages are uninitialized. Needs a process without a process
     group. `ep_imbalance`: under expert parallelism, the rank receives this many times its
     balanced share of routed rows (see `simulated_split_sizes`).
+    `probe`: add `BLOCKS`, each block's measurements (`probing`).
     Raises ConfigError for a layout the config cannot have.
     """
     compiled_run = model_compile_enabled(cfg)
@@ -718,8 +767,10 @@ def measure(
             no_warning_for_fake_collective_views() if fake else contextlib.nullcontext(),
         ):
             if parallel_dims.pp_enabled:
-                return breakdown(tracked_pipeline_step(cfg, plan, stages, parallel_dims, device, embedding))
-            return breakdown(tracked_step(cfg, model, parallel_dims, device))
+                return breakdown(
+                    tracked_pipeline_step(cfg, plan, stages, parallel_dims, device, embedding, probe=probe)
+                )
+            return breakdown(tracked_step(cfg, model, parallel_dims, device, probe=probe))
 
 
 def estimate(
@@ -733,12 +784,21 @@ def estimate(
     configs = {mode_label(cfg.activation_checkpoint): cfg} if modes is None else {
         name: with_ac(cfg, AC_MODES[name]) for name in modes
     }  # fmt: skip
+    return estimate_configs(configs, ngpu, ep_imbalance)
+
+
+def estimate_configs(
+    configs: dict[str, JobConfig], ngpu: int, ep_imbalance: float = 1.0, probe: bool = False
+) -> dict[str, dict[str, int]]:  # fmt: skip
+    """`estimate` of each named config (they share one layout), keyed by name, or under pipeline
+    parallelism by "NAME, pp RANK"."""
+    cfg = next(iter(configs.values()))
     pp = cfg.parallelism.pipeline_parallel_degree
     _refuse_split_backward(cfg)  # here, not once per rank's process
     if pp == 1:
-        return {name: measure(c, ngpu, ep_imbalance=ep_imbalance) for name, c in configs.items()}
+        return {name: measure(c, ngpu, ep_imbalance=ep_imbalance, probe=probe) for name, c in configs.items()}
     jobs = {
-        f"{name}, pp {r}": (c, ngpu, True, ep_imbalance, r) for name, c in configs.items() for r in range(pp)
+        f"{name}, pp {r}": (c, ngpu, True, ep_imbalance, r, probe) for name, c in configs.items() for r in range(pp)
     }
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         results = dict(zip(jobs, pool.map(lambda job: measure_in_subprocess(*job), jobs.values())))
@@ -768,7 +828,7 @@ def measure_in_subprocess(*args) -> dict[str, int]:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     if done.returncode != 0:
-        raise RuntimeError(f"estimating pipeline rank {args[-1]} failed:\n{done.stderr.decode()[-3000:]}")
+        raise RuntimeError(f"estimating pipeline rank {args[4]} failed:\n{done.stderr.decode()[-3000:]}")
     result = json.loads(done.stdout.decode().strip().splitlines()[-1])
     if "error" in result:
         raise ConfigError(result["error"])
@@ -797,7 +857,7 @@ def stage_io(cfg: JobConfig, plan, embedding: torch.nn.Module, tokens: torch.Ten
 
 
 def tracked_pipeline_step(
-    cfg: JobConfig, plan, stages, parallel_dims: ParallelDims, device, embedding=None, prepare=None
+    cfg: JobConfig, plan, stages, parallel_dims: ParallelDims, device, embedding=None, prepare=None, probe=False
 ) -> dict:  # fmt: skip
     """`tracked_step` for this rank's pipeline stages: the schedule runs its microbatches as the
     trainer runs them, so what it keeps in flight (the activations of the microbatches whose
@@ -824,7 +884,7 @@ def tracked_pipeline_step(
         stage_io=None if embedding is None else stage_io(cfg, plan, embedding, batch[0], device),
     )  # fmt: skip
     tracker = make_tracker(model, optimizer, batch)
-    with tracking(tracker):
+    with tracking(tracker), probing(model, cfg, parallel_dims, probe) as blocks:
         optimizer.zero_grad(set_to_none=True)
         # From the second micro-batch on, each holds the same (see `train_step`).
         for micro_batch in range(min(accum_steps, 2)):
@@ -833,7 +893,8 @@ def tracked_pipeline_step(
             pipeline_forward_backward(pipeline, *batch, parallel_dims, cfg)
         clip_grad_norm_(model.parameters(), cfg.training.max_norm, pipeline.pp_group)
         optimizer.step()
-    return _with_offloaded(tracker.get_tracker_snapshot("peak").get(device, {}), model, cfg, parallel_dims)
+    snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
+    return _with_offloaded(snapshot, model, cfg, parallel_dims) | ({BLOCKS: blocks} if probe else {})
 
 
 # ----- the longest sequence -------------------------------------------------------------------
@@ -909,6 +970,123 @@ def longest_seq_len_table(
     return f"Longest sequence per AC mode: {title}\n\n" + "\n".join(lines)
 
 
+# ----- mode "auto": the per-block plan --------------------------------------------------------
+
+# The uniform runs the planner measures, one per block choice.
+PLAN_MODES = {"none": AC_MODES["none"], "op": AC_MODES["selective op"], "full": AC_MODES["full"]}
+# How many times a plan is measured and re-solved with a tighter target before giving up.
+PLAN_ROUNDS = 4
+
+
+def _pp_labels(cfg: JobConfig) -> list[str]:
+    pp = cfg.parallelism.pipeline_parallel_degree
+    return [""] if pp == 1 else [f"pp {r}" for r in range(pp)]
+
+
+def _column(name: str, label: str) -> str:
+    return f"{name}, {label}" if label else name
+
+
+def rank_costs(cfg: JobConfig, ngpu: int, ep_imbalance: float = 1.0) -> list[RankCosts]:
+    """The planner's measurements (`RankCosts`), one per pipeline rank (one without pipelining),
+    from fake-mode steps with every block at "none", at "op", at "full": each twice, since the
+    probe's dispatch modes shift the peak by a few MiB (probed: the blocks; plain: the peak)."""
+    configs = {choice: with_ac(cfg, mode) for choice, mode in PLAN_MODES.items()}
+    probed = estimate_configs(configs, ngpu, ep_imbalance, probe=True)
+    plain = estimate_configs(configs, ngpu, ep_imbalance)
+    costs = []
+    for label in _pp_labels(cfg):
+        runs = {choice: probed[_column(choice, label)][BLOCKS] for choice in BLOCK_CHOICES}
+        blocks = tuple(
+            BlockCost(
+                int(index),
+                held={c: runs[c][index][0] for c in BLOCK_CHOICES},
+                flops={c: runs[c][index][1] for c in BLOCK_CHOICES},
+            )
+            for index in sorted(runs["none"], key=int)
+        )
+        peaks = {c: plain[_column(c, label)][TOTAL] for c in BLOCK_CHOICES}
+        costs.append(RankCosts(label, peaks, blocks))
+    return costs
+
+
+def with_block_plan(cfg: JobConfig, choices: dict[int, str]) -> JobConfig:
+    """A copy of `cfg` running mode "auto" with `choices` as its plan."""
+    ac = dataclasses.replace(cfg.activation_checkpoint, mode="auto", auto_plan=format_block_plan(choices))
+    return dataclasses.replace(cfg, activation_checkpoint=ac)
+
+
+def plan_to_budget(cfg: JobConfig, ngpu: int, budget: int, ep_imbalance: float = 1.0) -> BlockPlan:
+    """The mode "auto" plan for `cfg` on `ngpu` ranks within `budget` bytes per rank.
+
+    Each pipeline rank's blocks are solved against its own measured peaks (`solve`). The plan
+    is then measured as a whole; where a rank's measured peak exceeds the budget (the solver's
+    model is linear, the step's peak is not), that rank is solved again with its target lowered
+    by the excess, at most `PLAN_ROUNDS` times. A rank whose target falls below its full-AC
+    peak, though full AC fits the budget, takes full AC on every block.
+
+    Raises:
+        NothingFits: when full AC on every block of some rank does not fit, or no round fits.
+    """
+    costs = rank_costs(cfg, ngpu, ep_imbalance)
+    targets = {c.label: budget for c in costs}
+    for _ in range(PLAN_ROUNDS):
+        choices = {}
+        for c in costs:
+            if targets[c.label] < c.peak["full"] <= budget:
+                choices |= {block.index: "full" for block in c.blocks}
+            else:
+                choices |= solve(c, targets[c.label])
+        results = estimate_configs({"auto": with_block_plan(cfg, choices)}, ngpu, ep_imbalance)
+        measured = {label: results[_column("auto", label)][TOTAL] for label in targets}
+        over = {label: peak - budget for label, peak in measured.items() if peak > budget}
+        if not over:
+            break
+        for label, excess in over.items():
+            targets[label] -= excess
+    else:
+        worst = max(over, key=over.get)
+        raise NothingFits(
+            f"mode 'auto' found no plan within its budget of {budget / GiB:.2f} GiB per device "
+            f"('activation_checkpoint.auto_memory_gib') in {PLAN_ROUNDS} rounds: the last measured {measured[worst] / GiB:.2f} GiB"
+            f"{' on ' + worst if worst else ''}; give a little more memory, or set a fixed mode."
+        )
+    ranks = {
+        c.label: {
+            "estimated": c.estimated_peak(choices), "measured": measured[c.label],
+            "recompute_flops": c.recompute_flops(choices),
+            "full_flops_recompute": c.recompute_flops({b.index: "full" for b in c.blocks}),
+        }
+        for c in costs
+    }  # fmt: skip
+    blocks = [block for c in costs for block in c.blocks]
+    return BlockPlan(
+        choices=dict(sorted(choices.items())), budget=budget, ranks=ranks,
+        held={b.index: b.held for b in blocks},
+        recompute={b.index: {ch: b.recompute_flops(ch) for ch in BLOCK_CHOICES} for b in blocks},
+    )  # fmt: skip
+
+
+def plan_command(cfg: JobConfig, args: argparse.Namespace) -> str:
+    """`--plan`: the plan's report; with `--plan-out`, the plan also goes there as JSON."""
+    gib = args.budget_gib or cfg.activation_checkpoint.auto_memory_gib
+    if not gib:
+        raise ConfigError("--plan needs the memory per rank: give --budget-gib GIB (or activation_checkpoint.auto_memory_gib).")
+    plan = plan_to_budget(cfg, args.ngpu, round(gib * GiB), args.ep_imbalance)
+    if args.plan_out:
+        Path(args.plan_out).write_text(plan.to_json())
+    tflops = args.tflops or cfg.activation_checkpoint.auto_tflops or DEFAULT_TFLOPS
+    return plan_report(cfg, args.ngpu, plan, tflops, args.ep_imbalance)
+
+
+def plan_report(cfg: JobConfig, ngpu: int, plan: BlockPlan, tflops: float, ep_imbalance: float = 1.0) -> str:
+    """The title, the plan's `auto_plan` string and its table."""
+    return (
+        f"Activation checkpointing plan (mode auto) within {plan.budget / GiB:g} GiB per rank: "
+        f"{describe(cfg, ngpu, ep_imbalance)}\n\nauto_plan = \"{plan.spec}\"\n\n{plan.table(tflops)}"
+    )
+
+
 # ----- output --------------------------------------------------------------------------------
 
 
@@ -968,6 +1146,9 @@ def main(argv: list[str] | None = None) -> None:
         title = describe(cfg, args.ngpu, args.ep_imbalance)
         if args.max_seq_len is not None:
             print(longest_seq_len_table(cfg, args.ngpu, args.max_seq_len, modes, args.ep_imbalance))
+            return
+        if args.plan:
+            print(plan_command(cfg, args))
             return
         results = estimate(cfg, args.ngpu, modes, ep_imbalance=args.ep_imbalance)
     except ConfigError as e:

@@ -19,6 +19,7 @@ logs the same warnings when training starts.
 """
 
 import contextlib
+import dataclasses
 import logging
 import sys
 
@@ -113,7 +114,18 @@ def check_layout(cfg: JobConfig, world_size: int, device: torch.device | None = 
         accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
         check_early_step_in_backward(cfg, parallel_dims, accum_steps)
         parallel_dims.build_mesh(device.type)
-        build_parallelized_model(cfg, parallel_dims, device)
+        for candidate in _as_built(cfg):
+            build_parallelized_model(candidate, parallel_dims, device)
+
+
+def _as_built(cfg: JobConfig) -> list[JobConfig]:
+    """The configs the ranks may build: mode "auto" without a plan is planned at startup, so
+    each choice it may give a block is checked, as a mode of its own (op-SAC and full AC)."""
+    ac = cfg.activation_checkpoint
+    if ac.mode != "auto" or ac.auto_plan.strip():
+        return [cfg]
+    modes = [dataclasses.replace(ac, mode="selective", selective_ac_option="op"), dataclasses.replace(ac, mode="full")]
+    return [dataclasses.replace(cfg, activation_checkpoint=mode) for mode in modes]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from torchtitan.components.ac_auto import resolve_auto_plan
 from torchtitan.components.checkpoint import CheckpointManager, TrainState, why_nothing_is_saved
 from torchtitan.components.compile import tag_compile_caches_with_process_groups
 from torchtitan.components.dataloader import build_validation_dataloader, unwrap_worker_error
@@ -102,6 +103,8 @@ class Trainer:
         set_determinism(cfg.training.seed, cfg.training.deterministic, cfg.training.deterministic_warn_only)
         self._write_resolved_config()
         agree_on_config_errors(lambda: check_run_outputs(cfg, self.rank, self.rank == 0))
+        # Mode "auto" plans here, before anything is built: every rank gets the same plan.
+        self.job_config = cfg = resolve_auto_plan(cfg, world_size, self.rank, self.device)
 
         self.tokenizer = self.spec.build_tokenizer_fn(cfg)
         self._check_vocab()

@@ -291,8 +291,10 @@ class Metrics:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective", "memory_budget"] = opt(
-        "selective", "activation checkpointing mode"
+    mode: Literal["none", "full", "selective", "memory_budget", "auto"] = opt(
+        "selective",
+        'activation checkpointing mode; "auto" chooses none, op-SAC or full AC per block to fit '
+        "auto_memory_gib with the least recompute",
     )
     selective_ac_option: str = opt("2", '"op" for per-op selective AC, or N to checkpoint every Nth block')
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = opt(
@@ -337,6 +339,29 @@ class ActivationCheckpoint:
         2**20,
         "offload only tensors of at least this many bytes (smaller copies cost more than they free)",
         min=0,
+    )
+    auto_memory_gib: float = opt(
+        0.0,
+        'mode "auto": the per-device memory the estimated step peak must fit, in GiB; 0 takes the '
+        "device's memory less auto_headroom_gib (an accelerator's; on the CPU give a budget)",
+        min=0.0,
+    )
+    auto_headroom_gib: float = opt(
+        6.0,
+        'mode "auto" with auto_memory_gib = 0: memory left out of the budget for what the estimate does '
+        "not model (the allocator's caching and fragmentation, CUDA and NCCL contexts)",
+        min=0.0,
+    )
+    auto_tflops: float = opt(
+        0.0,
+        'mode "auto": the recompute throughput, TFLOP/s, that turns the plan\'s recompute FLOPs into '
+        "milliseconds in its table; 0 takes 40% of the device's bf16 peak (400 where it is unknown)",
+        min=0.0,
+    )
+    auto_plan: str = opt(
+        "",
+        'mode "auto": the per-block plan, e.g. "none:0-3; op:4-27; full:28-31" (each block once); empty: '
+        "plan at startup (or take the dump folder's saved plan when the layout is unchanged)",
     )
 
 

@@ -32,6 +32,7 @@ SAC's cache keeps (`_OffloadingSACCache`) wait in host memory until backward.
 """
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections import defaultdict
@@ -396,6 +397,39 @@ class MemoryBudgetAC(ACPlan):
         )
 
 
+class PerBlockAC(ACPlan):
+    """mode = "auto": each block gets the choice its plan (`auto_plan`) names: "none", "op"
+    (`OpSAC`'s wrapping) or "full" (`FullAC`'s). The planner (`ac_planner.py`) writes the plan;
+    this class only applies it, so a plan given by hand runs the same way.
+
+    Pitfall: a block the plan does not name is refused when the plan is applied, not guessed."""
+
+    def __init__(self, config, facts):
+        super().__init__(config, facts)
+        self.choices = parse_block_plan(config.auto_plan)
+        self.plans: dict[str, ACPlan] = {
+            "none": ACPlan(config, facts),
+            "op": OpSAC(dataclasses.replace(config, mode="selective", selective_ac_option="op"), facts),
+            "full": FullAC(dataclasses.replace(config, mode="full"), facts),
+        }
+
+    def apply(self, model):
+        self.plans["op"].forced = forced_recompute_linears(
+            model, self.config.per_op_sac_force_recompute_mm_shapes_by_fqns
+        )
+        super().apply(model)
+
+    def wrap_block(self, index, block, model):
+        if index not in self.choices:
+            raise ConfigError(
+                f"'activation_checkpoint.auto_plan' = '{self.config.auto_plan}' names no choice for block "
+                f"{index}; name every block once, or leave auto_plan empty to plan at startup."
+            )
+        choice = self.choices[index]
+        wrapped, kind = self.plans[choice].wrap_block(index, block, model)
+        return wrapped, kind or "no AC"
+
+
 # ----- building the plan: every AC refusal --------------------------------------------------
 
 
@@ -406,7 +440,7 @@ def plan_activation_checkpointing(config: ActivationCheckpoint, facts: ACFacts) 
         ConfigError: for a setting that is invalid, or that the rest of the run cannot
             support; it names the key, its value and the fix.
     """
-    modes = ("none", "full", "selective", "memory_budget")
+    modes = ("none", "full", "selective", "memory_budget", "auto")
     if config.mode not in modes:
         raise ConfigError(
             f"'activation_checkpoint.mode' = '{config.mode}' is unknown; use one of {', '.join(modes)}."
@@ -415,6 +449,8 @@ def plan_activation_checkpointing(config: ActivationCheckpoint, facts: ACFacts) 
         _check_selective_option(config.selective_ac_option)
     if config.mode == "memory_budget":
         _check_memory_budget(config, facts)
+    if config.mode == "auto":
+        _check_auto(config)
     if config.offload != "none":
         _check_offload(config, facts)
     if config.debug and config.mode != "none":
@@ -434,6 +470,8 @@ def plan_activation_checkpointing(config: ActivationCheckpoint, facts: ACFacts) 
         return FullAC(config, facts)
     if config.mode == "memory_budget":
         return MemoryBudgetAC(config, facts)
+    if config.mode == "auto":
+        return PerBlockAC(config, facts)
     if config.selective_ac_option == "op":
         return OpSAC(config, facts)
     return EveryNthBlockAC(config, facts)
@@ -464,6 +502,23 @@ def _check_memory_budget(config: ActivationCheckpoint, facts: ACFacts) -> None:
             f"'activation_checkpoint.mode' = 'memory_budget' has no effect with 'compile.backend' = "
             f"'{facts.compile_backend}', which does not apply the budget; use one of "
             f"{', '.join(MEMORY_BUDGET_BACKENDS)}, or another AC mode."
+        )
+
+
+def _check_auto(config: ActivationCheckpoint) -> None:
+    """mode "auto" needs its plan by the time blocks are wrapped; the trainer and the memory
+    estimator fill `auto_plan` before (see `ac_planner.py`)."""
+    if not config.auto_plan.strip():
+        raise ConfigError(
+            "'activation_checkpoint.mode' = 'auto' reached the model without a plan: the trainer plans "
+            "at startup (torchtitan.train), and scripts/estimate_memory.py --plan prints one; outside "
+            "them, set 'activation_checkpoint.auto_plan' (e.g. \"op:0-15\") or use another mode."
+        )
+    parse_block_plan(config.auto_plan)
+    if config.offload != "none":
+        raise ConfigError(
+            "'activation_checkpoint.offload' = 'saved' with mode = 'auto': the planner does not choose "
+            'offload yet. Use offload = "none" with mode "auto", or offload with a fixed mode.'
         )
 
 
@@ -503,8 +558,8 @@ def _check_debug(config: ActivationCheckpoint, facts: ACFacts) -> None:
     conflict = None
     if facts.compile_enabled:
         conflict = 'compiled blocks (compile.enable with "model" in compile.components)'
-    elif config.mode == "selective" and config.selective_ac_option == "op":
-        conflict = 'per-op selective AC (selective_ac_option = "op"), which checkpoints by a policy'
+    elif config.mode == "auto" or (config.mode == "selective" and config.selective_ac_option == "op"):
+        conflict = 'per-op selective AC (selective_ac_option = "op", or mode "auto"), which checkpoints by a policy'
     elif facts.has_moe:
         conflict = "MoE blocks, whose full AC saves the routing by a policy"
     if conflict:
@@ -534,8 +589,10 @@ def _refuse_what_torchs_compiler_fails(config: ActivationCheckpoint, facts: ACFa
             f"compile.capture_scalar_outputs = false (the MoE blocks then fall back where they read "
             f"counts on the host), or use torch >= {need}."
         )
-    wraps_whole_blocks = config.mode == "full" or (
-        config.mode == "selective" and config.selective_ac_option != "op"
+    wraps_whole_blocks = (
+        config.mode == "full"
+        or (config.mode == "selective" and config.selective_ac_option != "op")
+        or (config.mode == "auto" and "full" in parse_block_plan(config.auto_plan).values())
     )
     fixed = release(version) >= FIRST_TORCH_TO_RECOMPUTE_WITH_MESH_INPUTS
     if not (wraps_whole_blocks and facts.tensor_parallel > 1 and compile_sees_device_meshes()) or fixed:
@@ -937,6 +994,57 @@ def parse_offload_blocks(spec: str) -> frozenset[int]:
             'and ranges separated by commas, e.g. "0-3,8".'
         ) from None
     return frozenset(indices)
+
+
+# What mode "auto" may choose for a block, from the least recompute to the most.
+BLOCK_CHOICES = ("none", "op", "full")
+
+
+def parse_block_plan(spec: str) -> dict[int, str]:
+    """Block index -> choice, from `auto_plan`: "CHOICE:BLOCKS" groups separated by ";", with
+    BLOCKS as in `offload_blocks` (indices and ranges), e.g. "none:0-3; op:4-27; full:28-31".
+
+    Raises:
+        ConfigError: for an unknown choice, a malformed group, or a block named twice.
+    """
+    plan: dict[int, str] = {}
+    for group in filter(None, (g.strip() for g in spec.split(";"))):
+        choice, colon, blocks = (part.strip() for part in group.partition(":"))
+        if choice not in BLOCK_CHOICES or not colon or blocks == "all":
+            raise ConfigError(
+                f"'activation_checkpoint.auto_plan' = '{spec}' is invalid at '{group}': write groups "
+                f"CHOICE:BLOCKS separated by ';', CHOICE one of {', '.join(BLOCK_CHOICES)}, e.g. "
+                '"none:0-3; op:4-27; full:28-31".'
+            )
+        try:
+            indices = parse_offload_blocks(blocks)
+        except ConfigError:
+            raise ConfigError(
+                f"'activation_checkpoint.auto_plan' = '{spec}' has bad block indices in '{group}': use "
+                'indices and ranges separated by commas, e.g. "op:4-27,30".'
+            ) from None
+        if twice := sorted(indices & plan.keys()):
+            raise ConfigError(
+                f"'activation_checkpoint.auto_plan' = '{spec}' names block {twice[0]} twice; name each once."
+            )
+        plan.update(dict.fromkeys(indices, choice))
+    return plan
+
+
+def format_block_plan(choices: dict[int, str]) -> str:
+    """The `auto_plan` string of `choices` (block index -> choice), with runs as ranges."""
+    groups = []
+    for choice in BLOCK_CHOICES:
+        indices = sorted(i for i, c in choices.items() if c == choice)
+        runs = []
+        for i in indices:
+            if runs and runs[-1][1] == i - 1:
+                runs[-1][1] = i
+            else:
+                runs.append([i, i])
+        if runs:
+            groups.append(f"{choice}:" + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs))
+    return "; ".join(groups)
 
 
 # ----- the recompute that skips the all-to-all's input ----------------------------------------

@@ -9,7 +9,12 @@ selective-AC recompute); it cannot see inside torch.compile'd code, whose kernel
 without dispatching.
 
 `bytes_saved_for_backward`: for compiled modules, what autograd is asked to save.
+
+`held_per_block`: `bytes_held_for_backward` for each block of a running model, measured in
+place (the mode "auto" planner's cost model).
 """
+
+import contextlib
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -91,3 +96,41 @@ def bytes_saved_for_backward(module: torch.nn.Module, *inputs: torch.Tensor) -> 
         out = module(*inputs)
     del out
     return sum(saved.values())
+
+
+@contextlib.contextmanager
+def held_per_block(blocks: dict[int, torch.nn.Module]):
+    """While active, each call of a block in `blocks` (index -> module) measures what
+    `bytes_held_for_backward` measures, in the running model: the bytes of the storages the
+    call creates that are alive once it returns, its output's excluded. Yields a dict, index
+    -> the most one call held, filled as the blocks run.
+
+    Unlike `bytes_held_for_backward` the block's input is not copied, so it is not counted
+    (it is the previous block's output, held for backward under every AC mode). The block's
+    `forward` is shadowed on the instance, inside its hooks (FSDP's all-gather and reshard stay
+    outside the measurement), and restored on exit.
+    """
+    held: dict[int, int] = {}
+    shadowed = {}
+    for index, block in blocks.items():
+        shadowed[index] = block.__dict__.get("forward")
+        block.forward = _measured_forward(block, block.forward, index, held)
+    try:
+        yield held
+    finally:
+        for index, block in blocks.items():
+            del block.forward
+            if shadowed[index] is not None:
+                block.forward = shadowed[index]
+
+
+def _measured_forward(block: torch.nn.Module, forward, index: int, held: dict[int, int]):
+    def measured(*args, **kwargs):
+        kept = list(block.parameters()) + list(block.buffers()) + tree_leaves((args, kwargs))
+        recorder = _StorageRecorder(_storage_keys(kept))
+        with recorder:
+            out = forward(*args, **kwargs)
+        held[index] = max(held.get(index, 0), recorder.alive_bytes(exclude=_storage_keys(tree_leaves(out))))
+        return out
+
+    return measured

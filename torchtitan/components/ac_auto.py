@@ -1,0 +1,188 @@
+"""Mode "auto" at startup: find the run's per-block AC plan, or reuse the saved one.
+
+Rank 0 plans with the memory estimator (`scripts/estimate_memory.py --plan`, in a process of
+its own: it simulates every rank of the layout in a fake process group), then every rank gets
+the same plan. The plan and its table go to `<dump_folder>/ac_plan.json`; a later run (a
+resume) with the same layout, model, batch, budget and AC keys takes it from there instead of
+planning again (`layout_fingerprint` says what counts). A plan that cannot fit exits 2 on every
+rank with the estimator's message.
+"""
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.toml_writer import to_toml
+from torchtitan.distributed.ac_planner import GiB, BlockPlan
+from torchtitan.distributed.rank_agreement import agree_on_config_errors
+from torchtitan.tools.device_info import peak_bf16_flops
+
+logger = logging.getLogger(__name__)
+
+PLAN_FILE = "ac_plan.json"
+ESTIMATOR = Path(__file__).resolve().parents[2] / "scripts" / "estimate_memory.py"
+# The recompute throughput where the device's peak is unknown (the CPU, other GPUs): about 40%
+# of an H100's dense bf16 peak.
+DEFAULT_TFLOPS = 400.0
+# Of the device's bf16 peak, what recompute is taken to reach.
+RECOMPUTE_MFU = 0.4
+# What changes a step's memory, by config section; everything else (steps, logging, checkpoint
+# and data paths, the learning rate) leaves a saved plan valid.
+_FINGERPRINTED = {
+    "model": None,
+    "parallelism": None,
+    "compile": None,
+    "float8": None,
+    "activation_checkpoint": None,
+    "optimizer": ("name", "implementation", "early_step_in_backward"),
+    "training": (
+        "local_batch_size", "global_batch_size", "seq_len", "loss_chunks", "dtype", "mixed_precision_param",
+        "mixed_precision_reduce", "enable_cpu_offload",
+    ),
+}  # fmt: skip
+
+
+def budget_bytes(cfg: JobConfig, device: torch.device) -> int:
+    """The per-device budget: `auto_memory_gib`, or the accelerator's memory less
+    `auto_headroom_gib`.
+
+    Raises:
+        ConfigError: on the CPU without a budget, or when the headroom leaves nothing.
+    """
+    ac = cfg.activation_checkpoint
+    if ac.auto_memory_gib > 0:
+        return round(ac.auto_memory_gib * GiB)
+    if device.type == "cpu":
+        raise ConfigError(
+            "'activation_checkpoint.mode' = 'auto' on the CPU needs a budget: set "
+            "'activation_checkpoint.auto_memory_gib' to the memory per rank, in GiB."
+        )
+    capacity = torch.accelerator.get_memory_info(device)[1]
+    budget = capacity - round(ac.auto_headroom_gib * GiB)
+    if budget <= 0:
+        raise ConfigError(
+            f"'activation_checkpoint.auto_headroom_gib' = {ac.auto_headroom_gib} leaves nothing of the "
+            f"device's {capacity / GiB:.1f} GiB; lower it, or set auto_memory_gib."
+        )
+    return budget
+
+
+def recompute_tflops(cfg: JobConfig, device: torch.device) -> float:
+    """`auto_tflops`, or `RECOMPUTE_MFU` of the device's bf16 peak, or `DEFAULT_TFLOPS`."""
+    if cfg.activation_checkpoint.auto_tflops > 0:
+        return cfg.activation_checkpoint.auto_tflops
+    peak = peak_bf16_flops(device)
+    return RECOMPUTE_MFU * peak / 1e12 if peak else DEFAULT_TFLOPS
+
+
+def layout_fingerprint(cfg: JobConfig, world_size: int, budget: int) -> str:
+    """A hash of what a plan depends on: the world size, the budget and the config keys in
+    `_FINGERPRINTED` (the plan itself, `auto_plan`, left out)."""
+    parts = {"world_size": world_size, "budget": budget}
+    for section, keys in _FINGERPRINTED.items():
+        values = dataclasses.asdict(getattr(cfg, section))
+        if section == "activation_checkpoint":
+            values.pop("auto_plan")
+        parts[section] = values if keys is None else {k: values[k] for k in keys}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def resolve_auto_plan(cfg: JobConfig, world_size: int, rank: int, device: torch.device) -> JobConfig:
+    """`cfg` with `auto_plan` filled, for mode "auto" without one; `cfg` itself otherwise.
+
+    Collective: every rank calls it. Rank 0 reads the saved plan or makes one; every rank
+    gets the same, and rank 0 logs its table.
+
+    Raises:
+        ConfigError: on every rank, for a missing budget or a plan that cannot fit.
+    """
+    ac = cfg.activation_checkpoint
+    if ac.mode != "auto" or ac.auto_plan.strip():
+        return cfg
+    budget = agree_on_config_errors(lambda: budget_bytes(cfg, device))
+    tflops = recompute_tflops(cfg, device)
+    fingerprint = layout_fingerprint(cfg, world_size, budget)
+    path = Path(cfg.job.dump_folder) / PLAN_FILE
+    made = agree_on_config_errors(
+        lambda: _saved_or_new_plan(cfg, path, fingerprint, world_size, budget) if rank == 0 else None
+    )
+    shared = [made]
+    if dist.is_initialized() and world_size > 1:
+        dist.broadcast_object_list(shared, src=0)
+    plan, reused = shared[0]
+    if rank == 0:
+        how = f"taken from {path} (same layout)" if reused else f"planned and saved to {path}"
+        logger.info(f"Activation checkpointing plan (mode auto), {how}:\n{plan.table(tflops)}")
+    return dataclasses.replace(cfg, activation_checkpoint=dataclasses.replace(ac, auto_plan=plan.spec))
+
+
+def _saved_or_new_plan(
+    cfg: JobConfig, path: Path, fingerprint: str, world_size: int, budget: int
+) -> tuple[BlockPlan, bool]:  # fmt: skip
+    """(the plan, whether it was the saved one)."""
+    if path.is_file():
+        try:
+            saved = BlockPlan.from_json(path.read_text())
+        except (ValueError, KeyError) as e:
+            logger.warning(f"{path} is not a readable plan ({e}); planning again")
+        else:
+            if saved.fingerprint == fingerprint:
+                return saved, True
+            logger.info(f"{path} was planned for another layout, budget or AC setting; planning again")
+    plan = plan_with_estimator(cfg, world_size, budget)
+    plan.fingerprint = fingerprint
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(plan.to_json())
+    os.replace(partial, path)  # a crash never leaves half a plan to be taken as a whole one
+    return plan, False
+
+
+def plan_with_estimator(cfg: JobConfig, world_size: int, budget: int) -> BlockPlan:
+    """Run `scripts/estimate_memory.py --plan` for `cfg` on `world_size` ranks within `budget`
+    bytes, in a new process; its plan.
+
+    Raises:
+        ConfigError: the estimator's message when it exits 2 (nothing fits, a bad layout), or
+            when this install has no estimator.
+    """
+    if not ESTIMATOR.is_file():
+        raise ConfigError(
+            f"'activation_checkpoint.mode' = 'auto' plans with {ESTIMATOR}, which this install lacks. "
+            "Run scripts/estimate_memory.py --plan from a torchtitan checkout and set "
+            "'activation_checkpoint.auto_plan' to the plan it prints, or use another mode."
+        )
+    logger.info(f"Activation checkpointing mode auto: planning within {budget / GiB:.2f} GiB per rank")
+    with tempfile.TemporaryDirectory() as folder:
+        config, out = Path(folder) / "config.toml", Path(folder) / "plan.json"
+        config.write_text(to_toml(cfg))
+        command = [
+            sys.executable, str(ESTIMATOR), "--config", str(config), "--ngpu", str(world_size), "--plan",
+            "--budget-gib", repr(budget / GiB), "--plan-out", str(out),
+        ]  # fmt: skip
+        # The estimator builds its own fake process group; torchrun's variables would point it
+        # at the run's.
+        env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARIABLES}
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        if done.returncode == 2:
+            raise ConfigError(done.stderr.strip().removeprefix("error: "))
+        if done.returncode != 0:
+            raise RuntimeError(f"planning mode auto failed:\n{done.stderr[-3000:]}")
+        return BlockPlan.from_json(out.read_text())
+
+
+_TORCHRUN_VARIABLES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "ROLE_RANK", "ROLE_WORLD_SIZE",
+)  # fmt: skip
