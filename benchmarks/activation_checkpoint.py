@@ -11,15 +11,21 @@ Table 3 does what table 1 does with every block compiled (inductor, as `compile.
 does), adding `memory_budget` at several budgets; its bytes are what the compiled blocks save
 for backward (`bytes_saved_for_backward`), relative to compiled `none`. Its modes run one after
 another (see `compiled_table`), so machine noise is not spread over them as in table 1.
+Table 4 sets mode "auto"'s budget to each fixed mode's step peak (the memory estimator's, for
+the trainer's step at table 1's batch and seq_len) and puts the plan beside that mode: the
+plan's peak and recompute FLOPs per step (`scripts/estimate_memory.py --plan`'s measurements),
+and step times timed as in table 1, interleaved, relative to the fixed mode.
 
     python benchmarks/activation_checkpoint.py [--batch 2] [--seq-len 1024] [--rounds 3]
-        [--steps-per-round 3] [--warmup 2] [--tables 1,2,3]
+        [--steps-per-round 3] [--warmup 2] [--tables 1,2,3,4]
 """
 
 import argparse
+import importlib.util
 import statistics
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -237,6 +243,71 @@ def block_8b_table() -> list[str]:
     return lines
 
 
+def _estimator():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "estimate_memory.py"
+    spec = importlib.util.spec_from_file_location("estimate_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def auto_table(cli) -> list[str]:
+    """Mode "auto" at the budget of each fixed mode's peak, beside that mode."""
+    em = _estimator()
+    cfg = parse_args(["--config", "debug_model.toml", "--training.local_batch_size", str(cli.batch),
+                      "--training.seq_len", str(cli.seq_len)], env={})  # fmt: skip
+    (costs,) = em.rank_costs(cfg, 1)
+    n = len(costs.blocks)
+    fixed = {
+        "full": ({i: "full" for i in range(n)}, costs.peak["full"]),
+        "selective op": ({i: "op" for i in range(n)}, costs.peak["op"]),
+        "selective 2": ({i: "none" if i % 2 else "full" for i in range(n)},
+                        em.estimate(cfg, 1, ["selective 2"])["selective 2"][em.TOTAL]),
+    }  # fmt: skip
+    args = replace(llama3_flavors["debugmodel"], max_seq_len=cli.seq_len)
+    tokens = torch.randint(
+        0, args.vocab_size, (cli.batch, cli.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
+    runs, facts = {}, {}
+    for name, (choices, peak) in fixed.items():
+        plan = em.plan_to_budget(cfg, 1, peak)
+        auto = ActivationCheckpoint(mode="auto", auto_plan=plan.spec)
+        runs[name] = ModeRun(build_model(args, MODES[name]), tokens)
+        runs[f"auto at {name}'s peak"] = ModeRun(build_model(args, auto), tokens)
+        facts[name] = (name, peak, costs.recompute_flops(choices))
+        facts[f"auto at {name}'s peak"] = (
+            plan.spec,
+            plan.ranks[""]["measured"],
+            plan.ranks[""]["recompute_flops"],
+        )
+    for run in runs.values():
+        for _ in range(cli.warmup):
+            run.step(record=False)
+    _timed_rounds(runs, cli)
+    lines = [
+        f"Llama 3 debugmodel, batch {cli.batch} x {cli.seq_len}, fp32, "
+        f"CPU ({torch.get_num_threads()} threads), median of {cli.rounds * cli.steps_per_round} steps, "
+        f"torch {torch.__version__}; peaks and FLOPs from the memory estimator (the trainer's step)",
+        "",
+        "| run | blocks | step peak MiB | recompute GFLOP / step | step (ms) | time vs the fixed mode |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in fixed:
+        base = statistics.median(runs[name].times)
+        for row in (name, f"auto at {name}'s peak"):
+            blocks, peak, flops = facts[row]
+            step = statistics.median(runs[row].times)
+            cells = [
+                blocks,
+                f"{peak / 2**20:.1f}",
+                f"{flops / 1e9:.2f}",
+                f"{1000 * step:.0f}",
+                f"{step / base:.3f}",
+            ]
+            lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=2)
@@ -244,10 +315,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--tables", default="1,2,3", help="which tables, e.g. 3 or 1,2")
+    parser.add_argument("--tables", default="1,2,3,4", help="which tables, e.g. 3 or 1,2")
     cli = parser.parse_args()
-    tables = {"2": block_8b_table, "1": lambda: debug_model_table(cli), "3": lambda: compiled_table(cli)}
-    wanted = [t for t in ("2", "1", "3") if t in cli.tables.split(",")]
+    tables = {"2": block_8b_table, "1": lambda: debug_model_table(cli), "3": lambda: compiled_table(cli),
+              "4": lambda: auto_table(cli)}  # fmt: skip
+    wanted = [t for t in ("2", "1", "3", "4") if t in cli.tables.split(",")]
     for index, table in enumerate(wanted):
         print(("\n" if index else "") + "\n".join(tables[table]()), flush=True)
 

@@ -81,7 +81,6 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.utils.flop_counter import FlopCounterMode
 
 from torchtitan.components.ac_auto import DEFAULT_TFLOPS
 from torchtitan.components.loss_head import build_chunked_loss
@@ -94,10 +93,9 @@ from torchtitan.components.training_step import (
 )
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig, parse_args
 from torchtitan.config.job_config import model_compile_enabled
-from torchtitan.distributed.ac_planner import BlockCost, BlockPlan, NothingFits, RankCosts, solve
-from torchtitan.distributed.activation_checkpoint import BLOCK_CHOICES, format_block_plan
+from torchtitan.distributed.ac_planner import BlockCost, BlockPlan, RankCosts, solve
+from torchtitan.distributed.activation_checkpoint import BLOCK_CHOICES, format_block_plan, nothing_fits
 from torchtitan.distributed.activation_offload import offloaders_in
-from torchtitan.tools.activation_memory import held_per_block
 from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.expert_parallel import is_ep_local
@@ -116,6 +114,8 @@ from torchtitan.models import attention, get_train_spec
 from torchtitan.models.moe import MoE
 from torchtitan.preflight import build_meta_model, build_parallelized_model, build_pipeline_stages, fake_world
 from torchtitan.protocols.train_spec import import_custom_module
+from torchtitan.tools.activation_memory import held_per_block
+from torchtitan.tools.op_counter import RecomputeFlops
 
 GiB = 2**30
 
@@ -225,7 +225,9 @@ def parse_cli(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
         help='instead of one estimate, plan mode "auto": the per-block AC choices with the least recompute '
         "whose peak fits --budget-gib (or activation_checkpoint.auto_memory_gib)",
     )
-    parser.add_argument("--budget-gib", type=positive_float, metavar="GIB", help="with --plan: the memory per rank")
+    parser.add_argument(
+        "--budget-gib", type=positive_float, metavar="GIB", help="with --plan: the memory per rank"
+    )
     parser.add_argument(
         "--tflops",
         type=positive_float,
@@ -689,20 +691,18 @@ def _with_offloaded(snapshot: dict, model, cfg: JobConfig, parallel_dims: Parall
 def probing(model: torch.nn.Module, cfg: JobConfig, parallel_dims: ParallelDims, enabled: bool):
     """With `enabled`, measure every block of `model.layers` over the step: yields a dict, filled
     on exit, block index (a string, as JSON keeps it) -> [bytes one forward holds for backward
-    (`held_per_block`), FLOPs the whole step runs in the block (FlopCounterMode, scaled from the
-    measured micro-batches to all of the step's)]. What the mode "auto" planner needs."""
+    (`held_per_block`), FLOPs the step recomputes in the block (`RecomputeFlops`, scaled from
+    the measured micro-batches to all of the step's)]. What the mode "auto" planner needs."""
     if not enabled:
         yield None
         return
     blocks = {int(name): block for name, block in model.layers.named_children()}
     measured: dict[str, list[int]] = {}
-    with held_per_block(blocks) as held, FlopCounterMode(display=False) as counter:
+    with held_per_block(blocks) as held, RecomputeFlops(blocks) as recompute:
         yield measured
     accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
-    per_module = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
     for index in blocks:
-        own = [n for name, n in per_module.items() if name.endswith(f".layers.{index}")]
-        flops = max(own, default=0) * accum_steps // min(accum_steps, 2)
+        flops = recompute.flops.get(index, 0) * accum_steps // min(accum_steps, 2)
         measured[str(index)] = [held.get(index, 0), flops]
 
 
@@ -718,7 +718,8 @@ def breakdown(snapshot: dict) -> dict[str, int]:
 
 
 def measure(
-    cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 1.0, pp_rank: int = 0, probe: bool = False
+    cfg: JobConfig, ngpu: int, fake: bool = True, ep_imbalance: float = 1.0, pp_rank: int = 0,
+    probe: bool = False,
 ) -> dict[str, int]:  # fmt: skip
     """Peak bytes on one rank of `ngpu` during one steady-state training step, by report row:
     rank 0, or under pipeline parallelism the first rank of pipeline rank `pp_rank`.
@@ -798,7 +799,9 @@ def estimate_configs(
     if pp == 1:
         return {name: measure(c, ngpu, ep_imbalance=ep_imbalance, probe=probe) for name, c in configs.items()}
     jobs = {
-        f"{name}, pp {r}": (c, ngpu, True, ep_imbalance, r, probe) for name, c in configs.items() for r in range(pp)
+        f"{name}, pp {r}": (c, ngpu, True, ep_imbalance, r, probe)
+        for name, c in configs.items()
+        for r in range(pp)
     }
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         results = dict(zip(jobs, pool.map(lambda job: measure_in_subprocess(*job), jobs.values())))
@@ -857,7 +860,8 @@ def stage_io(cfg: JobConfig, plan, embedding: torch.nn.Module, tokens: torch.Ten
 
 
 def tracked_pipeline_step(
-    cfg: JobConfig, plan, stages, parallel_dims: ParallelDims, device, embedding=None, prepare=None, probe=False
+    cfg: JobConfig, plan, stages, parallel_dims: ParallelDims, device, embedding=None, prepare=None,
+    probe=False,
 ) -> dict:  # fmt: skip
     """`tracked_step` for this rank's pipeline stages: the schedule runs its microbatches as the
     trainer runs them, so what it keeps in flight (the activations of the microbatches whose
@@ -1001,7 +1005,7 @@ def rank_costs(cfg: JobConfig, ngpu: int, ep_imbalance: float = 1.0) -> list[Ran
             BlockCost(
                 int(index),
                 held={c: runs[c][index][0] for c in BLOCK_CHOICES},
-                flops={c: runs[c][index][1] for c in BLOCK_CHOICES},
+                recompute={c: runs[c][index][1] for c in BLOCK_CHOICES},
             )
             for index in sorted(runs["none"], key=int)
         )
@@ -1046,11 +1050,7 @@ def plan_to_budget(cfg: JobConfig, ngpu: int, budget: int, ep_imbalance: float =
             targets[label] -= excess
     else:
         worst = max(over, key=over.get)
-        raise NothingFits(
-            f"mode 'auto' found no plan within its budget of {budget / GiB:.2f} GiB per device "
-            f"('activation_checkpoint.auto_memory_gib') in {PLAN_ROUNDS} rounds: the last measured {measured[worst] / GiB:.2f} GiB"
-            f"{' on ' + worst if worst else ''}; give a little more memory, or set a fixed mode."
-        )
+        raise nothing_fits(budget, measured[worst], worst, measured=True)
     ranks = {
         c.label: {
             "estimated": c.estimated_peak(choices), "measured": measured[c.label],
@@ -1059,19 +1059,22 @@ def plan_to_budget(cfg: JobConfig, ngpu: int, budget: int, ep_imbalance: float =
         }
         for c in costs
     }  # fmt: skip
-    blocks = [block for c in costs for block in c.blocks]
-    return BlockPlan(
-        choices=dict(sorted(choices.items())), budget=budget, ranks=ranks,
-        held={b.index: b.held for b in blocks},
-        recompute={b.index: {ch: b.recompute_flops(ch) for ch in BLOCK_CHOICES} for b in blocks},
-    )  # fmt: skip
+    saving = {b.index: {ch: round(c.saving(b, ch)) for ch in BLOCK_CHOICES} for c in costs for b in c.blocks}
+    recompute = {
+        b.index: {ch: b.recompute_flops(ch) for ch in BLOCK_CHOICES} for c in costs for b in c.blocks
+    }
+    return BlockPlan(choices=dict(sorted(choices.items())), budget=budget, ranks=ranks, saving=saving,
+                     recompute=recompute)  # fmt: skip
 
 
 def plan_command(cfg: JobConfig, args: argparse.Namespace) -> str:
     """`--plan`: the plan's report; with `--plan-out`, the plan also goes there as JSON."""
     gib = args.budget_gib or cfg.activation_checkpoint.auto_memory_gib
     if not gib:
-        raise ConfigError("--plan needs the memory per rank: give --budget-gib GIB (or activation_checkpoint.auto_memory_gib).")
+        raise ConfigError(
+            "--plan needs the memory per rank: give --budget-gib GIB (or "
+            "activation_checkpoint.auto_memory_gib)."
+        )
     plan = plan_to_budget(cfg, args.ngpu, round(gib * GiB), args.ep_imbalance)
     if args.plan_out:
         Path(args.plan_out).write_text(plan.to_json())
@@ -1083,7 +1086,7 @@ def plan_report(cfg: JobConfig, ngpu: int, plan: BlockPlan, tflops: float, ep_im
     """The title, the plan's `auto_plan` string and its table."""
     return (
         f"Activation checkpointing plan (mode auto) within {plan.budget / GiB:g} GiB per rank: "
-        f"{describe(cfg, ngpu, ep_imbalance)}\n\nauto_plan = \"{plan.spec}\"\n\n{plan.table(tflops)}"
+        f'{describe(cfg, ngpu, ep_imbalance)}\n\nauto_plan = "{plan.spec}"\n\n{plan.table(tflops)}'
     )
 
 

@@ -57,9 +57,8 @@ def tiny_llama3(seed: int = 0, **overrides) -> Transformer:
     """A 2-block Llama 3 (dim 32, 4 heads, 2 kv heads, vocab 64, 16 positions) built on the meta
     device and initialized on the CPU from `seed`; `overrides` replace fields of its
     `TransformerModelArgs`. Every call builds and initializes a new model (milliseconds)."""
-    args = TransformerModelArgs(
-        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=SEQ_LEN, **overrides
-    )
+    base = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=SEQ_LEN)
+    args = TransformerModelArgs(**{**base, **overrides})
     with torch.device("meta"):
         model = Transformer(args)
     return init_on_cpu(model, seed)
@@ -69,10 +68,11 @@ def tiny_qwen3(seed: int = 0, **overrides) -> Qwen3Model:
     """A 2-block dense Qwen3 (dim 32, 4 heads of head_dim 16, so not dim / heads, 2 kv heads,
     hidden 64, vocab 64, 16 positions) built on the meta device and initialized on the CPU from
     `seed`; `overrides` replace fields of its `Qwen3ModelArgs` (say `tie_word_embeddings=True`)."""
-    args = Qwen3ModelArgs(
+    base = dict(
         dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=64, vocab_size=VOCAB,
-        max_seq_len=SEQ_LEN, **overrides,
+        max_seq_len=SEQ_LEN,
     )  # fmt: skip
+    args = Qwen3ModelArgs(**{**base, **overrides})
     with torch.device("meta"):
         model = Qwen3Model(args)
     return init_on_cpu(model, seed)

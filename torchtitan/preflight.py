@@ -124,7 +124,10 @@ def _as_built(cfg: JobConfig) -> list[JobConfig]:
     ac = cfg.activation_checkpoint
     if ac.mode != "auto" or ac.auto_plan.strip():
         return [cfg]
-    modes = [dataclasses.replace(ac, mode="selective", selective_ac_option="op"), dataclasses.replace(ac, mode="full")]
+    modes = [
+        dataclasses.replace(ac, mode="selective", selective_ac_option="op"),
+        dataclasses.replace(ac, mode="full"),
+    ]
     return [dataclasses.replace(cfg, activation_checkpoint=mode) for mode in modes]
 
 

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.toml_writer import to_toml
-from torchtitan.distributed.ac_planner import GiB, BlockPlan
+from torchtitan.distributed.ac_planner import BlockPlan, GiB
+from torchtitan.distributed.activation_checkpoint import auto_budget, no_planner
 from torchtitan.distributed.rank_agreement import agree_on_config_errors
 from torchtitan.tools.device_info import peak_bf16_flops
 
@@ -54,28 +55,10 @@ _FINGERPRINTED = {
 
 
 def budget_bytes(cfg: JobConfig, device: torch.device) -> int:
-    """The per-device budget: `auto_memory_gib`, or the accelerator's memory less
-    `auto_headroom_gib`.
-
-    Raises:
-        ConfigError: on the CPU without a budget, or when the headroom leaves nothing.
-    """
-    ac = cfg.activation_checkpoint
-    if ac.auto_memory_gib > 0:
-        return round(ac.auto_memory_gib * GiB)
-    if device.type == "cpu":
-        raise ConfigError(
-            "'activation_checkpoint.mode' = 'auto' on the CPU needs a budget: set "
-            "'activation_checkpoint.auto_memory_gib' to the memory per rank, in GiB."
-        )
-    capacity = torch.accelerator.get_memory_info(device)[1]
-    budget = capacity - round(ac.auto_headroom_gib * GiB)
-    if budget <= 0:
-        raise ConfigError(
-            f"'activation_checkpoint.auto_headroom_gib' = {ac.auto_headroom_gib} leaves nothing of the "
-            f"device's {capacity / GiB:.1f} GiB; lower it, or set auto_memory_gib."
-        )
-    return budget
+    """The per-device budget (`activation_checkpoint.auto_budget`): the accelerator's memory
+    counts when `auto_memory_gib` is 0."""
+    capacity = None if device.type == "cpu" else torch.accelerator.get_memory_info(device)[1]
+    return auto_budget(cfg.activation_checkpoint, capacity)
 
 
 def recompute_tflops(cfg: JobConfig, device: torch.device) -> float:
@@ -158,11 +141,7 @@ def plan_with_estimator(cfg: JobConfig, world_size: int, budget: int) -> BlockPl
             when this install has no estimator.
     """
     if not ESTIMATOR.is_file():
-        raise ConfigError(
-            f"'activation_checkpoint.mode' = 'auto' plans with {ESTIMATOR}, which this install lacks. "
-            "Run scripts/estimate_memory.py --plan from a torchtitan checkout and set "
-            "'activation_checkpoint.auto_plan' to the plan it prints, or use another mode."
-        )
+        raise no_planner(str(ESTIMATOR))
     logger.info(f"Activation checkpointing mode auto: planning within {budget / GiB:.2f} GiB per rank")
     with tempfile.TemporaryDirectory() as folder:
         config, out = Path(folder) / "config.toml", Path(folder) / "plan.json"
@@ -184,5 +163,6 @@ def plan_with_estimator(cfg: JobConfig, world_size: int, budget: int) -> BlockPl
 
 _TORCHRUN_VARIABLES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "ROLE_RANK", "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
 )  # fmt: skip

@@ -5,19 +5,23 @@ planner needs, for each group of blocks one device holds (the whole model, or on
 rank's stages), measurements of three uniform runs, one per choice (`RankCosts`):
 
 - the step's peak with every block at that choice;
-- per block, the bytes one forward holds for backward, and the FLOPs the step runs in it.
+- per block, the bytes one forward holds for backward, and the FLOPs the step recomputes in it.
 
-From them, a plan's peak is modelled as the no-AC peak less what each block's choice saves,
-times the number of forwards held at once (1 without pipelining; more on early pipeline
-stages), and never below full AC's peak (`RankCosts.estimated_peak`). `solve` then finds the
-plan with the least recompute FLOPs whose modelled peak fits, exactly (a multiple-choice
-knapsack by dynamic programming over the bytes to save, in `GRANULE` units, each block's saving
-rounded down). The memory estimator (`scripts/estimate_memory.py --plan`) measures the chosen
-plan's real peak on fake tensors and re-solves with a tighter target where the model was
-short; the trainer runs it at startup (`ac_auto.py`).
+A choice saves, over the whole group, what the peaks say (no AC's peak less that choice's); it
+is shared among the blocks in proportion to what each holds less under it than under no AC
+(`RankCosts.saving`). So the peaks calibrate the per-block bytes: a pipeline rank that holds
+several microbatches at once saves that many times a block's bytes, and bytes a forward keeps
+that the peak never sees do not count. A plan's peak is modelled as no AC's peak less its
+blocks' savings, never below full AC's (`RankCosts.estimated_peak`); it is exact for the three
+uniform plans. `solve` finds the plan with the least recompute FLOPs whose modelled peak fits
+(a multiple-choice knapsack by dynamic programming over the bytes to save, in `RESOLUTION`
+units; exact but for each block's saving rounded down to a unit). The memory estimator
+(`scripts/estimate_memory.py --plan`) measures the chosen plan's peak on fake tensors and
+re-solves with a tighter target where the model was short; the trainer runs it at startup
+(`ac_auto.py`).
 
 Recompute FLOPs become time at one throughput (`auto_tflops`), so the FLOPs alone decide; the
-host cost of op-SAC's per-op dispatch is not modelled (see docs/activation_checkpointing.md).
+host cost of op-SAC's per-op dispatch is not modelled (see docs/ac_auto.md).
 """
 
 import json
@@ -25,12 +29,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from torchtitan.config.errors import ConfigError
-from torchtitan.distributed.activation_checkpoint import BLOCK_CHOICES, format_block_plan
+from torchtitan.distributed.activation_checkpoint import BLOCK_CHOICES, format_block_plan, nothing_fits
 
 GiB = 2**30
-# The planner's unit of memory: savings are counted in whole MiB, rounded down.
-GRANULE = 2**20
+# The solver counts the bytes a plan must save in at most this many units: each block's saving,
+# rounded down to a unit, is then short by less than 1/RESOLUTION of what must be saved.
+RESOLUTION = 2**14
 
 
 @dataclass(frozen=True)
@@ -40,21 +44,20 @@ class BlockCost:
     Attributes:
         index: the block's index in the whole model.
         held: bytes one forward of the block holds for backward.
-        flops: FLOPs the step runs in the block (forward, recompute and backward), all
-            micro-batches included.
+        recompute: FLOPs the step recomputes in the block, all micro-batches included.
     """
 
     index: int
     held: dict[str, int]
-    flops: dict[str, int]
+    recompute: dict[str, int]
 
-    def saving(self, choice: str) -> int:
-        """Bytes `choice` holds less than no AC, per forward in flight (never negative)."""
+    def held_less(self, choice: str) -> int:
+        """Bytes one forward holds less under `choice` than under no AC (never negative)."""
         return max(0, self.held["none"] - self.held[choice])
 
     def recompute_flops(self, choice: str) -> int:
         """FLOPs a step spends recomputing this block under `choice`."""
-        return max(0, self.flops[choice] - self.flops["none"])
+        return self.recompute[choice]
 
 
 @dataclass(frozen=True)
@@ -66,26 +69,21 @@ class RankCosts:
     peak: dict[str, int]
     blocks: tuple[BlockCost, ...]
 
-    def in_flight(self) -> float:
-        """How many forwards' worth of held bytes the no-AC peak holds at once, measured: the
-        drop from no AC to full AC over what full AC saves per forward. 1 without pipelining;
-        about the microbatches in flight on a pipeline rank."""
-        per_forward = sum(block.saving("full") for block in self.blocks)
-        if per_forward <= 0:
-            return 1.0
-        return max(1.0, (self.peak["none"] - self.peak["full"]) / per_forward)
+    def saving(self, block: BlockCost, choice: str) -> float:
+        """The bytes `choice` on `block` takes off the step's peak: the group's saving under
+        `choice` (no AC's peak less that choice's), shared by the blocks' `held_less`."""
+        held_less = sum(b.held_less(choice) for b in self.blocks)
+        if held_less <= 0:
+            return 0.0
+        return max(0, self.peak["none"] - self.peak[choice]) * block.held_less(choice) / held_less
 
     def estimated_peak(self, choices: dict[int, str]) -> int:
         """The modelled step peak of `choices` (block index -> choice)."""
-        saved = sum(block.saving(choices[block.index]) for block in self.blocks)
-        return max(self.peak["full"], round(self.peak["none"] - self.in_flight() * saved))
+        saved = sum(self.saving(block, choices[block.index]) for block in self.blocks)
+        return max(self.peak["full"], round(self.peak["none"] - saved))
 
     def recompute_flops(self, choices: dict[int, str]) -> int:
         return sum(block.recompute_flops(choices[block.index]) for block in self.blocks)
-
-
-class NothingFits(ConfigError):
-    """The budget is below what full AC on every block of some device needs."""
 
 
 def solve(costs: RankCosts, budget: int) -> dict[int, str]:
@@ -97,14 +95,14 @@ def solve(costs: RankCosts, budget: int) -> dict[int, str]:
         NothingFits: when even full AC on every block is modelled above `budget`.
     """
     if costs.peak["full"] > budget:
-        raise NothingFits(_nothing_fits(costs, budget))
-    scale = costs.in_flight()
-    need = costs.peak["none"] - budget
-    # Whole units of saving needed; a block's saving counts in whole units, rounded down, so a
-    # plan that reaches `target` units fits.
-    target = max(0, -(-need // GRANULE))
+        raise nothing_fits(budget, costs.peak["full"], costs.label)
+    need = max(0, costs.peak["none"] - budget)
+    # Savings count in whole units of `granule` bytes, a block's rounded down, so a plan that
+    # reaches `target` units fits; rounding costs each block less than one unit.
+    granule = max(1, -(-need // RESOLUTION))
+    target = -(-need // granule)
     blocks = costs.blocks
-    units = [[int(scale * block.saving(c)) // GRANULE for c in BLOCK_CHOICES] for block in blocks]
+    units = [[int(costs.saving(block, c)) // granule for c in BLOCK_CHOICES] for block in blocks]
     cost = [[block.recompute_flops(c) for c in BLOCK_CHOICES] for block in blocks]
     if sum(max(u) for u in units) < target:
         # Rounding down lost the last unit: every block at its largest saving, which the
@@ -127,17 +125,6 @@ def solve(costs: RankCosts, budget: int) -> dict[int, str]:
     return choices
 
 
-def _nothing_fits(costs: RankCosts, budget: int) -> str:
-    where = f" on {costs.label}" if costs.label else ""
-    return (
-        f"mode 'auto' cannot fit its budget of {budget / GiB:.2f} GiB per device "
-        f"('activation_checkpoint.auto_memory_gib'): full AC on every block needs {costs.peak['full'] / GiB:.2f} GiB per device{where} (estimated). Give "
-        "more memory, or hold less per device: a larger tensor_parallel_degree, "
-        "pipeline_parallel_degree or context_parallel_degree, more FSDP ranks, or a smaller "
-        "training.local_batch_size."
-    )
-
-
 @dataclass
 class BlockPlan:
     """A solved plan: the choice per block, and per device group its modelled and measured
@@ -147,7 +134,7 @@ class BlockPlan:
         choices: block index -> choice.
         budget: the bytes it was planned for.
         ranks: per device label, {"estimated", "measured", "recompute_flops", "full_flops_recompute"}.
-        held: block index -> choice -> bytes held per forward (for the table).
+        saving: block index -> choice -> bytes it takes off the peak (`RankCosts.saving`).
         recompute: block index -> choice -> recompute FLOPs per step (for the table).
         fingerprint: what the plan was made for (`ac_auto.layout_fingerprint`).
     """
@@ -155,7 +142,7 @@ class BlockPlan:
     choices: dict[int, str]
     budget: int
     ranks: dict[str, dict[str, int]]
-    held: dict[int, dict[str, int]]
+    saving: dict[int, dict[str, int]]
     recompute: dict[int, dict[str, int]]
     fingerprint: str = ""
 
@@ -165,17 +152,17 @@ class BlockPlan:
         return format_block_plan(self.choices)
 
     def table(self, tflops: float) -> str:
-        """A Markdown table: per block its choice, the bytes it holds for backward per forward,
-        and its recompute per step in ms at `tflops` TFLOP/s; then one line per device."""
+        """A Markdown table: per block its choice, the bytes that takes off the peak, and its
+        recompute per step in GFLOP and in ms at `tflops` TFLOP/s; then one line per device."""
         lines = [
-            "| block | choice | held per forward, MiB | recompute per step, GFLOP | recompute per step, ms |",
+            "| block | choice | off the peak, MiB | recompute per step, GFLOP | recompute per step, ms |",
             "|---|---|---|---|---|",
         ]
         for index in sorted(self.choices):
             choice = self.choices[index]
             flops = self.recompute[index][choice]
             lines.append(
-                f"| {index} | {choice} | {self.held[index][choice] / 2**20:.1f} | {flops / 1e9:.2f} | "
+                f"| {index} | {choice} | {self.saving[index][choice] / 2**20:.1f} | {flops / 1e9:.2f} | "
                 f"{1e3 * flops / (tflops * 1e12):.3f} |"
             )
         counts = [f"{c} on {list(self.choices.values()).count(c)}" for c in BLOCK_CHOICES]
@@ -200,5 +187,6 @@ class BlockPlan:
         ints = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731  (JSON keys are strings)
         return cls(
             choices=ints(raw["choices"]), budget=raw["budget"], ranks=raw["ranks"],
-            held=ints(raw["held"]), recompute=ints(raw["recompute"]), fingerprint=raw.get("fingerprint", ""),
+            saving=ints(raw["saving"]), recompute=ints(raw["recompute"]),
+            fingerprint=raw.get("fingerprint", ""),
         )  # fmt: skip

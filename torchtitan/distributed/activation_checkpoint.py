@@ -522,6 +522,56 @@ def _check_auto(config: ActivationCheckpoint) -> None:
         )
 
 
+class NothingFits(ConfigError):
+    """Mode "auto": the budget is below what full AC on every block of some device needs."""
+
+
+def auto_budget(config: ActivationCheckpoint, capacity: int | None) -> int:
+    """Mode "auto"'s budget in bytes: `auto_memory_gib`, or `capacity` (the accelerator's
+    memory; None on the CPU) less `auto_headroom_gib`.
+
+    Raises:
+        ConfigError: without a budget on the CPU, or when the headroom leaves nothing.
+    """
+    if config.auto_memory_gib > 0:
+        return round(config.auto_memory_gib * 2**30)
+    if capacity is None:
+        raise ConfigError(
+            "'activation_checkpoint.mode' = 'auto' on the CPU needs a budget: set "
+            "'activation_checkpoint.auto_memory_gib' to the memory per rank, in GiB."
+        )
+    budget = capacity - round(config.auto_headroom_gib * 2**30)
+    if budget <= 0:
+        raise ConfigError(
+            f"'activation_checkpoint.auto_headroom_gib' = {config.auto_headroom_gib} leaves nothing of the "
+            f"device's {capacity / 2**30:.1f} GiB; lower it, or set auto_memory_gib."
+        )
+    return budget
+
+
+def nothing_fits(budget: int, needed: int, where: str = "", measured: bool = False) -> NothingFits:
+    """The refusal of a mode "auto" budget: full AC on every block needs `needed` bytes on
+    device `where` (a pipeline rank's label, or ""); `measured`: the last plan tried needed it."""
+    on = f" on {where}" if where else ""
+    what = "the last plan tried measured" if measured else "full AC on every block needs"
+    return NothingFits(
+        f"mode 'auto' cannot fit its budget of {budget / 2**30:.2f} GiB per device "
+        f"('activation_checkpoint.auto_memory_gib'): {what} {needed / 2**30:.2f} GiB per device{on} "
+        "(estimated). Give more memory, or hold less per device: a larger tensor_parallel_degree, "
+        "pipeline_parallel_degree or context_parallel_degree, more FSDP ranks, or a smaller "
+        "training.local_batch_size."
+    )
+
+
+def no_planner(estimator: str) -> ConfigError:
+    """The refusal of mode "auto" without a plan where the estimator that makes one is missing."""
+    return ConfigError(
+        f"'activation_checkpoint.mode' = 'auto' plans with {estimator}, which this install lacks. Run "
+        "scripts/estimate_memory.py --plan from a torchtitan checkout and set "
+        "'activation_checkpoint.auto_plan' to the plan it prints, or use another mode."
+    )
+
+
 def _check_offload(config: ActivationCheckpoint, facts: ACFacts) -> None:
     """Offload runs in eager blocks, through autograd's saved-tensor hooks and SAC's cache."""
     offloads = ("none", "saved")
@@ -559,7 +609,9 @@ def _check_debug(config: ActivationCheckpoint, facts: ACFacts) -> None:
     if facts.compile_enabled:
         conflict = 'compiled blocks (compile.enable with "model" in compile.components)'
     elif config.mode == "auto" or (config.mode == "selective" and config.selective_ac_option == "op"):
-        conflict = 'per-op selective AC (selective_ac_option = "op", or mode "auto"), which checkpoints by a policy'
+        conflict = (
+            'per-op selective AC (selective_ac_option = "op", or mode "auto"), which checkpoints by a policy'
+        )
     elif facts.has_moe:
         conflict = "MoE blocks, whose full AC saves the routing by a policy"
     if conflict:

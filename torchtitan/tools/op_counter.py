@@ -11,11 +11,14 @@ Pitfalls, which is why every counter goes through this one class:
   there; that is what lets a test tell a saved op from a recomputed one.
 """
 
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -112,3 +115,56 @@ class OpCounter(TorchDispatchMode):
         for call in self.matching(phase=phase):
             counts[call.name] = counts.get(call.name, 0) + 1
         return counts
+
+
+class RecomputeFlops(TorchDispatchMode):
+    """Per block, the FLOPs of what activation checkpointing recomputes in backward.
+
+    An op is a recompute when it runs inside backward (an autograd graph task) with grad mode
+    on (the gradients' own ops run with it off), within the forward of one of a block's modules;
+    it counts for that block. What SAC replays from its cache is not dispatched again, so it
+    does not count. FLOPs come from torch's formulas (`torch.utils.flop_counter`); a DTensor
+    op counts at its global shapes, as FlopCounterMode counts it.
+
+    Args:
+        blocks: block index -> module.
+
+    Pitfall: enter it before the forward, as `OpCounter` (a dispatch mode entered only for
+    backward breaks selective-AC recompute). `flops` holds the totals once backward ran.
+    """
+
+    def __init__(self, blocks: dict[int, torch.nn.Module]):
+        super().__init__()
+        self.owner = {module: index for index, block in blocks.items() for module in block.modules()}
+        self.running: list[int] = []
+        self.flops: dict[int, int] = defaultdict(int)
+
+    def __enter__(self):
+        self._hooks = [
+            register_module_forward_pre_hook(self._enter_module),
+            register_module_forward_hook(self._leave_module, always_call=True),
+        ]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+        return super().__exit__(*exc)
+
+    def _enter_module(self, module, args) -> None:
+        if module in self.owner:
+            self.running.append(self.owner[module])
+
+    def _leave_module(self, module, args, output) -> None:
+        # Called also when the forward raised (a checkpoint's early stop ends its recompute so).
+        if module in self.owner and self.running:
+            self.running.pop()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        recomputing = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+        formula = flop_registry.get(func.overloadpacket)
+        if self.running and recomputing and formula is not None:
+            self.flops[self.running[-1]] += formula(*args, **kwargs, out_val=out)
+        return out

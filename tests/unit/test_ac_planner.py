@@ -1,0 +1,261 @@
+"""Mode "auto": the per-block plan string, the plan class that applies it, the exact solver,
+and the trainer's saved plan. The estimator's measurements are in
+tests/integration/test_ac_auto.py."""
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+
+from tests.model_testing import next_token_loss_and_grads, tiny_deepseek_v3, tiny_llama3, tiny_qwen3
+from torchtitan.components import ac_auto
+from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig
+from torchtitan.distributed.ac_planner import BlockCost, BlockPlan, RankCosts, solve
+from torchtitan.distributed.activation_checkpoint import (
+    BLOCK_CHOICES,
+    ACFacts,
+    NothingFits,
+    PerBlockAC,
+    apply_ac,
+    format_block_plan,
+    parse_block_plan,
+    plan_activation_checkpointing,
+)
+from torchtitan.models.moe import MoEArgs
+
+MiB = 2**20
+GRANULE = MiB
+
+
+# ----- the plan string ------------------------------------------------------------------------
+
+
+def test_a_plan_string_names_each_block_once_with_ranges():
+    plan = parse_block_plan("none:0-3; op:4-5,8; full:6-7")
+    assert plan == {
+        0: "none",
+        1: "none",
+        2: "none",
+        3: "none",
+        4: "op",
+        5: "op",
+        8: "op",
+        6: "full",
+        7: "full",
+    }
+    assert format_block_plan(plan) == "none:0-3; op:4-5,8; full:6-7"
+
+
+@pytest.mark.parametrize(
+    "spec, complaint",
+    [("some:0-3", "invalid at 'some:0-3'"), ("op 0-3", "invalid at 'op 0-3'"), ("op:all", "invalid"),
+     ("op:3-1", "bad block indices in 'op:3-1'"), ("op:0-2; full:2", "names block 2 twice")],
+)  # fmt: skip
+def test_a_malformed_plan_string_is_refused_naming_the_key_and_the_syntax(spec, complaint):
+    with pytest.raises(ConfigError, match="'activation_checkpoint.auto_plan'") as error:
+        parse_block_plan(spec)
+    assert complaint in str(error.value)
+
+
+def test_mode_auto_without_a_plan_is_refused_where_blocks_are_wrapped():
+    with pytest.raises(ConfigError, match="without a plan.*estimate_memory.py --plan"):
+        plan_activation_checkpointing(ActivationCheckpoint(mode="auto"), ACFacts())
+
+
+def test_mode_auto_with_offload_is_refused_until_the_planner_chooses_offload():
+    config = ActivationCheckpoint(mode="auto", auto_plan="op:0-1", offload="saved")
+    with pytest.raises(ConfigError, match="planner does not choose offload"):
+        plan_activation_checkpointing(config, ACFacts())
+
+
+# ----- the plan class -------------------------------------------------------------------------
+
+
+def _auto(spec: str) -> ActivationCheckpoint:
+    return ActivationCheckpoint(mode="auto", auto_plan=spec)
+
+
+def test_each_block_gets_the_wrapping_its_choice_names(caplog):
+    model = tiny_llama3(n_layers=3)
+    with caplog.at_level("INFO"):
+        plan = apply_ac(model, _auto("none:0; op:1; full:2"))
+    assert isinstance(plan, PerBlockAC)
+    assert type(model.layers["0"]).__name__ == "TransformerBlock"
+    assert type(model.layers["2"]).__name__ == "CheckpointWrapper"
+    assert (
+        "mode auto, no AC on 1/3 blocks: 0, op-SAC on 1/3 blocks: 1, full AC on 1/3 blocks: 2" in caplog.text
+    )
+
+
+def test_a_block_the_plan_does_not_name_is_refused():
+    with pytest.raises(ConfigError, match="names no choice for block 1"):
+        apply_ac(tiny_llama3(), _auto("op:0"))
+
+
+FAMILIES = {
+    "llama3": lambda: tiny_llama3(n_layers=3),
+    "qwen3 moe": lambda: tiny_qwen3(n_layers=3, moe_args=MoEArgs(num_experts=4, top_k=2), moe_hidden_dim=16),
+    "deepseek v3": lambda: tiny_deepseek_v3(),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_mixed_plan_gives_the_no_ac_loss_and_gradients(family):
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(5))
+    model = FAMILIES[family]()
+    apply_ac(model, ActivationCheckpoint(mode="none"))
+    want_loss, want_grads = next_token_loss_and_grads(model, tokens)
+    model = FAMILIES[family]()
+    apply_ac(model, _auto("none:0; op:1; full:2"))
+    loss, grads = next_token_loss_and_grads(model, tokens)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+# ----- the solver -----------------------------------------------------------------------------
+
+
+def _costs(blocks: list[tuple[int, int, int, int, int]], in_flight: float = 1, label: str = "") -> RankCosts:
+    """Blocks as (held none, held op, held full, op recompute, full recompute), in MiB and FLOPs;
+    the peaks follow from them with 100 MiB of other memory and `in_flight` forwards held at once
+    (a pipeline rank's microbatches; below 1 where a probe counts bytes the peak never sees)."""
+    costs = tuple(
+        BlockCost(i, held={"none": n * MiB, "op": o * MiB, "full": f * MiB},
+                  recompute={"none": 0, "op": ro, "full": rf})
+        for i, (n, o, f, ro, rf) in enumerate(blocks)
+    )  # fmt: skip
+    peak = {c: 100 * MiB + round(in_flight * sum(b.held[c] for b in costs)) for c in BLOCK_CHOICES}
+    return RankCosts(label, peak, costs)
+
+
+def _random_costs(seed: int, n: int = 6, in_flight: int = 1) -> RankCosts:
+    rng = random.Random(seed)
+    blocks = []
+    for _ in range(n):
+        none = rng.randint(20, 60)
+        op, full = rng.randint(5, none - 5), rng.randint(0, 4)
+        op_flops = rng.randint(1, 50)
+        blocks.append((none, op, full, op_flops, op_flops + rng.randint(1, 80)))
+    return _costs(blocks, in_flight)
+
+
+def _brute_force(costs: RankCosts, budget: int) -> int:
+    """The least recompute over every plan whose modelled peak fits, by enumeration."""
+    best = None
+    for combo in itertools.product(BLOCK_CHOICES, repeat=len(costs.blocks)):
+        choices = {b.index: c for b, c in zip(costs.blocks, combo)}
+        if costs.estimated_peak(choices) <= budget:
+            flops = costs.recompute_flops(choices)
+            best = flops if best is None else min(best, flops)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("in_flight", [0.4, 1, 3])
+def test_the_solver_finds_the_least_recompute_that_fits_as_enumeration_does(seed, in_flight):
+    costs = _random_costs(seed, in_flight=in_flight)
+    for fraction in (0.0, 0.2, 0.5, 0.8, 1.0):
+        budget = round(costs.peak["full"] + fraction * (costs.peak["none"] - costs.peak["full"]))
+        choices = solve(costs, budget)
+        assert costs.estimated_peak(choices) <= budget
+        assert costs.recompute_flops(choices) == _brute_force(costs, budget), (seed, fraction)
+
+
+def test_a_larger_budget_never_plans_more_recompute():
+    costs = _random_costs(11, n=24)
+    budgets = range(costs.peak["full"], costs.peak["none"] + 4 * GRANULE, 7 * GRANULE)
+    recompute = [costs.recompute_flops(solve(costs, budget)) for budget in budgets]
+    assert recompute == sorted(recompute, reverse=True)
+    assert recompute[0] > 0 and recompute[-1] == 0
+
+
+def test_a_budget_below_full_ac_is_refused_with_its_peak_and_what_to_change():
+    costs = _costs([(40, 10, 2, 5, 9)] * 4, label="pp 0")
+    with pytest.raises(
+        NothingFits, match=r"full AC on every block needs 0\.11 GiB per device on pp 0"
+    ) as error:
+        solve(costs, costs.peak["full"] - 1)
+    assert "tensor_parallel_degree" in str(error.value) and "local_batch_size" in str(error.value)
+
+
+def test_equal_blocks_get_a_plan_that_does_not_depend_on_the_run():
+    costs = _costs([(40, 10, 2, 5, 9)] * 8)
+    budget = costs.peak["none"] - 100 * MiB
+    assert solve(costs, budget) == solve(costs, budget)
+    assert list(solve(costs, budget).values()).count("op") == 4
+
+
+@pytest.mark.parametrize("in_flight", [0.4, 3])
+def test_each_choice_saves_what_the_peaks_say_shared_by_the_bytes_each_block_holds_less(in_flight):
+    costs = _costs([(40, 10, 2, 5, 9), (20, 10, 2, 5, 9)], in_flight=in_flight)
+    first, second = costs.blocks
+    assert costs.saving(first, "op") == pytest.approx(in_flight * 30 * MiB)
+    assert costs.saving(second, "op") == pytest.approx(in_flight * 10 * MiB)
+    for choice in BLOCK_CHOICES:
+        assert costs.estimated_peak({0: choice, 1: choice}) == costs.peak[choice]
+
+
+# ----- the saved plan -------------------------------------------------------------------------
+
+
+def _plan(spec_choices: dict[int, str], fingerprint: str) -> BlockPlan:
+    return BlockPlan(
+        choices=spec_choices, budget=GRANULE, ranks={"": {"estimated": 1, "measured": 1, "recompute_flops": 0,
+        "full_flops_recompute": 0}}, saving={i: dict.fromkeys(BLOCK_CHOICES, 0) for i in spec_choices},
+        recompute={i: dict.fromkeys(BLOCK_CHOICES, 0) for i in spec_choices}, fingerprint=fingerprint,
+    )  # fmt: skip
+
+
+def _auto_config(tmp_path, **ac) -> JobConfig:
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(tmp_path)
+    cfg.activation_checkpoint = ActivationCheckpoint(**{"mode": "auto", "auto_memory_gib": 1.0, **ac})
+    return cfg
+
+
+def test_the_fingerprint_follows_what_changes_memory_and_not_the_step_count(tmp_path):
+    cfg = _auto_config(tmp_path)
+    base = ac_auto.layout_fingerprint(cfg, 8, GRANULE)
+    cfg.training.steps += 100
+    assert ac_auto.layout_fingerprint(cfg, 8, GRANULE) == base
+    assert ac_auto.layout_fingerprint(cfg, 8, 2 * GRANULE) != base
+    assert ac_auto.layout_fingerprint(cfg, 16, GRANULE) != base
+    cfg.training.seq_len *= 2
+    assert ac_auto.layout_fingerprint(cfg, 8, GRANULE) != base
+
+
+def test_a_resume_takes_the_saved_plan_and_a_changed_layout_plans_again(tmp_path, monkeypatch):
+    planned = []
+
+    def fake_estimator(cfg, world_size, budget):
+        planned.append(cfg.training.seq_len)
+        return _plan({0: "op", 1: "full"}, "")
+
+    monkeypatch.setattr(ac_auto, "plan_with_estimator", fake_estimator)
+    cfg = _auto_config(tmp_path)
+    first = ac_auto.resolve_auto_plan(cfg, 1, 0, torch.device("cpu"))
+    assert first.activation_checkpoint.auto_plan == "op:0; full:1"
+    saved = json.loads((tmp_path / ac_auto.PLAN_FILE).read_text())
+    assert saved["fingerprint"] == ac_auto.layout_fingerprint(cfg, 1, GRANULE * 1024)
+    ac_auto.resolve_auto_plan(cfg, 1, 0, torch.device("cpu"))
+    assert len(planned) == 1
+    cfg.training.seq_len *= 2
+    ac_auto.resolve_auto_plan(cfg, 1, 0, torch.device("cpu"))
+    assert len(planned) == 2
+
+
+def test_mode_auto_on_the_cpu_without_a_budget_is_refused(tmp_path):
+    cfg = _auto_config(tmp_path, auto_memory_gib=0.0)
+    with pytest.raises(
+        ConfigError, match="on the CPU needs a budget: set 'activation_checkpoint.auto_memory_gib'"
+    ):
+        ac_auto.resolve_auto_plan(cfg, 1, 0, torch.device("cpu"))
+
+
+def test_a_given_plan_is_used_as_it_is(tmp_path):
+    cfg = _auto_config(tmp_path, auto_plan="full:0-1")
+    assert ac_auto.resolve_auto_plan(cfg, 1, 0, torch.device("cpu")) is cfg
