@@ -270,7 +270,7 @@ def auto_table(cli) -> list[str]:
     )
     runs, facts = {}, {}
     for name, (choices, peak) in fixed.items():
-        plan = em.plan_to_budget(cfg, 1, peak)
+        plan = em.plan_to_budget(cfg, 1, peak, costs=[costs])
         auto = ActivationCheckpoint(mode="auto", auto_plan=plan.spec)
         runs[name] = ModeRun(build_model(args, MODES[name]), tokens)
         runs[f"auto at {name}'s peak"] = ModeRun(build_model(args, auto), tokens)

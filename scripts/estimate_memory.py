@@ -991,13 +991,23 @@ def _column(name: str, label: str) -> str:
     return f"{name}, {label}" if label else name
 
 
-def rank_costs(cfg: JobConfig, ngpu: int, ep_imbalance: float = 1.0) -> list[RankCosts]:
+def rank_costs(
+    cfg: JobConfig, ngpu: int, ep_imbalance: float = 1.0, budget: int | None = None
+) -> list[RankCosts]:  # fmt: skip
     """The planner's measurements (`RankCosts`), one per pipeline rank (one without pipelining),
     from fake-mode steps with every block at "none", at "op", at "full": each twice, since the
-    probe's dispatch modes shift the peak by a few MiB (probed: the blocks; plain: the peak)."""
+    probe's dispatch modes shift the peak by a few MiB (probed: the blocks; plain: the peak).
+
+    Raises:
+        NothingFits: with a `budget` that full AC's peak exceeds on some rank (checked first).
+    """
     configs = {choice: with_ac(cfg, mode) for choice, mode in PLAN_MODES.items()}
+    full = estimate_configs({"full": configs["full"]}, ngpu, ep_imbalance)
+    for label in _pp_labels(cfg):
+        if budget is not None and full[_column("full", label)][TOTAL] > budget:
+            raise nothing_fits(budget, full[_column("full", label)][TOTAL], label)
     probed = estimate_configs(configs, ngpu, ep_imbalance, probe=True)
-    plain = estimate_configs(configs, ngpu, ep_imbalance)
+    plain = full | estimate_configs({c: configs[c] for c in ("none", "op")}, ngpu, ep_imbalance)
     costs = []
     for label in _pp_labels(cfg):
         runs = {choice: probed[_column(choice, label)][BLOCKS] for choice in BLOCK_CHOICES}
@@ -1020,8 +1030,12 @@ def with_block_plan(cfg: JobConfig, choices: dict[int, str]) -> JobConfig:
     return dataclasses.replace(cfg, activation_checkpoint=ac)
 
 
-def plan_to_budget(cfg: JobConfig, ngpu: int, budget: int, ep_imbalance: float = 1.0) -> BlockPlan:
-    """The mode "auto" plan for `cfg` on `ngpu` ranks within `budget` bytes per rank.
+def plan_to_budget(
+    cfg: JobConfig, ngpu: int, budget: int, ep_imbalance: float = 1.0, costs: list[RankCosts] | None = None
+) -> BlockPlan:  # fmt: skip
+    """The mode "auto" plan for `cfg` on `ngpu` ranks within `budget` bytes per rank; `costs`:
+    `rank_costs`'s measurements, when already made for this config (they do not depend on the
+    budget).
 
     Each pipeline rank's blocks are solved against its own measured peaks (`solve`). The plan
     is then measured as a whole; where a rank's measured peak exceeds the budget (the solver's
@@ -1032,7 +1046,7 @@ def plan_to_budget(cfg: JobConfig, ngpu: int, budget: int, ep_imbalance: float =
     Raises:
         NothingFits: when full AC on every block of some rank does not fit, or no round fits.
     """
-    costs = rank_costs(cfg, ngpu, ep_imbalance)
+    costs = costs or rank_costs(cfg, ngpu, ep_imbalance, budget)
     targets = {c.label: budget for c in costs}
     for _ in range(PLAN_ROUNDS):
         choices = {}

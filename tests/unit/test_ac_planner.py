@@ -24,6 +24,7 @@ from torchtitan.distributed.activation_checkpoint import (
     plan_activation_checkpointing,
 )
 from torchtitan.models.moe import MoEArgs
+from torchtitan.tools.op_counter import RecomputeFlops
 
 MiB = 2**20
 GRANULE = MiB
@@ -259,3 +260,26 @@ def test_mode_auto_on_the_cpu_without_a_budget_is_refused(tmp_path):
 def test_a_given_plan_is_used_as_it_is(tmp_path):
     cfg = _auto_config(tmp_path, auto_plan="full:0-1")
     assert ac_auto.resolve_auto_plan(cfg, 1, 0, torch.device("cpu")) is cfg
+
+
+# ----- the recompute FLOPs --------------------------------------------------------------------
+
+
+def test_recompute_flops_count_what_each_blocks_backward_reruns():
+    model = tiny_llama3(n_layers=3)
+    apply_ac(model, _auto("none:0; op:1; full:2"))
+    blocks = {int(name): block for name, block in model.layers.named_children()}
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(5))
+    with torch.utils.flop_counter.FlopCounterMode(display=False) as forward_only:
+        with torch.no_grad():
+            blocks[0](model.tok_embeddings(tokens[:, :-1]), model.rope_cache[:16])
+    block_forward = forward_only.get_total_flops()
+    last_matmul = next(
+        sum(ops.values()) for name, ops in forward_only.get_flop_counts().items() if name.endswith("w2")
+    )
+    with RecomputeFlops(blocks) as counter:
+        next_token_loss_and_grads(model, tokens)
+    assert counter.flops.get(0, 0) == 0
+    assert 0 < counter.flops[1] < counter.flops[2]
+    # early_stop: full AC reruns the block's forward but its last matmul (w2).
+    assert counter.flops[2] == block_forward - last_matmul

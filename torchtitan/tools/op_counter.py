@@ -16,8 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -123,8 +125,9 @@ class RecomputeFlops(TorchDispatchMode):
     An op is a recompute when it runs inside backward (an autograd graph task) with grad mode
     on (the gradients' own ops run with it off), within the forward of one of a block's modules;
     it counts for that block. What SAC replays from its cache is not dispatched again, so it
-    does not count. FLOPs come from torch's formulas (`torch.utils.flop_counter`); a DTensor
-    op counts at its global shapes, as FlopCounterMode counts it.
+    does not count. FLOPs come from torch's formulas (`torch.utils.flop_counter`), at the shapes
+    of this rank's shards for a DTensor op: this rank's FLOPs, where FlopCounterMode would count
+    the op's global shapes.
 
     Args:
         blocks: block index -> module.
@@ -166,5 +169,11 @@ class RecomputeFlops(TorchDispatchMode):
         recomputing = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
         formula = flop_registry.get(func.overloadpacket)
         if self.running and recomputing and formula is not None:
-            self.flops[self.running[-1]] += formula(*args, **kwargs, out_val=out)
+            local_args, local_kwargs, local_out = tree_map(_local, (args, kwargs, out))
+            self.flops[self.running[-1]] += formula(*local_args, **local_kwargs, out_val=local_out)
         return out
+
+
+def _local(value):
+    """A DTensor's shard (what this rank computes on), anything else as it is."""
+    return value._local_tensor if isinstance(value, DTensor) else value
