@@ -48,6 +48,9 @@ AC_ARGV = {
     "full replay": [_AC + "mode", "full", _AC + "full_ac_all_to_all", "replay"],
     "selective 2": [_AC + "mode", "selective", _AC + "selective_ac_option", "2"],
     "op-SAC": [_AC + "mode", "selective", _AC + "selective_ac_option", "op"],
+    # Mode "auto" with its plan given: every choice on some block (blocks past a model's last
+    # are not there to wrap).
+    "auto plan": [_AC + "mode", "auto", _AC + "auto_plan", "none:0; op:1-2; full:3-63"],
 }
 
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tests.conftest import load_script
+from tests.parity import assert_parity, reference, train_for_parity
 from torchtitan.config import parse_args
 
 pytestmark = pytest.mark.integration
@@ -60,6 +61,7 @@ def test_a_larger_budget_never_plans_more_recompute():
     assert recompute[-1] == 0 < recompute[0]
 
 
+@pytest.mark.full_matrix
 def test_the_first_pipeline_stage_plans_at_least_the_recompute_of_the_last():
     # 1F1B on 2 stages with 4 microbatches keeps 2 in flight on the first stage and 1 on the last.
     cfg = parse_args(LLAMA + ["--parallelism.pipeline_parallel_degree", "2"], env={})
@@ -102,3 +104,23 @@ def test_the_trainer_plans_at_startup_saves_the_plan_and_trains(tmp_path):
     assert "Activation checkpointing: mode auto," in done.stderr
     assert "step:     2" in done.stderr
     assert (tmp_path / "ac_plan.json").is_file()
+
+
+def test_two_ranks_plan_at_startup_and_train_as_one_process_without_ac():
+    # The parity tests' debug setup (fp32, seq_len 64, global batch 4) on FSDP 2, with a budget
+    # between the layout's full-AC and no-AC peaks, so the plan mixes choices.
+    argv = ["--config", "debug_model.toml", "--training.seq_len", "64", "--training.mixed_precision_param",
+            "float32", "--training.global_batch_size", "4"]  # fmt: skip
+    layout = argv + ["--training.local_batch_size", "2"]
+    (costs,) = em.rank_costs(parse_args(layout, env={}), 2)
+    budget = _between(costs, 0.5)
+    plan = em.plan_to_budget(parse_args(layout, env={}), 2, budget, costs=[costs])
+    assert len(set(plan.choices.values())) > 1
+    auto = [
+        "--activation_checkpoint.mode",
+        "auto",
+        "--activation_checkpoint.auto_memory_gib",
+        repr(budget / 2**30),
+    ]
+    got = train_for_parity(layout + auto, nproc=2)
+    assert_parity(got, reference(argv + ["--training.local_batch_size", "4"]))

@@ -176,8 +176,18 @@ OFFLOAD_LAYOUTS = {
     "FSDP 2 x TP 2, offload": (("llama3", 4, 2, TP2 + OFFLOAD, "op-SAC"), FULL),
 }  # fmt: skip
 LAYOUTS.update({name: layout for name, (layout, _) in OFFLOAD_LAYOUTS.items()})
+# Mode "auto" with a given plan (none, op-SAC and full AC on different blocks); the trainer's
+# planning at startup under FSDP 2 is in test_ac_auto.py.
+AUTO_LAYOUTS = {
+    "FSDP 2 x TP 2, auto plan": (("llama3", 4, 2, TP2, "auto plan"), ()),
+    "Qwen3 MoE EP 2, auto plan": (("qwen3 moe", 2, 2, EP2, "auto plan"), FULL),
+    "DeepSeek-V3 FSDP 2, auto plan": (("deepseek_v3", 2, 2, [], "auto plan"), FULL),
+    "PP 2, 1F1B, auto plan": (("llama3", 2, 4, _pp(2, "1F1B"), "auto plan"), FULL),
+}  # fmt: skip
+LAYOUTS.update({name: layout for name, (layout, _) in AUTO_LAYOUTS.items()})
 MARKS = {
-    name: marks for name, (_, marks) in {**PIPELINE_LAYOUTS, **CONTEXT_LAYOUTS, **OFFLOAD_LAYOUTS}.items()
+    name: marks
+    for name, (_, marks) in {**PIPELINE_LAYOUTS, **CONTEXT_LAYOUTS, **OFFLOAD_LAYOUTS, **AUTO_LAYOUTS}.items()
 }
 
 _references: dict = {}
