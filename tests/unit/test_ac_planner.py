@@ -166,6 +166,16 @@ def test_the_solver_finds_the_least_recompute_that_fits_as_enumeration_does(seed
         assert costs.recompute_flops(choices) == _brute_force(costs, budget), (seed, fraction)
 
 
+@pytest.mark.parametrize("choice", ["op", "full"])
+def test_at_a_uniform_plans_own_peak_the_solver_recomputes_no_more_than_it(choice):
+    # Savings split into thirds of a unit: rounding down alone would miss the uniform plan.
+    costs = _costs([(40, 13, 3, 7, 11)] * 3 + [(35, 11, 2, 6, 10)] * 4)
+    uniform = dict.fromkeys(range(7), choice)
+    choices = solve(costs, costs.peak[choice])
+    assert costs.estimated_peak(choices) <= costs.peak[choice]
+    assert costs.recompute_flops(choices) <= costs.recompute_flops(uniform)
+
+
 def test_a_larger_budget_never_plans_more_recompute():
     costs = _random_costs(11, n=24)
     budgets = range(costs.peak["full"], costs.peak["none"] + 4 * GRANULE, 7 * GRANULE)

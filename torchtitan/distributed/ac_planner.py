@@ -14,8 +14,8 @@ several microbatches at once saves that many times a block's bytes, and bytes a 
 that the peak never sees do not count. A plan's peak is modelled as no AC's peak less its
 blocks' savings, never below full AC's (`RankCosts.estimated_peak`); it is exact for the three
 uniform plans. `solve` finds the plan with the least recompute FLOPs whose modelled peak fits
-(a multiple-choice knapsack by dynamic programming over the bytes to save, in `RESOLUTION`
-units; exact but for each block's saving rounded down to a unit). The memory estimator
+(a multiple-choice knapsack by dynamic programming over the bytes to save, in units of
+1/`RESOLUTION` of them; see `solve` for how rounding is kept from costing a plan). The memory estimator
 (`scripts/estimate_memory.py --plan`) measures the chosen plan's peak on fake tensors and
 re-solves with a tighter target where the model was short; the trainer runs it at startup
 (`ac_auto.py`).
@@ -91,24 +91,36 @@ def solve(costs: RankCosts, budget: int) -> dict[int, str]:
     (`RankCosts.estimated_peak`) is at most `budget` bytes. Ties go to the choice listed first
     in `BLOCK_CHOICES` (the least recompute), block by block, so equal inputs give equal plans.
 
+    Savings count in whole units of 1/`RESOLUTION` of the bytes to save, each block's rounded
+    down. A first pass asks for as many units as any fitting plan has (the bytes to save less
+    one unit per block), so no fitting plan is missed and the answer costs at most the exact
+    optimum; if its answer does not fit (rounding let it through, short by less than a unit a
+    block), a second pass asks for the units rounding down guarantees to fit.
+
     Raises:
         NothingFits: when even full AC on every block is modelled above `budget`.
     """
     if costs.peak["full"] > budget:
         raise nothing_fits(budget, costs.peak["full"], costs.label)
     need = max(0, costs.peak["none"] - budget)
-    # Savings count in whole units of `granule` bytes, a block's rounded down, so a plan that
-    # reaches `target` units fits; rounding costs each block less than one unit.
     granule = max(1, -(-need // RESOLUTION))
-    target = -(-need // granule)
-    blocks = costs.blocks
-    units = [[int(costs.saving(block, c)) // granule for c in BLOCK_CHOICES] for block in blocks]
-    cost = [[block.recompute_flops(c) for c in BLOCK_CHOICES] for block in blocks]
-    if sum(max(u) for u in units) < target:
-        # Rounding down lost the last unit: every block at its largest saving, which the
+    units = [[int(costs.saving(block, c)) // granule for c in BLOCK_CHOICES] for block in costs.blocks]
+    cost = [[block.recompute_flops(c) for c in BLOCK_CHOICES] for block in costs.blocks]
+    enough = -(-need // granule)
+    choices = _least_cost(costs.blocks, units, cost, max(0, enough - len(costs.blocks)))
+    if costs.estimated_peak(choices) <= budget:
+        return choices
+    if sum(max(u) for u in units) < enough:
+        # Rounding down lost the last units: every block at its largest saving, which the
         # full-AC check above proved fits.
-        return {block.index: "full" for block in blocks}
-    # best[t]: the least FLOPs to save at least t units with the blocks seen so far.
+        return {block.index: "full" for block in costs.blocks}
+    return _least_cost(costs.blocks, units, cost, enough)
+
+
+def _least_cost(blocks, units: list[list[int]], cost: list[list[int]], target: int) -> dict[int, str]:
+    """The multiple-choice knapsack: per block the choice (an index into `BLOCK_CHOICES`) with
+    the least total cost whose units add up to at least `target`, by dynamic programming."""
+    # best[t]: the least cost to save at least t units with the blocks seen so far.
     best = np.full(target + 1, np.inf)
     best[0] = 0.0
     reach = np.arange(target + 1)
