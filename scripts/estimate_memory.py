@@ -1161,6 +1161,10 @@ def main(argv: list[str] | None = None) -> None:
         import_custom_module(cfg.job.custom_import)
         modes = list(AC_MODES) if args.all_ac_modes else None
         title = describe(cfg, args.ngpu, args.ep_imbalance)
+        if args.plan and (args.max_seq_len is not None or args.all_ac_modes):
+            raise ConfigError("--plan plans one config: drop --max-seq-len and --all-ac-modes.")
+        if not args.plan and (args.budget_gib or args.tflops or args.plan_out):
+            raise ConfigError("--budget-gib, --tflops and --plan-out go with --plan; add --plan.")
         if args.max_seq_len is not None:
             print(longest_seq_len_table(cfg, args.ngpu, args.max_seq_len, modes, args.ep_imbalance))
             return

@@ -34,6 +34,7 @@ from torchtitan.config import check
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import wants_help
+from torchtitan.distributed.activation_checkpoint import auto_budget
 from torchtitan.distributed.context_parallel import check_context_parallel
 from torchtitan.distributed.device import device_type
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -124,6 +125,8 @@ def _as_built(cfg: JobConfig) -> list[JobConfig]:
     ac = cfg.activation_checkpoint
     if ac.mode != "auto" or ac.auto_plan.strip():
         return [cfg]
+    if device_type() == "cpu":
+        auto_budget(ac, capacity=None)  # the CPU has no memory size to plan within
     modes = [
         dataclasses.replace(ac, mode="selective", selective_ac_option="op"),
         dataclasses.replace(ac, mode="full"),
