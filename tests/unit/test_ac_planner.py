@@ -293,3 +293,12 @@ def test_recompute_flops_count_what_each_blocks_backward_reruns():
     assert 0 < counter.flops[1] < counter.flops[2]
     # early_stop: full AC reruns the block's forward but its last matmul (w2).
     assert counter.flops[2] == block_forward - last_matmul
+
+
+def test_preflight_refuses_mode_auto_on_the_cpu_without_a_budget():
+    from torchtitan.config import parse_args
+    from torchtitan.preflight import check_layout
+
+    cfg = parse_args(["--config", "debug_model.toml", "--activation_checkpoint.mode", "auto"], env={})
+    with pytest.raises(ConfigError, match="on the CPU needs a budget"):
+        check_layout(cfg, 2, torch.device("cpu"))

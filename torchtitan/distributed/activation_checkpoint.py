@@ -20,6 +20,8 @@ Modes (`[activation_checkpoint].mode`):
         matmuls of the Linears `per_op_sac_force_recompute_mm_shapes_by_fqns` names.
     memory_budget (`MemoryBudgetAC`): no wrapping; torch.compile's partitioner chooses what to
         save so that activations stay within `memory_budget` of what saving everything costs.
+    auto (`PerBlockAC`): each block as `auto_plan` names it, none, "op" (op-SAC) or full; the
+        trainer fills the plan at startup to fit `auto_memory_gib` (`ac_planner.py`).
 
 Wherever a recompute replays the expert-parallel combine all-to-all from its cache (op-SAC,
 full AC with "replay"), it skips the matmul that makes that all-to-all's input (see
