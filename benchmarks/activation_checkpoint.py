@@ -55,6 +55,9 @@ EARLIER_DEFAULTS = {"early_stop": False, "per_op_sac_force_recompute_mm_shapes_b
 MODES |= {
     "full, earlier defaults": replace(MODES["full"], **EARLIER_DEFAULTS),
     "selective op, earlier defaults": replace(MODES["selective op"], **EARLIER_DEFAULTS),
+    # Mode auto's "regions" choice on every block: norms, RoPE and SwiGLU gates checkpointed one by
+    # one, without SAC's per-op dispatch.
+    "auto, regions on every block": ActivationCheckpoint(mode="auto", auto_plan="regions:0-999"),
 }
 
 _MODE, _OPTION, _BUDGET = (
@@ -216,7 +219,13 @@ def block_8b_table() -> list[str]:
     args = replace(llama3_flavors["8B"], max_seq_len=seq_len)
     block_input = batch * seq_len * args.dim * dtype.itemsize
     held = {}
-    for name in ("none", "full", "selective op", "selective op, earlier defaults"):
+    for name in (
+        "none",
+        "full",
+        "selective op",
+        "selective op, earlier defaults",
+        "auto, regions on every block",
+    ):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:

@@ -93,8 +93,8 @@ from torchtitan.components.training_step import (
 )
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig, parse_args
 from torchtitan.config.job_config import model_compile_enabled
-from torchtitan.distributed.ac_planner import BlockCost, BlockPlan, RankCosts, solve
-from torchtitan.distributed.activation_checkpoint import BLOCK_CHOICES, format_block_plan, nothing_fits
+from torchtitan.distributed.ac_planner import BLOCK_CHOICES, BlockCost, BlockPlan, RankCosts, solve
+from torchtitan.distributed.activation_checkpoint import format_block_plan, nothing_fits
 from torchtitan.distributed.activation_offload import offloaders_in
 from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.data_parallel import set_gradient_sync

@@ -12,9 +12,8 @@ import torch
 from tests.model_testing import next_token_loss_and_grads, tiny_deepseek_v3, tiny_llama3, tiny_qwen3
 from torchtitan.components import ac_auto
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig
-from torchtitan.distributed.ac_planner import BlockCost, BlockPlan, RankCosts, solve
+from torchtitan.distributed.ac_planner import BLOCK_CHOICES, BlockCost, BlockPlan, RankCosts, solve
 from torchtitan.distributed.activation_checkpoint import (
-    BLOCK_CHOICES,
     ACFacts,
     NothingFits,
     PerBlockAC,
@@ -24,6 +23,7 @@ from torchtitan.distributed.activation_checkpoint import (
     plan_activation_checkpointing,
 )
 from torchtitan.models.moe import MoEArgs
+from torchtitan.tools.activation_memory import bytes_held_for_backward
 from torchtitan.tools.op_counter import RecomputeFlops
 
 MiB = 2**20
@@ -90,6 +90,20 @@ def test_each_block_gets_the_wrapping_its_choice_names(caplog):
     )
 
 
+def test_regions_checkpoint_each_norm_rope_and_gate_of_the_block_and_hold_less_than_none():
+    def held(spec: str) -> int:
+        model = tiny_llama3(n_layers=1)
+        apply_ac(model, _auto(spec))
+        block = model.layers["0"]
+        h = torch.randn(2, 16, 32, requires_grad=True)
+        return bytes_held_for_backward(block, h, model.rope_cache[:16])
+
+    model = tiny_llama3(n_layers=1)
+    names = {type(m).__name__ for m in model.layers["0"].cheap_regions()}
+    assert names == {"RMSNorm", "Rotary", "SwiGLU"}
+    assert held("op:0") < held("regions:0") < held("none:0")
+
+
 def test_a_block_the_plan_does_not_name_is_refused():
     with pytest.raises(ConfigError, match="names no choice for block 1"):
         apply_ac(tiny_llama3(), _auto("op:0"))
@@ -102,14 +116,15 @@ FAMILIES = {
 }
 
 
+@pytest.mark.parametrize("spec", ["none:0; op:1; full:2", "regions:0-2"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_mixed_plan_gives_the_no_ac_loss_and_gradients(family):
+def test_a_mixed_plan_gives_the_no_ac_loss_and_gradients(family, spec):
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(5))
     model = FAMILIES[family]()
     apply_ac(model, ActivationCheckpoint(mode="none"))
     want_loss, want_grads = next_token_loss_and_grads(model, tokens)
     model = FAMILIES[family]()
-    apply_ac(model, _auto("none:0; op:1; full:2"))
+    apply_ac(model, _auto(spec))
     loss, grads = next_token_loss_and_grads(model, tokens)
     torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
     assert grads.keys() == want_grads.keys()

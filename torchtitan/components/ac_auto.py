@@ -3,8 +3,8 @@
 Rank 0 plans with the memory estimator (`scripts/estimate_memory.py --plan`, in a process of
 its own: it simulates every rank of the layout in a fake process group), then every rank gets
 the same plan. The plan and its table go to `<dump_folder>/ac_plan.json`; a later run (a
-resume) with the same layout, model, batch, budget and AC keys takes it from there instead of
-planning again (`layout_fingerprint` says what counts). A plan that cannot fit exits 2 on every
+resume) with the same layout, model, batch, budget, AC keys and torch takes it from there instead
+of planning again (`layout_fingerprint` says what counts). A plan that cannot fit exits 2 on every
 rank with the estimator's message.
 """
 
@@ -70,9 +70,9 @@ def recompute_tflops(cfg: JobConfig, device: torch.device) -> float:
 
 
 def layout_fingerprint(cfg: JobConfig, world_size: int, budget: int) -> str:
-    """A hash of what a plan depends on: the world size, the budget and the config keys in
-    `_FINGERPRINTED` (the plan itself, `auto_plan`, left out)."""
-    parts = {"world_size": world_size, "budget": budget}
+    """A hash of what a plan depends on: the world size, the budget, the torch release and the
+    config keys in `_FINGERPRINTED` (the plan itself, `auto_plan`, left out)."""
+    parts = {"world_size": world_size, "budget": budget, "torch": torch.__version__}
     for section, keys in _FINGERPRINTED.items():
         values = dataclasses.asdict(getattr(cfg, section))
         if section == "activation_checkpoint":

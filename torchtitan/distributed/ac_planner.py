@@ -1,7 +1,7 @@
 """Mode "auto": choose, per block, how much to recompute so that a step fits a memory budget.
 
-The choices are the AC module's (`BLOCK_CHOICES`): "none", "op" (per-op SAC) and "full". The
-planner needs, for each group of blocks one device holds (the whole model, or one pipeline
+The choices (`BLOCK_CHOICES`) are three of the AC module's: "none", "op" (per-op SAC) and
+"full". The planner needs, for each group of blocks one device holds (the whole model, or one pipeline
 rank's stages), measurements of three uniform runs, one per choice (`RankCosts`):
 
 - the step's peak with every block at that choice;
@@ -29,9 +29,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from torchtitan.distributed.activation_checkpoint import BLOCK_CHOICES, format_block_plan, nothing_fits
+from torchtitan.distributed.activation_checkpoint import format_block_plan, nothing_fits
 
 GiB = 2**30
+# What the planner chooses among, from the least recompute to the most. Not "regions"
+# (`CheapRegionsAC`): its recompute is element-wise work, which FLOP counts do not see, so the
+# FLOP cost model would take it for free.
+BLOCK_CHOICES = ("none", "op", "full")
 # The solver counts the bytes a plan must save in at most this many units: each block's saving,
 # rounded down to a unit, is then short by less than 1/RESOLUTION of what must be saved.
 RESOLUTION = 2**14

@@ -20,8 +20,9 @@ Modes (`[activation_checkpoint].mode`):
         matmuls of the Linears `per_op_sac_force_recompute_mm_shapes_by_fqns` names.
     memory_budget (`MemoryBudgetAC`): no wrapping; torch.compile's partitioner chooses what to
         save so that activations stay within `memory_budget` of what saving everything costs.
-    auto (`PerBlockAC`): each block as `auto_plan` names it, none, "op" (op-SAC) or full; the
-        trainer fills the plan at startup to fit `auto_memory_gib` (`ac_planner.py`).
+    auto (`PerBlockAC`): each block as `auto_plan` names it: none, "regions" (its cheap
+        regions checkpointed one by one, `CheapRegionsAC`), "op" (op-SAC) or full; the trainer
+        fills the plan at startup to fit `auto_memory_gib` (`ac_planner.py`).
 
 Wherever a recompute replays the expert-parallel combine all-to-all from its cache (op-SAC,
 full AC with "replay"), it skips the matmul that makes that all-to-all's input (see
@@ -399,10 +400,28 @@ class MemoryBudgetAC(ACPlan):
         )
 
 
+class CheapRegionsAC(ACPlan):
+    """A choice of mode "auto" ("regions"): each of a block's cheap regions (its norms, RoPE
+    and SwiGLU gates, `DecoderBlock.cheap_regions`) is a plain checkpoint of its own, so
+    backward keeps their inputs and recomputes their element-wise work, without the per-op
+    dispatch of SAC. The matmuls and attention keep what they keep without AC.
+
+    Pitfall: a region's output is usually held anyway (a matmul's input), so it saves only what
+    the region holds inside: on a GPU, the SwiGLU gate's silu output and RoPE's fp32 copy of
+    its input (the fused RMSNorm holds nothing more than its input)."""
+
+    def wrap_block(self, index, block, model):
+        regions = block.cheap_regions()
+        for region in regions:
+            self._checkpoint_branch(region, "forward")
+        return block, f"{len(regions)} cheap regions recomputed"
+
+
 class PerBlockAC(ACPlan):
-    """mode = "auto": each block gets the choice its plan (`auto_plan`) names: "none", "op"
-    (`OpSAC`'s wrapping) or "full" (`FullAC`'s). The planner (`ac_planner.py`) writes the plan;
-    this class only applies it, so a plan given by hand runs the same way.
+    """mode = "auto": each block gets the choice its plan (`auto_plan`) names: "none",
+    "regions" (`CheapRegionsAC`), "op" (`OpSAC`'s wrapping) or "full" (`FullAC`'s). The planner
+    (`ac_planner.py`) writes the plan (without "regions"); this class only applies it, so a plan
+    given by hand runs the same way.
 
     Pitfall: a block the plan does not name is refused when the plan is applied, not guessed."""
 
@@ -411,6 +430,7 @@ class PerBlockAC(ACPlan):
         self.choices = parse_block_plan(config.auto_plan)
         self.plans: dict[str, ACPlan] = {
             "none": ACPlan(config, facts),
+            "regions": CheapRegionsAC(config, facts),
             "op": OpSAC(dataclasses.replace(config, mode="selective", selective_ac_option="op"), facts),
             "full": FullAC(dataclasses.replace(config, mode="full"), facts),
         }
@@ -1051,7 +1071,7 @@ def parse_offload_blocks(spec: str) -> frozenset[int]:
 
 
 # What mode "auto" may choose for a block, from the least recompute to the most.
-BLOCK_CHOICES = ("none", "op", "full")
+AUTO_PLAN_CHOICES = ("none", "regions", "op", "full")
 
 
 def parse_block_plan(spec: str) -> dict[int, str]:
@@ -1064,10 +1084,10 @@ def parse_block_plan(spec: str) -> dict[int, str]:
     plan: dict[int, str] = {}
     for group in filter(None, (g.strip() for g in spec.split(";"))):
         choice, colon, blocks = (part.strip() for part in group.partition(":"))
-        if choice not in BLOCK_CHOICES or not colon or blocks == "all":
+        if choice not in AUTO_PLAN_CHOICES or not colon or blocks == "all":
             raise ConfigError(
                 f"'activation_checkpoint.auto_plan' = '{spec}' is invalid at '{group}': write groups "
-                f"CHOICE:BLOCKS separated by ';', CHOICE one of {', '.join(BLOCK_CHOICES)}, e.g. "
+                f"CHOICE:BLOCKS separated by ';', CHOICE one of {', '.join(AUTO_PLAN_CHOICES)}, e.g. "
                 '"none:0-3; op:4-27; full:28-31".'
             )
         try:
@@ -1088,7 +1108,7 @@ def parse_block_plan(spec: str) -> dict[int, str]:
 def format_block_plan(choices: dict[int, str]) -> str:
     """The `auto_plan` string of `choices` (block index -> choice), with runs as ranges."""
     groups = []
-    for choice in BLOCK_CHOICES:
+    for choice in AUTO_PLAN_CHOICES:
         indices = sorted(i for i, c in choices.items() if c == choice)
         runs = []
         for i in indices:

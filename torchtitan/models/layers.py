@@ -24,7 +24,7 @@ from torchtitan.models.attention import (
     build_attention_masks,
     reads_tokens,
 )
-from torchtitan.models.rope import YaRNScaling
+from torchtitan.models.rope import Rotary, YaRNScaling
 
 
 @dataclass
@@ -270,6 +270,15 @@ class RMSNorm(nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
+class SwiGLU(nn.Module):
+    """`silu(a) * b` as a module without parameters: a cheap region of the block (see
+    `DecoderBlock.cheap_regions`) that AC can recompute alone. Its backward otherwise holds
+    `silu(a)`, one more tensor of the hidden width."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.silu(a) * b
+
+
 class FeedForward(nn.Module):
     """SwiGLU MLP `w2(silu(w1(x)) * w3(x))` of nn.Linear layers (named so that a TP plan shards
     w1/w3 column-wise and w2 row-wise): dense feed-forwards and MoE shared experts."""
@@ -279,9 +288,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.gate = SwiGLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.gate(self.w1(x), self.w3(x)))
 
     def init_weights(self, out_std: float) -> None:
         init_param_(self.w1.weight, trunc_normal(0.02))
@@ -294,6 +304,10 @@ def depth_scaled_std(layer_id: int, n_layers: int, depth_init: bool) -> float:
     block's 1-based index (depth_init) or the layer count, so deep residual sums stay bounded."""
     depth = layer_id + 1 if depth_init else n_layers
     return 0.02 / math.sqrt(2 * depth)
+
+
+# The module types `DecoderBlock.cheap_regions` returns.
+CHEAP_REGIONS = (nn.RMSNorm, Rotary, SwiGLU)
 
 
 class DecoderBlock(nn.Module):
@@ -328,6 +342,11 @@ class DecoderBlock(nn.Module):
         """The MoE's routed experts (whose output the expert-parallel combine all-to-all sends
         back), or None for a dense block."""
         return self.mlp.experts if self.is_moe else None
+
+    def cheap_regions(self) -> list[nn.Module]:
+        """The block's modules of element-wise work only (its norms, RoPE, SwiGLU gates): what
+        AC can recompute region by region, each a plain checkpoint, without per-op dispatch."""
+        return [m for m in self.modules() if isinstance(m, CHEAP_REGIONS)]
 
     def end_linears(self) -> list[nn.Linear]:
         """The Linears of the block's last part, its MLP (a dense feed-forward's, or an MoE's

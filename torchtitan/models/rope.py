@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 
 @dataclass
@@ -122,3 +123,12 @@ def apply_rope(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
+
+
+class Rotary(nn.Module):
+    """`apply_rope` as a module without parameters: a cheap region of the block (see
+    `DecoderBlock.cheap_regions`) that AC can recompute alone. Its backward otherwise holds an
+    fp32 copy of its input."""
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, rope_cache)

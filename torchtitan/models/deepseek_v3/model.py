@@ -15,7 +15,7 @@ from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from torchtitan.models.layers import DecoderBlock, FeedForward, RMSNorm, depth_scaled_std, trunc_normal
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.moe import MoE
-from torchtitan.models.rope import apply_rope, precompute_rope_cache
+from torchtitan.models.rope import Rotary, precompute_rope_cache
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -57,6 +57,7 @@ class MultiHeadLatentAttention(nn.Module):
         # since the one rotary key head feeds every rank's own heads.
         self.shared_rope_key = nn.Identity()
         self.sdpa = build_attention(args.attn_backend)
+        self.rotary = Rotary()
         yarn = args.applied_rope_scaling
         self.softmax_scale = None if yarn is None else args.qk_head_dim**-0.5 * yarn.softmax_scale_factor()
 
@@ -67,10 +68,10 @@ class MultiHeadLatentAttention(nn.Module):
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
         # -1 heads: under tensor parallelism each rank holds only its local heads.
         q_nope, q_pe = q.view(batch, seq_len, -1, self.qk_head_dim).split([self.nope_dim, self.rope_dim], -1)
-        q = torch.cat([q_nope, apply_rope(q_pe, rope_cache)], dim=-1)
+        q = torch.cat([q_nope, self.rotary(q_pe, rope_cache)], dim=-1)
 
         latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_pe = apply_rope(k_pe.unsqueeze(2), rope_cache)  # one rotary key head: (batch, seq, 1, rope)
+        k_pe = self.rotary(k_pe.unsqueeze(2), rope_cache)  # one rotary key head: (batch, seq, 1, rope)
         k_pe = self.shared_rope_key(k_pe)
         kv = self.wkv_b(self.kv_norm(latent)).view(batch, seq_len, -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)

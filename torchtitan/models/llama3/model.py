@@ -10,7 +10,7 @@ from torchtitan.distributed.param_init import init_param_, part_rng
 from torchtitan.models.attention import AttentionMasks, build_attention, masks_under_context_parallel
 from torchtitan.models.layers import DecoderBlock, FeedForward, RMSNorm, depth_scaled_std, trunc_normal
 from torchtitan.models.llama3.args import TransformerModelArgs
-from torchtitan.models.rope import apply_rope, precompute_rope_cache
+from torchtitan.models.rope import Rotary, precompute_rope_cache
 
 
 class Attention(nn.Module):
@@ -22,6 +22,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.sdpa = build_attention(args.attn_backend)
+        self.rotary = Rotary()
 
     def forward(
         self, x: torch.Tensor, rope_cache: torch.Tensor, masks: AttentionMasks | None = None
@@ -32,7 +33,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = self.normalize_qk(q, k)
-        q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
+        q, k = self.rotary(q, rope_cache), self.rotary(k, rope_cache)
         out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masks=masks)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
