@@ -10,7 +10,7 @@ from torchtitan.config.manager import parse_args
 from torchtitan.distributed.data_parallel import apply_fsdp, cpu_offload_policy
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models import get_train_spec
-from torchtitan.models.llama3 import model as llama3_model
+from torchtitan.models.rope import Rotary
 
 
 def test_blocks_under_bf16_fsdp_get_the_rope_table_in_fp32(monkeypatch):
@@ -18,12 +18,12 @@ def test_blocks_under_bf16_fsdp_get_the_rope_table_in_fp32(monkeypatch):
     reached attention in bf16, its cos/sin off by up to 2e-3 at 4096 positions."""
     seen = []
 
-    def spy(x, rope_cache):
+    def spy(self, x, rope_cache):
         seen.append((x.dtype, rope_cache.dtype))
-        return rope(x, rope_cache)
+        return rope(self, x, rope_cache)
 
-    rope = llama3_model.apply_rope
-    monkeypatch.setattr(llama3_model, "apply_rope", spy)
+    rope = Rotary.forward
+    monkeypatch.setattr(Rotary, "forward", spy)
     cfg = parse_args(["--training.mixed_precision_param", "bfloat16", "--training.seq_len", "32"], env={})
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
