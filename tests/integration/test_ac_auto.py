@@ -28,15 +28,21 @@ MODELS = {
 }
 
 
+@pytest.fixture(scope="module")
+def llama_costs():
+    """The planner's measurements of `LLAMA` on one rank, shared by the tests that plan it."""
+    return em.rank_costs(parse_args(LLAMA, env={}), 1)[0]
+
+
 def _between(costs, fraction: float) -> int:
     """A budget `fraction` of the way from full AC's peak to no AC's."""
     return round(costs.peak["full"] + fraction * (costs.peak["none"] - costs.peak["full"]))
 
 
 @pytest.mark.parametrize("argv", MODELS.values(), ids=MODELS.keys())
-def test_a_real_step_of_the_plan_fits_the_budget_and_its_estimate(argv):
+def test_a_real_step_of_the_plan_fits_the_budget_and_its_estimate(argv, request):
     cfg = parse_args(argv, env={})
-    (costs,) = em.rank_costs(cfg, 1)
+    costs = request.getfixturevalue("llama_costs") if argv is LLAMA else em.rank_costs(cfg, 1)[0]
     for fraction in (0.3, 0.7):
         budget = _between(costs, fraction)
         plan = em.plan_to_budget(cfg, 1, budget, costs=[costs])
@@ -50,9 +56,8 @@ def test_a_real_step_of_the_plan_fits_the_budget_and_its_estimate(argv):
         assert abs(real - planned) <= 0.10 * planned, (fraction, real, planned)
 
 
-def test_a_larger_budget_never_plans_more_recompute():
-    cfg = parse_args(LLAMA, env={})
-    (costs,) = em.rank_costs(cfg, 1)
+def test_a_larger_budget_never_plans_more_recompute(llama_costs):
+    cfg, costs = parse_args(LLAMA, env={}), llama_costs
     plans = [
         em.plan_to_budget(cfg, 1, _between(costs, f), costs=[costs]) for f in (0.0, 0.25, 0.5, 0.75, 1.0)
     ]
@@ -95,6 +100,8 @@ def test_a_budget_nothing_fits_exits_2_with_full_acs_peak_and_what_to_change():
     assert "full AC on every block needs" in done.stderr and "tensor_parallel_degree" in done.stderr
 
 
+# The path of the two-rank test below, in one process, with its log and plan file.
+@pytest.mark.full_matrix
 def test_the_trainer_plans_at_startup_saves_the_plan_and_trains(tmp_path):
     argv = LLAMA + ["--activation_checkpoint.mode", "auto", "--activation_checkpoint.auto_memory_gib", "0.15",
                     "--training.steps", "2", "--job.dump_folder", str(tmp_path)]  # fmt: skip

@@ -55,7 +55,7 @@ LAYOUTS = {
     "TP 2": ("llama3", 2, 4, TP2, "selective 2"),
     "TP 2 without loss parallel": ("llama3", 2, 4, [*TP2, _P + "disable_loss_parallel"], "op-SAC"),
     "FSDP 2 x TP 2": ("llama3", 4, 2, TP2, "op-SAC"),
-    "TP 2 compiled": ("llama3", 2, 4, TP2 + COMPILE, "op-SAC"),
+    "TP 2 compiled": ("llama3", 2, 4, TP2 + COMPILE, "op-SAC"),  # full_matrix (MARKS)
     "FSDP 2 compiled, flex": ("llama3 flex", 2, 2, COMPILE, "op-SAC"),
     "Qwen3 TP 2": ("qwen3", 2, 4, TP2, "full"),
     "Qwen3 MoE FSDP 2": ("qwen3 moe", 2, 2, [], "op-SAC"),
@@ -189,6 +189,8 @@ MARKS = {
     name: marks
     for name, (_, marks) in {**PIPELINE_LAYOUTS, **CONTEXT_LAYOUTS, **OFFLOAD_LAYOUTS, **AUTO_LAYOUTS}.items()
 }
+# Compiled TP trains by default in test_parallelism.py (without loss parallel, and memory_budget).
+MARKS["TP 2 compiled"] = FULL
 
 _references: dict = {}
 
