@@ -288,10 +288,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.gate = SwiGLU()
+        self.swiglu = SwiGLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.gate(self.w1(x), self.w3(x)))
+        return self.w2(self.swiglu(self.w1(x), self.w3(x)))
 
     def init_weights(self, out_std: float) -> None:
         init_param_(self.w1.weight, trunc_normal(0.02))
