@@ -3,6 +3,7 @@
 Usage:
     python scripts/estimate_memory.py --config NAME_OR_PATH --ngpu N [--all-ac-modes] [--sec.key VALUE ...]
     python scripts/estimate_memory.py --config NAME_OR_PATH --ngpu N --max-seq-len GIB [--all-ac-modes] [...]
+    python scripts/estimate_memory.py --config NAME_OR_PATH --ngpu N --plan --budget-gib GIB [--plan-out PATH]
     ./run_memory_estimation.sh --config llama3_8b.toml --ngpu 8 --all-ac-modes
 
 The model is built through its TrainSpec on the meta device in `training.dtype` and parallelized
@@ -20,6 +21,9 @@ FSDP "parameters" are this rank's shards (in `training.dtype`) and "gathered par
 unsharded copies, in `training.mixed_precision_param`, that FSDP all-gathers for compute. With
 `--all-ac-modes`: one column per activation-checkpointing mode (none, full, selective op,
 selective 2). A config mistake prints one message and exits with code 2.
+
+With `--plan --budget-gib GIB` it plans AC mode "auto" instead: per block none, op-SAC or full
+AC, the least recompute whose peak fits GIB per rank (`plan_to_budget`; docs/ac_auto.md).
 
 With `--max-seq-len GIB` it searches instead, per AC mode, the longest `training.seq_len` whose
 peak fits GIB per rank (`longest_seq_len`). Under context parallelism each rank runs its share of
@@ -141,7 +145,8 @@ ROWS = {
 TOTAL = "peak total"
 # Not part of the peak: the bytes activation offload sends to the host in one step (and back).
 OFFLOADED = "offloaded to host per step"
-# Not a row: with `probe`, per block the bytes one forward holds for backward and the step's FLOPs.
+# Not a row: with `probe`, per block the bytes one forward holds for backward and the FLOPs the
+# step recomputes in it (`probing`).
 BLOCKS = "blocks"
 # PCIe Gen5 x16's peak per direction; real pinned copies reach somewhat less.
 DEFAULT_OFFLOAD_GBPS = 64.0
