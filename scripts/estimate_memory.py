@@ -98,7 +98,7 @@ from torchtitan.components.training_step import (
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig, parse_args
 from torchtitan.config.job_config import model_compile_enabled
 from torchtitan.distributed.ac_planner import BLOCK_CHOICES, BlockCost, BlockPlan, RankCosts, solve
-from torchtitan.distributed.activation_checkpoint import format_block_plan, nothing_fits
+from torchtitan.distributed.activation_checkpoint import fixed_mode, format_block_plan, nothing_fits
 from torchtitan.distributed.activation_offload import offloaders_in
 from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.data_parallel import set_gradient_sync
@@ -981,8 +981,6 @@ def longest_seq_len_table(
 
 # ----- mode "auto": the per-block plan --------------------------------------------------------
 
-# The uniform runs the planner measures, one per block choice.
-PLAN_MODES = {"none": AC_MODES["none"], "op": AC_MODES["selective op"], "full": AC_MODES["full"]}
 # How many times a plan is measured and re-solved with a tighter target before giving up.
 PLAN_ROUNDS = 4
 
@@ -1006,7 +1004,8 @@ def rank_costs(
     Raises:
         NothingFits: with a `budget` that full AC's peak exceeds on some rank (checked first).
     """
-    configs = {choice: with_ac(cfg, mode) for choice, mode in PLAN_MODES.items()}
+    ac = cfg.activation_checkpoint
+    configs = {c: dataclasses.replace(cfg, activation_checkpoint=fixed_mode(ac, c)) for c in BLOCK_CHOICES}
     full = estimate_configs({"full": configs["full"]}, ngpu, ep_imbalance)
     for label in _pp_labels(cfg):
         if budget is not None and full[_column("full", label)][TOTAL] > budget:

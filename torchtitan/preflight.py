@@ -34,7 +34,7 @@ from torchtitan.config import check
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import wants_help
-from torchtitan.distributed.activation_checkpoint import auto_budget
+from torchtitan.distributed.activation_checkpoint import auto_budget, fixed_mode
 from torchtitan.distributed.context_parallel import check_context_parallel
 from torchtitan.distributed.device import device_type
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -127,11 +127,9 @@ def _as_built(cfg: JobConfig) -> list[JobConfig]:
         return [cfg]
     if device_type() == "cpu":
         auto_budget(ac, capacity=None)  # the CPU has no memory size to plan within
-    modes = [
-        dataclasses.replace(ac, mode="selective", selective_ac_option="op"),
-        dataclasses.replace(ac, mode="full"),
+    return [
+        dataclasses.replace(cfg, activation_checkpoint=fixed_mode(ac, choice)) for choice in ("op", "full")
     ]
-    return [dataclasses.replace(cfg, activation_checkpoint=mode) for mode in modes]
 
 
 def main(argv: list[str] | None = None) -> int:

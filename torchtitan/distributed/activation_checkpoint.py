@@ -225,6 +225,7 @@ class ACPlan:
         if self._offload_blocks is not None:
             self.offloader = ActivationOffloader(self.config.offload_min_bytes)
             attach(model, self.offloader)
+        self.prepare(model)
         blocks = list(model.layers.named_children())
         self._block_count = len(blocks)
         for name, block in blocks:
@@ -239,6 +240,9 @@ class ACPlan:
                 at_least = _format_bytes(self.config.offload_min_bytes)
                 self._wrapped[f"offload of saved tensors of {at_least} or more"].append(name)
         logger.info(self.describe())
+
+    def prepare(self, model: nn.Module) -> None:
+        """What the plan learns of the whole model before it wraps a block (nothing here)."""
 
     def _offloads(self, index: int) -> bool:
         """Whether block `index` offloads what it holds for backward."""
@@ -280,9 +284,9 @@ class ACPlan:
         return ptd_checkpoint_wrapper(module, **self._checkpoint_options(context_fn))
 
     def _checkpoint_branch(self, block: nn.Module, name: str, context_fn=None) -> None:
-        """Make `block`'s method `name` (a residual branch, see `DecoderBlock`) one checkpointed
-        region. The method is shadowed on this block only; its modules stay where they are, so
-        parameter names (state-dict keys) do not change."""
+        """Make `block`'s method `name` (a residual branch, see `DecoderBlock`, or a cheap
+        region's `forward`) one checkpointed region. The method is shadowed on this module only;
+        its modules stay where they are, so parameter names (state-dict keys) do not change."""
         branch = getattr(block, name)
         options = self._checkpoint_options(context_fn)
 
@@ -341,11 +345,10 @@ class EveryNthBlockAC(FullAC):
 class OpSAC(ACPlan):
     """mode = "selective" with option "op": per-op selective AC (see `op_sac_context_fn`)."""
 
-    def apply(self, model):
+    def prepare(self, model):
         self.forced = forced_recompute_linears(
             model, self.config.per_op_sac_force_recompute_mm_shapes_by_fqns
         )
-        super().apply(model)
 
     def wrap_block(self, index, block, model):
         roles = _LinearRoles.of_block(block, self.forced, track_end=self.config.early_stop)
@@ -431,15 +434,13 @@ class PerBlockAC(ACPlan):
         self.plans: dict[str, ACPlan] = {
             "none": ACPlan(config, facts),
             "regions": CheapRegionsAC(config, facts),
-            "op": OpSAC(dataclasses.replace(config, mode="selective", selective_ac_option="op"), facts),
-            "full": FullAC(dataclasses.replace(config, mode="full"), facts),
+            "op": OpSAC(fixed_mode(config, "op"), facts),
+            "full": FullAC(fixed_mode(config, "full"), facts),
         }
 
-    def apply(self, model):
-        self.plans["op"].forced = forced_recompute_linears(
-            model, self.config.per_op_sac_force_recompute_mm_shapes_by_fqns
-        )
-        super().apply(model)
+    def prepare(self, model):
+        for plan in self.plans.values():
+            plan.prepare(model)
 
     def wrap_block(self, index, block, model):
         if index not in self.choices:
@@ -1072,6 +1073,15 @@ def parse_offload_blocks(spec: str) -> frozenset[int]:
 
 # What mode "auto" may choose for a block, from the least recompute to the most.
 AUTO_PLAN_CHOICES = ("none", "regions", "op", "full")
+
+
+def fixed_mode(config: ActivationCheckpoint, choice: str) -> ActivationCheckpoint:
+    """`config` as the fixed mode that wraps every block as mode "auto"'s `choice` ("none",
+    "op" or "full"; "regions" has no fixed mode) wraps one: what the planner measures and the
+    preflight builds for that choice."""
+    modes = {"none": {"mode": "none"}, "op": {"mode": "selective", "selective_ac_option": "op"},
+             "full": {"mode": "full"}}  # fmt: skip
+    return dataclasses.replace(config, auto_plan="", **modes[choice])
 
 
 def parse_block_plan(spec: str) -> dict[int, str]:
