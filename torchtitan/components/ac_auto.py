@@ -27,7 +27,7 @@ from torchtitan.config.toml_writer import to_toml
 from torchtitan.distributed.ac_planner import BlockPlan, GiB
 from torchtitan.distributed.activation_checkpoint import auto_budget, no_planner
 from torchtitan.distributed.rank_agreement import agree_on_config_errors
-from torchtitan.tools.device_info import peak_bf16_flops
+from torchtitan.tools.device_info import capacity_bytes, peak_bf16_flops
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,7 @@ _FINGERPRINTED = {
 def budget_bytes(cfg: JobConfig, device: torch.device) -> int:
     """The per-device budget (`activation_checkpoint.auto_budget`): the accelerator's memory
     counts when `auto_memory_gib` is 0."""
-    capacity = None if device.type == "cpu" else torch.accelerator.get_memory_info(device)[1]
-    return auto_budget(cfg.activation_checkpoint, capacity)
+    return auto_budget(cfg.activation_checkpoint, capacity_bytes(device))
 
 
 def recompute_tflops(cfg: JobConfig, device: torch.device) -> float:
@@ -150,19 +149,11 @@ def plan_with_estimator(cfg: JobConfig, world_size: int, budget: int) -> BlockPl
             sys.executable, str(ESTIMATOR), "--config", str(config), "--ngpu", str(world_size), "--plan",
             "--budget-gib", repr(budget / GiB), "--plan-out", str(out),
         ]  # fmt: skip
-        # The estimator builds its own fake process group; torchrun's variables would point it
-        # at the run's.
-        env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARIABLES}
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        # The estimator builds its own fake process group (a FakeStore): torchrun's variables do
+        # not reach it.
+        done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode == 2:
             raise ConfigError(done.stderr.strip().removeprefix("error: "))
         if done.returncode != 0:
             raise RuntimeError(f"planning mode auto failed:\n{done.stderr[-3000:]}")
         return BlockPlan.from_json(out.read_text())
-
-
-_TORCHRUN_VARIABLES = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-)  # fmt: skip

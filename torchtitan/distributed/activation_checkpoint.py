@@ -550,8 +550,8 @@ class NothingFits(ConfigError):
 
 
 def auto_budget(config: ActivationCheckpoint, capacity: int | None) -> int:
-    """Mode "auto"'s budget in bytes: `auto_memory_gib`, or `capacity` (the accelerator's
-    memory; None on the CPU) less `auto_headroom_gib`.
+    """Mode "auto"'s budget in bytes: `auto_memory_gib`, or `capacity` (the device's memory;
+    None where unknown, as on the CPU) less `auto_headroom_gib`.
 
     Raises:
         ConfigError: without a budget on the CPU, or when the headroom leaves nothing.

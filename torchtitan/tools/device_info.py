@@ -48,17 +48,18 @@ def peak_memory_gib(device: torch.device) -> dict[str, float]:
         "memory/num_alloc_retries": stats.get("num_alloc_retries", 0),
         "memory/num_ooms": stats.get("num_ooms", 0),
     }
-    capacity = _capacity_bytes(device)
+    capacity = capacity_bytes(device)
     if capacity:
         record["memory/max_reserved_pct"] = 100 * reserved / capacity
         record["memory/max_active_pct"] = 100 * active / capacity
     return record
 
 
-def _capacity_bytes(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return None
+def capacity_bytes(device: torch.device) -> int | None:
+    """The accelerator's memory in bytes; None on the CPU."""
+    if device.type == "cpu":
+        return None
+    return torch.accelerator.get_memory_info(device)[1]
 
 
 def reset_peak_memory(device: torch.device) -> None:
