@@ -551,7 +551,7 @@ class NothingFits(ConfigError):
 
 def auto_budget(config: ActivationCheckpoint, capacity: int | None) -> int:
     """Mode "auto"'s budget in bytes: `auto_memory_gib`, or `capacity` (the device's memory;
-    None where unknown, as on the CPU) less `auto_headroom_gib`.
+    None where unknown: the CPU, accelerators other than CUDA's) less `auto_headroom_gib`.
 
     Raises:
         ConfigError: without a budget on the CPU, or when the headroom leaves nothing.

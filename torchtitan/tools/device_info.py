@@ -56,10 +56,10 @@ def peak_memory_gib(device: torch.device) -> dict[str, float]:
 
 
 def capacity_bytes(device: torch.device) -> int | None:
-    """The accelerator's memory in bytes; None on the CPU."""
-    if device.type == "cpu":
-        return None
-    return torch.accelerator.get_memory_info(device)[1]
+    """The device's memory in bytes; None on the CPU (and devices other than CUDA's)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
 
 
 def reset_peak_memory(device: torch.device) -> None:
