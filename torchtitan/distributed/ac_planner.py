@@ -26,6 +26,7 @@ host cost of op-SAC's per-op dispatch is not modelled (see docs/ac_auto.md).
 
 import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -73,10 +74,14 @@ class RankCosts:
     peak: dict[str, int]
     blocks: tuple[BlockCost, ...]
 
+    @cached_property
+    def _held_less(self) -> dict[str, int]:
+        return {choice: sum(b.held_less(choice) for b in self.blocks) for choice in self.peak}
+
     def saving(self, block: BlockCost, choice: str) -> float:
         """The bytes `choice` on `block` takes off the step's peak: the group's saving under
         `choice` (no AC's peak less that choice's), shared by the blocks' `held_less`."""
-        held_less = sum(b.held_less(choice) for b in self.blocks)
+        held_less = self._held_less[choice]
         if held_less <= 0:
             return 0.0
         return max(0, self.peak["none"] - self.peak[choice]) * block.held_less(choice) / held_less

@@ -62,16 +62,23 @@ def bytes_held_for_backward(module: torch.nn.Module, *inputs: torch.Tensor, else
     tensors whose storages are not the device's to count (an activation offloader's host
     buffers, which the forward fills).
     """
-    kept = list(module.parameters()) + list(module.buffers()) + list(inputs) + list(elsewhere)
-    excluded = _storage_keys(kept)
-    recorder = _StorageRecorder(excluded)
-    with recorder:
+
+    def copied_inputs_call():
         copies = [x.clone() if x.requires_grad else x for x in inputs]
-        out = module(*copies)
-        del copies
-    held = recorder.alive_bytes(exclude=_storage_keys(tree_leaves(out)))
+        return module(*copies)
+
+    out, held = _held_by(copied_inputs_call, module, [*inputs, *elsewhere])
     del out
     return held
+
+
+def _held_by(call, module: torch.nn.Module, kept) -> tuple[object, int]:
+    """(`call()`'s output, the bytes of the storages it created that are alive once it
+    returned): its output's, `module`'s parameters and buffers and `kept`'s excluded."""
+    recorder = _StorageRecorder(_storage_keys([*module.parameters(), *module.buffers(), *kept]))
+    with recorder:
+        out = call()
+    return out, recorder.alive_bytes(exclude=_storage_keys(tree_leaves(out)))
 
 
 def bytes_saved_for_backward(module: torch.nn.Module, *inputs: torch.Tensor) -> int:
@@ -126,11 +133,8 @@ def held_per_block(blocks: dict[int, torch.nn.Module]):
 
 def _measured_forward(block: torch.nn.Module, forward, index: int, held: dict[int, int]):
     def measured(*args, **kwargs):
-        kept = list(block.parameters()) + list(block.buffers()) + tree_leaves((args, kwargs))
-        recorder = _StorageRecorder(_storage_keys(kept))
-        with recorder:
-            out = forward(*args, **kwargs)
-        held[index] = max(held.get(index, 0), recorder.alive_bytes(exclude=_storage_keys(tree_leaves(out))))
+        out, n = _held_by(lambda: forward(*args, **kwargs), block, tree_leaves((args, kwargs)))
+        held[index] = max(held.get(index, 0), n)
         return out
 
     return measured
