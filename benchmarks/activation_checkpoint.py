@@ -149,16 +149,21 @@ def debug_model_table(cli) -> list[str]:
         "|---|---|---|---|---|",
     ]
     for name, run in runs.items():
-        step = statistics.median(run.times)
         held = bytes_held_for_backward(BlockStack(run.model), h, rope) / args.n_layers
-        row = [
-            f"{1000 * step:.0f}",
-            f"{step / base_time:.2f}",
-            f"{held / 2**20:.2f}",
-            f"{held / base_bytes:.2f}",
-        ]
-        lines.append(f"| {name} | " + " | ".join(row) + " |")
+        lines.append(_mode_row(name, run, base_time, held, base_bytes))
     return lines
+
+
+def _row(name: str, cells: list[str]) -> str:
+    return f"| {name} | " + " | ".join(cells) + " |"
+
+
+def _mode_row(name: str, run: "ModeRun", base_time: float, bytes_per_layer: float, base_bytes: float) -> str:
+    """A row of tables 1 and 3: median step, its ratio to none's, bytes per layer and theirs."""
+    step = statistics.median(run.times)
+    cells = [f"{1000 * step:.0f}", f"{step / base_time:.2f}", f"{bytes_per_layer / 2**20:.2f}",
+             f"{bytes_per_layer / base_bytes:.2f}"]  # fmt: skip
+    return _row(name, cells)
 
 
 def _timed_rounds(runs: dict, cli) -> None:
@@ -207,10 +212,7 @@ def compiled_table(cli) -> list[str]:
         "|---|---|---|---|---|",
     ]
     for name, run in runs.items():
-        step = statistics.median(run.times)
-        row = [f"{1000 * step:.0f}", f"{step / base_time:.2f}", f"{saved[name] / 2**20:.2f}",
-               f"{saved[name] / base_bytes:.2f}"]  # fmt: skip
-        lines.append(f"| {name} | " + " | ".join(row) + " |")
+        lines.append(_mode_row(name, run, base_time, saved[name], base_bytes))
     return lines
 
 
@@ -313,7 +315,7 @@ def auto_table(cli) -> list[str]:
                 f"{1000 * step:.0f}",
                 f"{step / base:.3f}",
             ]
-            lines.append(f"| {row} | " + " | ".join(cells) + " |")
+            lines.append(_row(row, cells))
     return lines
 
 
