@@ -208,11 +208,12 @@ def test_a_budget_below_full_ac_is_refused_with_its_peak_and_what_to_change():
     assert "tensor_parallel_degree" in str(error.value) and "local_batch_size" in str(error.value)
 
 
-def test_equal_blocks_get_a_plan_that_does_not_depend_on_the_run():
+def test_equal_blocks_get_the_least_recompute_and_ties_go_to_the_first_blocks():
+    # 100 MiB to save: op saves 30 for 5 FLOPs, full 38 for 9; four ops are the cheapest, and of
+    # the equal plans the one that recomputes the first blocks is taken, on every rank alike.
     costs = _costs([(40, 10, 2, 5, 9)] * 8)
     budget = costs.peak["none"] - 100 * MiB
-    assert solve(costs, budget) == solve(costs, budget)
-    assert list(solve(costs, budget).values()).count("op") == 4
+    assert solve(costs, budget) == {i: "op" if i < 4 else "none" for i in range(8)}
 
 
 @pytest.mark.parametrize("in_flight", [0.4, 3])
