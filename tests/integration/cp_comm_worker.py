@@ -21,7 +21,7 @@ METHODS = ("allgather_kv", "ulysses")
 def count(parallel_dims, method: str, mode: str) -> dict:
     argv = ("--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", method)
     model = build_debug_model(parallel_dims, mode, argv)
-    group = parallel_dims.submesh("cp").get_group()
+    group = parallel_dims.cp_exchange_group()
     plan = ContextParallel(2, parallel_dims.cp_rank(), group, method)
 
     def on_cp_group(func, args):

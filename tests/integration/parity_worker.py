@@ -17,7 +17,11 @@ production code:
         as this rank's partial sum, as a missing all-reduce would leave it;
     swapped-expert-rows: rank 0 swaps the first two rows of the first expert weight's gradient;
     scaled-shard: rank 1 scales its shard of `layers.1.attention.wq.weight`'s gradient by 1 + 1e-3;
-    unscaled-microbatches: the pipeline's loss is not divided by its microbatch count.
+    unscaled-microbatches: the pipeline's loss is not divided by its microbatch count;
+    keys-in-rank-order: the gathered keys under context parallelism are masked as if they were
+        in sequence order;
+    experts-mean-without-cp: the experts' gradients are averaged over the EP group's dp_shard
+        ranks only, as if its context-parallel ranks saw the same tokens.
 """
 
 import sys
@@ -135,6 +139,10 @@ def plant(bug: str, trainer: Trainer) -> None:
             return torch.arange(seq_len, device=device)
 
         ContextParallel.gathered_positions = in_rank_order
+    elif bug == "experts-mean-without-cp":
+        for module in model.modules():
+            if hasattr(module, "_ep_hooks"):
+                module._ep_hooks.data_ranks //= trainer.parallel_dims.cp
     elif bug != "none":
         raise ValueError(f"unknown bug to plant: {bug}")
 

@@ -148,8 +148,13 @@ def test_hsdp_with_ep_and_two_micro_batches_gives_one_process_gradients():
     [(["--parallelism.data_parallel_shard_degree", "3"], "does not divide data_parallel_shard_degree 3"),
      (["--parallelism.tensor_parallel_degree", "4"], "2 is not a multiple of tensor_parallel_degree 4"),
      (["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4",
-       "--parallelism.data_parallel_shard_degree", "3"], r"takes 2 \(ep 4 / tp 2\) ranks of the FSDP shard"),
-     (["--parallelism.expert_tensor_parallel_degree", "2"], "must be 1 or the tensor_parallel_degree")],
+       "--parallelism.data_parallel_shard_degree", "3"],
+      r"takes 2 \(ep 4 / tensor_parallel_degree 2\) ranks of the FSDP shard"),
+     (["--parallelism.expert_tensor_parallel_degree", "2"], "must be 1 or the tensor_parallel_degree"),
+     (["--parallelism.context_parallel_degree", "4"], "2 is not a multiple of context_parallel_degree 4"),
+     (["--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4",
+       "--parallelism.data_parallel_shard_degree", "3"],
+      r"takes 2 \(ep 4 / context_parallel_degree 2\) ranks")],
 )  # fmt: skip
 def test_unsupported_ep_combinations_are_refused(argv, match):
     with pytest.raises(ConfigError, match=match):
@@ -160,9 +165,14 @@ def test_unsupported_ep_combinations_are_refused(argv, match):
     "dims, match",
     [(dict(tp=1, world_size=3, ep=2), "takes 2 ranks of the FSDP shard group, which does not divide "
                                       "data_parallel_shard_degree 3"),
-     (dict(tp=2, world_size=6, ep=4), r"takes 2 \(ep 4 / tp 2\) ranks of the FSDP shard group"),
-     (dict(tp=4, world_size=8, ep=2), "2 is not a multiple of tensor_parallel_degree 4")],
-    ids=["ep from dp_shard", "ep over tp", "ep smaller than tp"],
+     (dict(tp=2, world_size=6, ep=4),
+      r"takes 2 \(ep 4 / tensor_parallel_degree 2\) ranks of the FSDP shard group"),
+     (dict(tp=4, world_size=8, ep=2), "2 is not a multiple of tensor_parallel_degree 4"),
+     (dict(tp=1, world_size=8, ep=2, cp=4), "2 is not a multiple of context_parallel_degree 4"),
+     (dict(tp=2, world_size=8, ep=2, cp=2, etp=1),
+      "2 is not a multiple of context_parallel_degree 2 x tensor_parallel_degree 2")],
+    ids=["ep from dp_shard", "ep over tp", "ep smaller than tp", "ep smaller than cp",
+         "ep smaller than cp x tp"],
 )  # fmt: skip
 def test_resolved_degrees_that_ep_does_not_fit_are_refused(dims, match):
     with pytest.raises(ConfigError, match=match):

@@ -160,8 +160,12 @@ BF16_PARAMS = ["--training.mixed_precision_param", "bfloat16"]
             "4 rank(s): dp_replicate 1 x dp_shard 2 x tp 2 (ep 4 = 2 of dp_shard x tp 2), FSDP; ",
         ),
         (ParallelDims(1, 2, 2, 8, pp=2), "8 rank(s): pp 2 x dp_replicate 1 x dp_shard 2 x tp 2, FSDP; "),
+        (
+            ParallelDims(1, 4, 1, 8, ep=4, cp=2),
+            "8 rank(s): dp_replicate 1 x dp_shard 4 x cp 2 x tp 1 (ep 4 = 2 of dp_shard x cp 2), FSDP; ",
+        ),
     ],
-    ids=["fsdp", "hsdp", "fsdp-ep", "fsdp-tp-ep-over-tp", "pp-fsdp-tp"],
+    ids=["fsdp", "hsdp", "fsdp-ep", "fsdp-tp-ep-over-tp", "pp-fsdp-tp", "fsdp-cp-ep"],
 )
 def test_layout_line_under_fsdp_names_the_split_and_the_mixed_precision_dtypes(dims, expected):
     from torchtitan.components.training_step import describe_layout
@@ -225,3 +229,38 @@ def test_compile_caches_are_keyed_by_the_process_groups_of_the_layout():
     first, again, with_ep = _compile_cache_tag(ep=1), _compile_cache_tag(ep=1), _compile_cache_tag(ep=2)
     assert first.startswith("torchtitan-process-groups-")
     assert first == again and with_ep != first
+
+
+def _ranks_of_groups(dims: ParallelDims, world_size: int) -> dict[str, list[int]]:
+    """Rank 0's groups in a fake world of `world_size` ranks laid out as `dims`."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        dims.build_mesh("cpu")
+        names = ("cp", "ep", "dp", "dp_shard", "dp_shard_cp", "dp_shard_mod_ep")
+        groups = {name: dims.submesh(name).get_group() for name in names}
+        groups["cp_exchange"] = dims.cp_exchange_group()
+        ranks = {name: dist.get_process_group_ranks(group) for name, group in groups.items()}
+        ranks["cp_exchange is a group of its own"] = groups["cp_exchange"] not in (groups["cp"], groups["ep"])
+        return ranks
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallelism_under_context_parallelism_takes_the_cp_ranks_into_its_group():
+    """FSDP 2 x CP 2 with EP 4: the EP group spans dp_shard and cp; the experts are whole on
+    each rank, and the rest is sharded over all four ranks."""
+    ranks = _ranks_of_groups(ParallelDims(1, 2, 1, 4, ep=4, cp=2), 4)
+    assert ranks["ep"] == [0, 1, 2, 3] and ranks["cp"] == [0, 1] and ranks["dp"] == [0, 2]
+    assert ranks["dp_shard_cp"] == [0, 1, 2, 3] and ranks["dp_shard_mod_ep"] == [0]
+    assert not ranks["cp_exchange is a group of its own"]
+
+
+def test_an_ep_group_equal_to_the_cp_group_leaves_context_parallelism_an_exchange_group_of_its_own():
+    """EP 2 on CP 2: torch makes one process group for the two, and AC tells CP's all-to-alls
+    from EP's by their group; CP's exchanges then run on a copy of the group."""
+    ranks = _ranks_of_groups(ParallelDims(1, 2, 1, 4, ep=2, cp=2), 4)
+    assert ranks["ep"] == ranks["cp"] == ranks["cp_exchange"] == [0, 1]
+    assert ranks["dp_shard_mod_ep"] == ranks["dp_shard"] == ranks["dp"] == [0, 2]
+    assert ranks["cp_exchange is a group of its own"]

@@ -56,13 +56,14 @@ def describe_layout(job_config: JobConfig, parallel_dims: ParallelDims) -> str:
     reduce float32"; under pipeline parallelism the split starts with "pp N x", and context
     parallelism adds "x cp N" before tp. Expert
     parallelism borrows its ranks from dp_shard, so it is shown there, or after tp when it
-    borrows the TP ranks too."""
+    borrows the CP or TP ranks too."""
     d, t = parallel_dims, job_config.training
-    ep = f" (ep {d.ep})" if d.ep_enabled and not d.ep_borrows_tp else ""
+    ep_in_shard = d.ep_enabled and not (d.ep_borrows_tp or d.cp_enabled)
+    ep = f" (ep {d.ep})" if ep_in_shard else ""
     cp = f" x cp {d.cp}" if d.cp_enabled else ""
     split = f"dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard}{ep}{cp} x tp {d.tp}"
-    if d.ep_borrows_tp:
-        split += f" (ep {d.ep} = {d.ep_from_dp_shard} of dp_shard x tp {d.tp})"
+    if d.ep_enabled and not ep_in_shard:
+        split += f" (ep {d.ep} = {d.ep_parts()})"
     if d.pp_enabled:
         split = f"pp {d.pp} x {split}"
     if d.fsdp_enabled:

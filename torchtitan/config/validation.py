@@ -384,30 +384,40 @@ def _check_expert_parallel(p) -> None:
             f"tensor_parallel_degree ({tp}): under expert parallelism the experts are either spread over "
             "the TP ranks too (1) or sharded over TP."
         )
-    if conflict := expert_parallel_conflict(ep, tp, etp, p.data_parallel_shard_degree):
+    conflict = expert_parallel_conflict(ep, tp, etp, p.data_parallel_shard_degree, p.context_parallel_degree)
+    if conflict:
         raise ConfigError(conflict)
 
 
-def expert_parallel_conflict(ep: int, tp: int, etp: int, dp_shard: int) -> str | None:
+def expert_parallel_conflict(ep: int, tp: int, etp: int, dp_shard: int, cp: int = 1) -> str | None:
     """Why an EP group of `ep` ranks cannot be borrowed from the other degrees, or None.
 
-    With `etp` 1 under TP the group spans the TP ranks and takes `ep / tp` ranks of the FSDP
-    shard group, else `ep` of them. Checked on the config (`dp_shard` -1, not resolved yet, is
-    not checked) and again by `ParallelDims` on the resolved degrees.
+    As in torchtitan, the group takes every context-parallel rank, every TP rank too with `etp`
+    1 under TP, and the rest of its ranks from the FSDP shard group. Checked on the config
+    (`dp_shard` -1, not resolved yet, is not checked) and again by `ParallelDims` on the
+    resolved degrees.
     """
     if ep == 1:
         return None
     borrows_tp = tp > 1 and etp == 1
-    if borrows_tp and ep % tp:
+    taken = {"context_parallel_degree": cp, "tensor_parallel_degree": tp if borrows_tp else 1}
+    taken = {key: degree for key, degree in taken.items() if degree > 1}
+    whole = math.prod(taken.values())
+    named = " x ".join(f"{key} {degree}" for key, degree in taken.items())
+    if ep % whole:
+        fix = f"choose a multiple of {whole}"
+        if borrows_tp:
+            fix += (
+                f", or set parallelism.expert_tensor_parallel_degree = {tp} to shard the experts over "
+                "TP instead"
+            )
         return (
-            f"'parallelism.expert_parallel_degree' = {ep} is not a multiple of tensor_parallel_degree "
-            f"{tp}: with expert_tensor_parallel_degree 1 the EP group takes all the TP ranks and the "
-            f"rest from the FSDP shard group. Choose a multiple of {tp}, or set "
-            f"parallelism.expert_tensor_parallel_degree = {tp} to shard the experts over TP instead."
+            f"'parallelism.expert_parallel_degree' = {ep} is not a multiple of {named}: the EP group "
+            "takes all of those ranks and the rest from the FSDP shard group; " + fix + "."
         )
-    from_shard = ep // tp if borrows_tp else ep
+    from_shard = ep // whole
     if dp_shard != -1 and dp_shard % from_shard:
-        borrowed = f" (ep {ep} / tp {tp})" if borrows_tp else ""
+        borrowed = f" (ep {ep} / {named})" if taken else ""
         return (
             f"'parallelism.expert_parallel_degree' = {ep} takes {from_shard}{borrowed} ranks of the "
             f"FSDP shard group, which does not divide data_parallel_shard_degree {dp_shard}: expert "

@@ -71,7 +71,7 @@ class ContextParallel:
             return None
         check_context_parallel(job_config, model_args, parallel_dims)
         p = job_config.parallelism
-        group = parallel_dims.submesh("cp").get_group()
+        group = parallel_dims.cp_exchange_group()
         return cls(parallel_dims.cp, parallel_dims.cp_rank(), group, p.context_parallel_method,
                    p.context_parallel_load_balancer)  # fmt: skip
 

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan.config.errors import ConfigError
@@ -11,9 +12,8 @@ from torchtitan.distributed.process_group import set_group_timeouts
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 # With expert parallelism dp_shard is built from two dims: EP groups are runs of consecutive
 # ranks (fast links for the all-to-all), and each expert is FSDP-sharded across the groups.
-EP_MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
-# When EP also borrows the TP ranks, its group is ("dp_shard_in_ep", "tp") flattened.
-EP_OVER_TP_MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "tp")
+# The "ep" group is ("dp_shard_in_ep", "cp") flattened, with "tp" too when it borrows TP.
+EP_MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
 
 
 @dataclass
@@ -30,9 +30,11 @@ class ParallelDims:
     flattened "dp_shard_cp"), as torchtitan does, and averages the gradients over both.
 
     Expert parallelism (`ep > 1`) borrows its ranks from dp_shard, as torchtitan does: dp_shard
-    is then the flattening of ("dp_shard_mod_ep", "ep"). Experts are split over "ep" and
-    FSDP-sharded over the ranks holding the same experts (`expert_dp_mesh`); every other
-    parameter is sharded over the whole dp_shard as without EP.
+    is then the flattening of ("dp_shard_mod_ep", "dp_shard_in_ep"), and the EP group takes
+    "dp_shard_in_ep". Experts are split over "ep" and FSDP-sharded over the ranks holding the
+    same experts (`expert_dp_mesh`); every other parameter is sharded over the whole dp_shard
+    (and cp) as without EP. Under context parallelism the EP group takes every "cp" rank too,
+    as in torchtitan: `ep / cp` of its ranks come from dp_shard.
 
     Under TP, `etp` (expert tensor parallel degree) says what the experts do with the TP ranks:
     `etp == tp` shards each EP rank's experts over its TP group, and EP borrows only from
@@ -42,7 +44,7 @@ class ParallelDims:
 
     Raises:
         ConfigError: when the degrees do not multiply to the world size, ep does not fit
-            dp_shard (and tp, when it borrows tp), or cp meets pp or ep (not built yet).
+            dp_shard (and cp, and tp when it borrows tp).
     """
 
     dp_replicate: int
@@ -57,6 +59,7 @@ class ParallelDims:
     # Flattened and combined meshes, kept here because slicing them out of the root mesh by
     # name is deprecated (and warns) since torch 2.11.
     _derived: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    _cp_exchange_group: object = field(default=None, repr=False)
 
     def __post_init__(self):
         pp = f"pipeline_parallel_degree {self.pp} x " if self.pp > 1 else ""
@@ -87,14 +90,8 @@ class ParallelDims:
                 f"data_parallel_shard_degree = {self.dp_replicate} with data_parallel_replicate_degree = 1 "
                 "(FSDP), or HSDP with both degrees above 1."
             )
-        if conflict := expert_parallel_conflict(self.ep, self.tp, self.etp, self.dp_shard):
+        if conflict := expert_parallel_conflict(self.ep, self.tp, self.etp, self.dp_shard, self.cp):
             raise ConfigError(conflict)
-        for degree, key in ((self.pp, "pipeline_parallel_degree"), (self.ep, "expert_parallel_degree")):
-            if self.cp > 1 and degree > 1:
-                raise ConfigError(
-                    f"'parallelism.context_parallel_degree' = {self.cp} does not run with {key} = "
-                    f"{degree} yet; set one of them to 1."
-                )
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
@@ -147,9 +144,20 @@ class ParallelDims:
         return self.ep > 1 and self.tp > 1 and self.etp == 1
 
     @property
-    def ep_from_dp_shard(self) -> int:
-        """The ranks of an EP group that see different data (taken from dp_shard)."""
+    def ep_data_ranks(self) -> int:
+        """The ranks of an EP group that see different tokens (its dp_shard and cp ranks)."""
         return self.ep // self.tp if self.ep_borrows_tp else self.ep
+
+    @property
+    def ep_from_dp_shard(self) -> int:
+        """The ranks of an EP group taken from dp_shard (they see different batches)."""
+        return self.ep_data_ranks // self.cp
+
+    def ep_parts(self) -> str:
+        """Where the EP group's ranks come from, e.g. "2 of dp_shard x cp 2 x tp 2"."""
+        parts = [f"{self.ep_from_dp_shard} of dp_shard"]
+        parts += [f"cp {self.cp}"] * self.cp_enabled + [f"tp {self.tp}"] * self.ep_borrows_tp
+        return " x ".join(parts)
 
     @property
     def expert_dp_degree(self) -> int:
@@ -167,38 +175,63 @@ class ParallelDims:
         if self.world_size == 1:
             return None
         mesh = self._build_mesh(device_type)
+        if self.cp_enabled and self.ep == self.cp:
+            self._cp_exchange_group = self._copy_of_cp_group()
         if timeout_seconds is not None:
             groups = {self.submesh(name).get_group() for name in self.mesh_group_names()}
+            if self._cp_exchange_group is not None:
+                groups.add(self._cp_exchange_group)
             set_group_timeouts(timeout_seconds, groups)
         return mesh
 
+    def _copy_of_cp_group(self):
+        """A second process group of every "cp" group's ranks; this rank's one."""
+        cp_dim = self.mesh.mesh_dim_names.index("cp")
+        groups = self.mesh.mesh.movedim(cp_dim, -1).reshape(-1, self.cp).tolist()
+        return dist.new_subgroups_by_enumeration(groups, group_desc="cp_exchange")[0]
+
+    def cp_exchange_group(self):
+        """The process group context parallelism's exchanges in attention run on.
+
+        The "cp" group, or where the EP group has the same ranks (EP degree = CP degree) a
+        copy of it: AC tells CP's exchanges from EP's all-to-alls by their group
+        (`activation_checkpoint.context_parallel_collective`), and recomputes the one where it
+        replays the other. For equal ranks torch may hand out one group for both (gloo does).
+        """
+        return self._cp_exchange_group or self.submesh("cp").get_group()
+
     def _build_mesh(self, device_type: str) -> DeviceMesh:
         if self.ep_enabled:
-            in_ep = self.ep_from_dp_shard
-            shape = (self.dp_replicate, self.dp_shard // in_ep, in_ep, self.tp)
-            names = EP_OVER_TP_MESH_DIMS if self.ep_borrows_tp else EP_MESH_DIMS
-            mesh = self._init_mesh(device_type, shape, names)
-            dp_shard = mesh["dp_shard_mod_ep", names[2]]._flatten("dp_shard")
-            self._derived["dp_shard"] = dp_shard
-            self._derived["dp"] = mesh["dp_replicate", "dp_shard_mod_ep", names[2]]._flatten("dp")
-            if self.ep_borrows_tp:
-                self._derived["ep"] = mesh["dp_shard_in_ep", "tp"]._flatten("ep")
-            if self.dp_replicate > 1:
-                self._derived["expert_dp"] = mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_dp")
-                self._derived["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], dp_shard])
+            mesh, shard = self._build_ep_mesh(device_type)
         else:
             shape = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
             mesh = self._init_mesh(device_type, shape, MESH_DIMS)
-            self._derived["dp"] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-            if self.cp_enabled:
-                dp_shard_cp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-                self._derived["dp_shard_cp"] = dp_shard_cp
-                self._derived["dp_cp"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-                self._derived["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], dp_shard_cp])
-            else:
-                self._derived["hsdp"] = mesh["dp_replicate", "dp_shard"]
+            shard = ("dp_shard",)
+        self._derived["dp"] = mesh[("dp_replicate", *shard)]._flatten("dp")
+        if self.cp_enabled:
+            dp_shard_cp = self._derived["dp_shard_cp"] = mesh[(*shard, "cp")]._flatten("dp_shard_cp")
+            self._derived["dp_cp"] = mesh[("dp_replicate", *shard, "cp")]._flatten("dp_cp")
+            self._derived["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], dp_shard_cp])
+        elif self.ep_enabled:
+            self._derived["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], self.submesh("dp_shard")])
+        else:
+            self._derived["hsdp"] = mesh["dp_replicate", "dp_shard"]
         self._mesh = mesh
         return mesh
+
+    def _build_ep_mesh(self, device_type: str) -> tuple[DeviceMesh, tuple[str, str]]:
+        """The root mesh with dp_shard split in two, its derived "dp_shard", "ep" and
+        "expert_dp", and the names of dp_shard's two parts."""
+        in_ep = self.ep_from_dp_shard
+        shape = (self.dp_replicate, self.dp_shard // in_ep, in_ep, self.cp, self.tp)
+        mesh = self._init_mesh(device_type, shape, EP_MESH_DIMS)
+        shard = ("dp_shard_mod_ep", "dp_shard_in_ep")
+        self._derived["dp_shard"] = mesh[shard]._flatten("dp_shard")
+        ep_dims = ("dp_shard_in_ep", "cp", "tp") if self.ep_borrows_tp else ("dp_shard_in_ep", "cp")
+        self._derived["ep"] = mesh[ep_dims]._flatten("ep")
+        if self.dp_replicate > 1:
+            self._derived["expert_dp"] = mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_dp")
+        return mesh, shard
 
     def _init_mesh(self, device_type: str, shape: tuple, names: tuple) -> DeviceMesh:
         """The root mesh; under pipeline parallelism "pp" is its outermost dim, so that the

@@ -90,7 +90,7 @@ def parallelize_decoder(
         experts = apply_expert_parallel(
             model,
             parallel_dims.submesh("ep"),
-            data_ranks=parallel_dims.ep_from_dp_shard,
+            data_ranks=parallel_dims.ep_data_ranks,
             rows_split_mesh=parallel_dims.submesh("tp") if parallel_dims.ep_borrows_tp else None,
             split_sizes=expert_split_sizes,
         )
@@ -114,7 +114,7 @@ def _ac_facts(model, parallel_dims, job_config, save_list, use_flex_attn, wrap_a
         split_backward=splits_backward(job_config),
         tensor_parallel=parallel_dims.tp,
         expert_parallel=job_config.parallelism.expert_parallel_degree,
-        context_parallel_group=parallel_dims.submesh("cp").get_group().group_name
+        context_parallel_group=parallel_dims.cp_exchange_group().group_name
         if parallel_dims.cp_enabled
         else "",
         has_moe=any(block.is_moe for block in model.layers.children()),
@@ -128,9 +128,9 @@ def _log_expert_layout(model: nn.Module, parallel_dims: ParallelDims) -> None:
     holders = parallel_dims.expert_dp_degree
     shared = f"FSDP-sharded over the {holders} ranks holding them" if holders > 1 else "not sharded further"
     over = f"ep {ep}"
-    if parallel_dims.ep_borrows_tp:
-        over += f" (dp_shard {parallel_dims.ep_from_dp_shard} x tp {parallel_dims.tp})"
-    elif parallel_dims.tp_enabled:
+    if parallel_dims.ep_borrows_tp or parallel_dims.cp_enabled:
+        over += f" ({parallel_dims.ep_parts()})"
+    if parallel_dims.tp_enabled and not parallel_dims.ep_borrows_tp:
         shared += f", hidden units sharded over tp {parallel_dims.tp}"
     per_rank = num_experts // ep
     logger.info(f"Expert parallel: {num_experts} experts over {over} ({per_rank} per rank), {shared}")
