@@ -58,6 +58,17 @@ def fake_world(world_size: int, rank: int = 0):
         yield
     finally:
         dist.destroy_process_group()
+        _forget_sharding_of_meshes_gone()
+
+
+def _forget_sharding_of_meshes_gone() -> None:
+    """Empty DTensor's cache of sharding decisions. Its keys compare meshes by their layout, not
+    by their process groups: a later world of the same layout would get the specs of this one,
+    with meshes whose groups are destroyed ("Could not resolve the process group")."""
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
 def build_meta_model(cfg: JobConfig, parallel_dims: ParallelDims, device: torch.device):
