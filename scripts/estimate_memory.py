@@ -630,6 +630,12 @@ def _track_gradient(tracker: _FSDPMemTracker, grad: torch.Tensor) -> None:
 # ----- one step ------------------------------------------------------------------------------
 
 
+def context_parallel_of(cfg: JobConfig, parallel_dims: ParallelDims) -> ContextParallel | None:
+    """The run's `ContextParallel` (None without CP), as the trainer builds it."""
+    model_args = get_train_spec(cfg.model.name).get_flavor(cfg.model.flavor).update_from_config(cfg)
+    return ContextParallel.from_config(cfg, parallel_dims, model_args)
+
+
 def train_step(
     cfg, parallel_dims, model, optimizer, loss_fn, extra_loss_fn, batch, tracker: MemTracker
 ) -> None:
@@ -639,8 +645,7 @@ def train_step(
     gradients accumulated so far plus its own activations).
     """
     accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
-    model_args = get_train_spec(cfg.model.name).get_flavor(cfg.model.flavor).update_from_config(cfg)
-    context_parallel = ContextParallel.from_config(cfg, parallel_dims, model_args)
+    context_parallel = context_parallel_of(cfg, parallel_dims)
     optimizer.zero_grad(set_to_none=True)
     inputs, labels = batch
     for micro_batch in range(min(accum_steps, 2)):
@@ -887,10 +892,13 @@ def tracked_pipeline_step(
     batch = _batch(cfg, device)
     accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
     loss_fn = build_chunked_loss(cfg, spec.build_loss_fn)
+    # Under CP a stage's microbatch is this rank's share of each sequence.
+    first_inputs = batch[0][:, : cfg.training.seq_len // parallel_dims.cp]
     pipeline = Pipeline(
         plan, stages, loss_fn, parallel_dims.submesh("pp").get_group(), device,
         plan.n_microbatches * accum_steps, cfg.parallelism.pipeline_parallel_schedule_csv,
-        stage_io=None if embedding is None else stage_io(cfg, plan, embedding, batch[0], device),
+        stage_io=None if embedding is None else stage_io(cfg, plan, embedding, first_inputs, device),
+        context_parallel=context_parallel_of(cfg, parallel_dims),
     )  # fmt: skip
     tracker = make_tracker(model, optimizer, batch)
     with tracking(tracker), probing(model, cfg, parallel_dims, probe) as blocks:

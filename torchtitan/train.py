@@ -229,7 +229,8 @@ class Trainer:
         scale = plan.n_microbatches * self.accum_steps
         pp_group = dims.submesh("pp").get_group()
         self.pipeline = Pipeline(plan, self.model_parts, self.loss_fn, pp_group, self.device, scale,
-                                 cfg.parallelism.pipeline_parallel_schedule_csv)  # fmt: skip
+                                 cfg.parallelism.pipeline_parallel_schedule_csv,
+                                 context_parallel=self.context_parallel)  # fmt: skip
         logger.info(describe_pipeline(plan, dims.pp_rank()))
         return merged_model(self.model_parts)
 

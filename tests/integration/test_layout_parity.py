@@ -154,7 +154,49 @@ CONTEXT_LAYOUTS = {
     "Qwen3 MoE CP 2, allgather_kv": (("qwen3 moe", 2, 4, _cp("allgather_kv"), "full"), FULL),
     "DeepSeek-V3 CP 2, allgather_kv": (("deepseek_v3", 2, 4, _cp("allgather_kv"), "op-SAC"), FULL),
     "DeepSeek-V3 CP 2, ulysses": (("deepseek_v3", 2, 4, _cp("ulysses"), "full"), FULL),
+    # The EP group takes the CP ranks (as in torchtitan): EP 2 on CP 2 is 2 ranks.
+    # Full AC replays EP's all-to-alls and re-issues CP's, on a group of the same ranks.
+    "Qwen3 MoE CP 2 x EP 2, ulysses": (("qwen3 moe", 2, 4, _cp("ulysses") + EP2, "full replay"), ()),
+    "Qwen3 MoE CP 2 x EP 2, allgather_kv": (("qwen3 moe", 2, 4, _cp("allgather_kv") + EP2, "op-SAC"), FULL),
+    "Qwen3 MoE CP 2 x EP 2, no AC": (("qwen3 moe", 2, 4, _cp("allgather_kv") + EP2, "none"), FULL),
+    "Qwen3 MoE FSDP 2 x CP 2, EP 2": (("qwen3 moe", 4, 2, _cp("ulysses") + EP2, "op-SAC"), FULL),
+    "Qwen3 MoE FSDP 2 x CP 2, EP 4": (("qwen3 moe", 4, 2, _cp("allgather_kv") + EP4, "full"), FULL),
+    "Qwen3 MoE CP 2 x TP 2, EP 4 over TP": (("qwen3 moe", 4, 4, _cp("ulysses") + EP4 + EP_OVER_TP2, "op-SAC"),
+                                            FULL),
+    "DeepSeek-V3 CP 2 x EP 2, ulysses": (("deepseek_v3", 2, 4, _cp("ulysses") + EP2, "op-SAC"), FULL),
+    # Every stage runs this rank's share of each sequence; 4 microbatches of 1 where dp is 1.
+    "CP 2 x PP 2, 1F1B, allgather_kv": (("llama3", 4, 4, _cp("allgather_kv") + _pp(2, "1F1B"), "op-SAC"), ()),
+    "CP 2 x PP 2, ZBVZeroBubble, ulysses": (
+        ("llama3", 4, 4, _cp("ulysses") + _pp(2, "ZBVZeroBubble"), "full"), FULL),
+    "CP 2 x PP 2, Interleaved1F1B, no AC": (
+        ("llama3", 4, 4, _cp("allgather_kv") + _pp(2, "Interleaved1F1B"), "none"), FULL),
+    "Qwen3 MoE CP 2 x PP 2 x EP 2": (
+        ("qwen3 moe", 4, 4, _cp("ulysses") + _pp(2, "1F1B") + EP2, "full replay"), FULL),
 }  # fmt: skip
+
+
+def _every_ac_mode_on_each_cp_layout() -> dict:
+    """Each CP layout of the wider matrix under each method and AC mode (none, full, op-SAC),
+    `full_matrix`; a combination already above is not run twice."""
+    bases = {
+        "CP 2": ("llama3", 2, 4, []),
+        "CP 2, flex block_causal": ("llama3 flex", 2, 4, []),
+        "CP 2, flex sliding_window": ("llama3 window", 2, 4, []),
+        "CP 2 x FSDP 2": ("llama3", 4, 2, []),
+        "CP 2 x TP 2": ("llama3", 4, 4, TP2),
+    }
+    known = [layout for layout, _ in CONTEXT_LAYOUTS.values()]
+    wider = {}
+    for name, (model, nproc, local_batch, extra) in bases.items():
+        for method in ("allgather_kv", "ulysses"):
+            for ac in ("none", "full", "op-SAC"):
+                layout = (model, nproc, local_batch, _cp(method) + extra, ac)
+                if layout not in known:
+                    wider[f"{name}, {method}, AC {ac}"] = (layout, FULL)
+    return wider
+
+
+CONTEXT_LAYOUTS.update(_every_ac_mode_on_each_cp_layout())
 LAYOUTS.update({name: layout for name, (layout, _) in CONTEXT_LAYOUTS.items()})
 # Activation offload (`[activation_checkpoint] offload = "saved"`), every activation of these
 # models (4 KiB and more) through the host pool, the same tolerance: offload moves bytes, and the
@@ -230,10 +272,12 @@ GRADIENT_OFF = "gradients after step 1 off by more than 1e-05; the worst: "
      ("FSDP 2", "scaled-shard", GRADIENT_OFF + "layers.1.attention.wq.weight"),
      # Clipping hides a uniform gradient scale; the loss, logged from the schedule, shows it.
      ("PP 2, 1F1B", "unscaled-microbatches", "losses off by more than 1e-05; the worst: loss at step"),
-     ("CP 2, allgather_kv", "keys-in-rank-order", GRADIENT_OFF)],
+     ("CP 2, allgather_kv", "keys-in-rank-order", GRADIENT_OFF),
+     ("Qwen3 MoE CP 2 x EP 2, allgather_kv", "experts-mean-without-cp", GRADIENT_OFF)],
     ids=["a norm weight's TP partial gradient left unreduced", "two expert rows' gradients swapped under EP",
          "one FSDP shard's gradient scaled by 1 + 1e-3", "a pipeline loss not divided by its microbatches",
-         "gathered keys masked as if they were in sequence order"],
+         "gathered keys masked as if they were in sequence order",
+         "experts' gradients averaged as if the CP ranks saw the same tokens"],
 )  # fmt: skip
 def test_a_planted_bug_fails_the_check_naming_what_is_off(layout, bug, expected):
     with pytest.raises(AssertionError) as failed:

@@ -139,3 +139,15 @@ def _worker(schedule: str, ac: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])
+
+
+@pytest.mark.full_matrix
+def test_each_pipeline_rank_under_cp2_holds_about_half_its_activations(estimator):
+    """Under CP 2 every stage runs half of each sequence. Not exactly half: attention saves the
+    whole sequence's keys and values on every rank."""
+    argv = PP2 + ["--training.seq_len", "512", "--parallelism.pipeline_parallel_schedule", "1F1B"]
+    cp2 = argv + ["--parallelism.context_parallel_degree", "2"]
+    for pp_rank in range(2):
+        whole = estimator.measure(parse_args(argv, env={}), 2, pp_rank=pp_rank)["activations"]
+        halves = estimator.measure(parse_args(cp2, env={}), 4, pp_rank=pp_rank)["activations"]
+        assert 0.5 * whole < halves < 0.7 * whole, (pp_rank, halves, whole)

@@ -93,6 +93,15 @@ def test_validation_loss_is_the_same_on_one_process_fsdp_tensor_pipeline_and_con
         assert layout == pytest.approx(single, rel=1e-5)
 
 
+@pytest.mark.full_matrix
+def test_validation_under_context_and_pipeline_parallelism_gives_the_single_process_loss(tmp_path):
+    """Each CP rank's pipeline stages run its half of each sequence, as in training (their
+    shapes are fixed at the first step)."""
+    single = _validation_losses(tmp_path, "single", 1, 4)
+    cp_pp = ["--parallelism.context_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]
+    assert _validation_losses(tmp_path, "cp-pp", 4, 4, cp_pp) == pytest.approx(single, rel=1e-5)
+
+
 def test_validation_loss_and_tensorboard_scalars_are_recorded(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -72,13 +72,6 @@ def test_a_layout_context_parallelism_cannot_run_is_refused_naming_the_key(argv,
         _check(*argv, dims=dims)
 
 
-@pytest.mark.parametrize("degrees, key", [({"pp": 2}, "pipeline_parallel_degree"),
-                                          ({"ep": 2}, "expert_parallel_degree")])  # fmt: skip
-def test_a_layout_context_parallelism_does_not_run_with_yet_is_refused_before_a_mesh_is_built(degrees, key):
-    with pytest.raises(ConfigError, match=f"does not run with {key} = 2 yet"):
-        ParallelDims(1, -1, 1, 8, cp=2, **degrees)
-
-
 def test_a_sequence_of_cp_chunks_is_enough_without_the_balancer():
     _check("--training.seq_len", "62", "--parallelism.context_parallel_load_balancer", "none")
 

@@ -6,6 +6,7 @@ with the output head. Every model family shares `split_module_names`; a stage is
 copy of the meta model (`prune_to_stage`), so each rank materializes only its own stages.
 """
 
+import contextlib
 import copy
 import math
 import re
@@ -29,6 +30,7 @@ from torch.distributed.pipelining.schedules import (
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.tensor_helpers import plain_tensor
 
 KEY = "parallelism.pipeline_parallel_schedule"
@@ -281,11 +283,16 @@ class Pipeline:
             take their shapes from it and never exchange them with their peers, which is what
             a single process simulating one rank (the memory estimator) needs. Left out, torch
             infers the shapes at the first step by running each stage once.
+        context_parallel: the run's `ContextParallel`, or None. Each batch, training and
+            validation alike, runs as this rank's share of its sequences: the stages' shapes
+            are fixed at the first step.
     """
 
     def __init__(self, plan: PipelinePlan, stage_models, loss_fn: Callable, pp_group, device,
-                 scale: int, csv_path: str = "", stage_io: list[tuple] | None = None):  # fmt: skip
+                 scale: int, csv_path: str = "", stage_io: list[tuple] | None = None,
+                 context_parallel: ContextParallel | None = None):  # fmt: skip
         self.plan, self.scale, self.pp_group = plan, scale, pp_group
+        self.context_parallel = context_parallel
         io = stage_io or [(None, None)] * len(stage_models)
         self.stages = [
             PipelineStage(
@@ -326,13 +333,17 @@ class Pipeline:
         """`run` (the schedule's `step` or `eval`) on one batch: the first stage takes the inputs,
         the last the labels; returns the last stage's microbatch losses ([] elsewhere)."""
         losses: list[torch.Tensor] = []
-        # The last stage's forward computes the loss: it takes each microbatch's labels, and the
-        # ChunkedLoss, as keyword arguments, which the schedule hands to every stage of a rank.
-        loss_kwargs = {"labels": labels, "loss": self.loss_fn} if self.has_last_stage else {}
-        target = labels if self.has_last_stage else None
-        # The last stage would otherwise keep every microbatch's loss output until the step ends.
-        run(*((inputs,) if self.has_first_stage else ()), target=target, losses=losses, return_outputs=False,
-            **loss_kwargs)  # fmt: skip
+        sharded = contextlib.nullcontext((inputs, labels))
+        if self.context_parallel is not None:
+            sharded = self.context_parallel.sharded(inputs, labels)
+        with sharded as (inputs, labels):
+            # The last stage's forward computes the loss: it takes each microbatch's labels, and
+            # the ChunkedLoss, as keyword arguments, which the schedule hands to every stage.
+            loss_kwargs = {"labels": labels, "loss": self.loss_fn} if self.has_last_stage else {}
+            target = labels if self.has_last_stage else None
+            # The last stage would otherwise keep every microbatch's loss output until the end.
+            run(*((inputs,) if self.has_first_stage else ()), target=target, losses=losses,
+                return_outputs=False, **loss_kwargs)  # fmt: skip
         return losses
 
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
