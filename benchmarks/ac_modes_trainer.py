@@ -43,6 +43,9 @@ MODES |= {f"{m} + compile": [*MODES[m], "--compile.enable"] for m in ("none", "f
 _OFFLOAD = "--activation_checkpoint.offload"
 MODES["selective op + offload"] = [*MODES["selective op"], _OFFLOAD, "saved"]
 MODES["selective op + offload 0-7"] = [*MODES["selective op"], _OFFLOAD, "saved", _OFFLOAD + "_blocks", "0-7"]
+# op-SAC with the whole logits at once (`training.loss_chunks = 1`); every other mode runs the
+# default chunked head. Not in the default --modes.
+MODES["selective op, unchunked head"] = [*MODES["selective op"], "--training.loss_chunks", "1"]
 # Mode "auto" at the budget of a fixed mode's peak, measured earlier in the same run.
 AUTO_AT = {"auto at full's peak": "full", "auto at selective op's peak": "selective op"}
 MEMORY_KEYS = ("memory/max_allocated_gib", "memory/max_rss_gib")

@@ -11,9 +11,10 @@
 #   2. each model's flex-attention debug config in bf16, 10 steps with op-SAC + compile, then
 #      with full AC: six trainer runs;
 #   3. the AC benchmark through the trainer on Llama 3 1B at seq_len 8192 (bf16): tokens/s,
-#      MFU and peak memory per AC mode, as one table (the eager modes, op-SAC with activation
-#      offload on every block and on blocks 0-7, then no AC and op-SAC with compile, then
-#      mode "auto" at the budgets of full AC's and op-SAC's peaks);
+#      MFU and peak memory per AC mode, as one table (the eager modes, op-SAC with the whole
+#      logits at once against the default chunked head, op-SAC with activation offload on
+#      every block and on blocks 0-7, then no AC and op-SAC with compile, then mode "auto" at
+#      the budgets of full AC's and op-SAC's peaks);
 #   4. building the block_causal BlockMask eagerly vs compiled at 4 x 8192 (time, peak memory).
 # Steps 1 and 2 are mostly compiling on the host, so their nine processes run at once (the
 # debug models use little of the GPU; step 2's tokens/s are therefore only indicative); steps 3
@@ -208,8 +209,9 @@ echo "== 3. AC modes through the trainer (at $((SECONDS - start)) s)"
 # Mode "auto" last, at the budgets of full's and op-SAC's peaks in this run: each plans first (on
 # the CPU, about 30 s), so the stage's budget may stop them; they then run on their own with
 #   benchmarks/ac_modes_trainer.py ... --modes full "selective op" "auto at full's peak" "auto at selective op's peak"
-bench_modes=(none full "selective 2" "selective op" "selective op + offload" "selective op + offload 0-7"
-    "none + compile" "selective op + compile" "auto at full's peak" "auto at selective op's peak")
+bench_modes=(none full "selective 2" "selective op" "selective op, unchunked head" "selective op + offload"
+    "selective op + offload 0-7" "none + compile" "selective op + compile" "auto at full's peak"
+    "auto at selective op's peak")
 run_limited "$budget_bench" "$out/ac_modes.md" "$py" benchmarks/ac_modes_trainer.py "${bench[@]}" \
     --modes "${bench_modes[@]}" -- "${bf16[@]}" --optimizer.lr 3e-4
 rc=$?

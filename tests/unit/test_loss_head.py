@@ -12,11 +12,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from torchtitan.components.loss import cross_entropy_loss
-from torchtitan.components.loss_head import ChunkedLoss
+from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_loss
+from torchtitan.components.loss_head import ChunkedLoss, LinearCrossEntropy, auto_loss_chunks
 from torchtitan.models.deepseek_v3 import deepseek_v3_flavors
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 from torchtitan.models.llama3 import llama3_flavors
@@ -46,20 +49,21 @@ def _tokens(vocab_size: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
 
 
-def _loss_and_grads(model, tokens, chunks: int) -> tuple[float, dict[str, torch.Tensor]]:
+def _loss_and_grads(model, tokens, chunks: int, fused: bool = True) -> tuple[float, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    loss = model(tokens[:, :-1], tokens[:, 1:], ChunkedLoss(cross_entropy_loss, chunks))
+    loss = model(tokens[:, :-1], tokens[:, 1:], ChunkedLoss(cross_entropy_loss, chunks, fused))
     loss.backward()
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("path", ["fused", "generic"])
 @pytest.mark.parametrize("chunks", [3, 16])  # 3: chunks of 86, 85 and 85 tokens
 @pytest.mark.parametrize("name", MODELS)
-def test_the_chunked_loss_and_every_gradient_equal_the_whole_logits(name, chunks):
+def test_the_chunked_loss_and_every_gradient_equal_the_whole_logits(name, chunks, path):
     model = _model(name)
     tokens = _tokens(model.args.vocab_size)
     whole_loss, whole = _loss_and_grads(model, tokens, 1)
-    loss, grads = _loss_and_grads(model, tokens, chunks)
+    loss, grads = _loss_and_grads(model, tokens, chunks, fused=path == "fused")
     assert abs(loss - whole_loss) <= RTOL * abs(whole_loss)
     assert grads.keys() == whole.keys()
     for name_, want in whole.items():
@@ -144,3 +148,77 @@ def test_a_chunked_forward_saves_no_logits_for_backward():
     # region saves only its inputs, and backward recomputes the logits.
     assert _logits_saved_for_backward(1) >= BATCH * SEQ_LEN
     assert _logits_saved_for_backward(16) == 0
+
+
+def test_the_default_chunk_count_keeps_each_chunks_fp32_logits_within_64_mib():
+    assert auto_loss_chunks(8192, 128256) == 64  # Llama 3 8B at 8192: chunks of 128 tokens
+    assert 128 * 128256 * 4 <= 64 * 2**20
+    assert auto_loss_chunks(2048, 2048) == 1  # the debug model's 8 x 256 tokens: 16 MiB whole
+    assert auto_loss_chunks(3, 10**9) == 3  # never more chunks than tokens
+
+
+def _fake_head_peak(fused: bool, chunks: int, vocab: int = 4096, dim: int = 64, tokens: int = 256) -> int:
+    """Bytes the head holds at its peak above its inputs, forward and backward, fp32."""
+    with FakeTensorMode():
+        weight = torch.empty(vocab, dim, requires_grad=True)
+        hidden = torch.empty(1, tokens, dim, requires_grad=True)
+        labels = torch.zeros(1, tokens, dtype=torch.long)
+        tracker = MemTracker()
+        tracker.track_external(weight, hidden, labels)
+        with tracker:
+            before = tracker.get_tracker_snapshot("current")
+            loss = ChunkedLoss(cross_entropy_loss, chunks, fused)
+            loss(lambda h: F.linear(h, weight), hidden, labels, weight).backward()
+            peak = tracker.get_tracker_snapshot("peak")
+    device = next(iter(peak))
+    return peak[device]["Total"] - before.get(device, {}).get("Total", 0)
+
+
+def test_the_fused_head_holds_one_weight_gradient_and_one_chunks_logits():
+    vocab, dim, tokens, chunks = 4096, 64, 256, 16
+    weight_grad, hidden_grad, chunk_logits = vocab * dim * 4, tokens * dim * 4, tokens // chunks * vocab * 4
+    fused = _fake_head_peak(True, chunks)
+    # Autograd sums the generic path's per-chunk weight gradients out of place: three at once.
+    assert _fake_head_peak(False, chunks) >= 3 * weight_grad
+    assert weight_grad + hidden_grad <= fused <= weight_grad + hidden_grad + 2 * chunk_logits + 2**16
+
+
+def test_the_fused_loss_is_fp32_from_bf16_inputs_as_the_unchunked_loss():
+    torch.manual_seed(0)
+    hidden = torch.randn(96, 32).bfloat16()
+    weight = torch.randn(300, 32).bfloat16()
+    labels = torch.randint(0, 300, (96,))
+    got = LinearCrossEntropy.apply(hidden, weight, labels, 10)
+    want = cross_entropy_loss(F.linear(hidden, weight)[None], labels[None])
+    assert got.dtype == want.dtype == torch.float32
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_ignored_labels_count_for_nothing_in_the_fused_loss_and_its_gradients():
+    torch.manual_seed(0)
+    hidden = torch.randn(40, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (40,))
+    labels[::3] = IGNORE_INDEX
+    want = cross_entropy_loss(F.linear(hidden, weight)[None], labels[None])
+    want_grads = torch.autograd.grad(want, (hidden, weight))
+    got = LinearCrossEntropy.apply(hidden, weight, labels, 7)
+    got_grads = torch.autograd.grad(got, (hidden, weight))
+    assert got.item() == pytest.approx(want.item(), rel=RTOL)
+    for g, w in zip(got_grads, want_grads):
+        assert (g - w).norm() <= RTOL * w.norm()
+
+
+@pytest.mark.parametrize(
+    "loss_fn, fused, uses_fused",
+    [(cross_entropy_loss, True, True), (cross_entropy_loss, False, False),
+     (lambda logits, labels: cross_entropy_loss(logits, labels), True, False)],
+    ids=["stock loss", "fused off (pipeline parallelism)", "another loss"],
+)  # fmt: skip
+def test_the_fused_path_runs_only_for_the_stock_loss_when_allowed(monkeypatch, loss_fn, fused, uses_fused):
+    calls = []
+    monkeypatch.setattr(LinearCrossEntropy, "apply", lambda *args: calls.append(args) or torch.zeros(()))
+    model = _model("llama3")
+    tokens = _tokens(model.args.vocab_size)
+    model(tokens[:, :-1], tokens[:, 1:], ChunkedLoss(loss_fn, 4, fused))
+    assert bool(calls) == uses_fused

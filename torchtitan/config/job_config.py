@@ -163,10 +163,11 @@ class Training:
     )
     seq_len: int = opt(2048, "tokens per sequence", min=1)
     loss_chunks: int = opt(
-        16,
+        0,
         "token ranges the output head and loss run over, one at a time, each recomputed in "
-        "backward, so the whole logits never exist; 1 = the whole logits at once",
-        min=1,
+        "backward, so the whole logits never exist; 0 = as many as keep each chunk's fp32 "
+        "logits within 64 MiB (1 for a small vocabulary); 1 = the whole logits at once",
+        min=0,
     )
     max_norm: float = opt(1.0, "gradient clipping max global norm; 0 disables", min=0.0)
     steps: int = opt(10000, "optimizer steps to train", min=1)

@@ -128,10 +128,17 @@ class Transformer(nn.Module):
         if labels is None:
             return self.project(h)
         # Inside this forward, so that FSDP gathers the output weight once for all the chunks.
-        return loss(self.project, h, labels)
+        return loss(self.project, h, labels, self.linear_head_weight(), self.args.vocab_size)
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the final norm's output: the output projection, or the embedding when tied."""
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
+
+    def linear_head_weight(self) -> torch.Tensor | None:
+        """The weight `project` is a plain `F.linear` of (the fused loss head reads it), or None
+        when the output projection is something else (a float8 layer)."""
+        if self.output is None:
+            return self.tok_embeddings.weight
+        return self.output.weight if type(self.output) is nn.Linear else None
