@@ -232,7 +232,9 @@ MARKS = {
     for name, (_, marks) in {**PIPELINE_LAYOUTS, **CONTEXT_LAYOUTS, **OFFLOAD_LAYOUTS, **AUTO_LAYOUTS}.items()
 }
 # Compiled TP trains by default in test_parallelism.py (without loss parallel, and memory_budget).
-MARKS["TP 2 compiled"] = FULL
+MARKS["TP 2 compiled"] = MARKS["DeepSeek-V3 TP 2 compiled"] = FULL
+# 8 processes; EP x ETP runs by default on 4 ("Qwen3 MoE EP 2 x ETP 2").
+MARKS["Qwen3 MoE FSDP 4 x EP 2 x ETP 2"] = FULL
 
 _references: dict = {}
 
