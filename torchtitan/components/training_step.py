@@ -10,7 +10,7 @@ import torch.nn as nn
 from torchtitan.components.loss_head import ChunkedLoss
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.context_parallel import ContextParallel
+from torchtitan.distributed.context_parallel import ContextParallel, sharded_or_whole
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_helpers import plain_tensor
 from torchtitan.distributed.tensor_parallel import loss_context
@@ -100,9 +100,7 @@ def forward_backward(
     many, so FSDP's average over the ranks is the whole sequence's mean). Returns the detached
     scaled loss as a plain tensor on the device (no host sync).
     """
-    sharded = contextlib.nullcontext((inputs, labels))
-    if context_parallel is not None:
-        sharded = context_parallel.sharded(inputs, labels)
+    sharded = sharded_or_whole(context_parallel, inputs, labels)
     with sharded as (inputs, labels), loss_context(parallel_dims, job_config):
         with autocast_context(job_config, parallel_dims, inputs.device):
             loss = model(inputs, labels, loss_fn) / accum_steps

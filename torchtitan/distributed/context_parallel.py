@@ -146,6 +146,14 @@ class ContextParallelStep:
         return received.transpose(0, 1).reshape(b, cp * h, s // cp, d)
 
 
+def sharded_or_whole(context_parallel: ContextParallel | None, inputs: torch.Tensor, labels: torch.Tensor):
+    """`context_parallel.sharded(inputs, labels)`, or, without context parallelism, a context
+    that yields them as they are."""
+    if context_parallel is None:
+        return contextlib.nullcontext((inputs, labels))
+    return context_parallel.sharded(inputs, labels)
+
+
 def active_step() -> ContextParallelStep | None:
     """The micro-batch under context parallelism being run, or None."""
     return _active

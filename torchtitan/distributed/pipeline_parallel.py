@@ -6,7 +6,6 @@ with the output head. Every model family shares `split_module_names`; a stage is
 copy of the meta model (`prune_to_stage`), so each rank materializes only its own stages.
 """
 
-import contextlib
 import copy
 import math
 import re
@@ -30,7 +29,7 @@ from torch.distributed.pipelining.schedules import (
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.context_parallel import ContextParallel
+from torchtitan.distributed.context_parallel import ContextParallel, sharded_or_whole
 from torchtitan.distributed.tensor_helpers import plain_tensor
 
 KEY = "parallelism.pipeline_parallel_schedule"
@@ -333,10 +332,7 @@ class Pipeline:
         """`run` (the schedule's `step` or `eval`) on one batch: the first stage takes the inputs,
         the last the labels; returns the last stage's microbatch losses ([] elsewhere)."""
         losses: list[torch.Tensor] = []
-        sharded = contextlib.nullcontext((inputs, labels))
-        if self.context_parallel is not None:
-            sharded = self.context_parallel.sharded(inputs, labels)
-        with sharded as (inputs, labels):
+        with sharded_or_whole(self.context_parallel, inputs, labels) as (inputs, labels):
             # The last stage's forward computes the loss: it takes each microbatch's labels, and
             # the ChunkedLoss, as keyword arguments, which the schedule hands to every stage.
             loss_kwargs = {"labels": labels, "loss": self.loss_fn} if self.has_last_stage else {}
