@@ -683,7 +683,7 @@ def tracked_step(
     batch = _batch(cfg, device)
     tracker = make_tracker(model, optimizer, batch)
     with tracking(tracker), probing(model, cfg, parallel_dims, probe) as blocks:
-        loss_fn = build_chunked_loss(cfg, spec.build_loss_fn)
+        loss_fn = build_chunked_loss(cfg, spec.build_loss_fn, parallel_dims)
         train_step(cfg, parallel_dims, model, optimizer, loss_fn, spec.extra_loss_fn, batch, tracker)
     snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
     return _with_offloaded(snapshot, model, cfg, parallel_dims) | ({BLOCKS: blocks} if probe else {})
@@ -891,7 +891,7 @@ def tracked_pipeline_step(
     _prime_optimizer(model, optimizer)
     batch = _batch(cfg, device)
     accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
-    loss_fn = build_chunked_loss(cfg, spec.build_loss_fn)
+    loss_fn = build_chunked_loss(cfg, spec.build_loss_fn, parallel_dims)
     # Under CP a stage's microbatch is this rank's share of each sequence.
     first_inputs = batch[0][:, : cfg.training.seq_len // parallel_dims.cp]
     pipeline = Pipeline(

@@ -115,7 +115,7 @@ class Trainer:
             lambda: self.spec.build_dataloader_fn(cfg, self.tokenizer, dp_rank, dp_degree)
         )
 
-        self.loss_fn = build_chunked_loss(cfg, self.spec.build_loss_fn)
+        self.loss_fn = build_chunked_loss(cfg, self.spec.build_loss_fn, self.parallel_dims)
         self.context_parallel = ContextParallel.from_config(cfg, self.parallel_dims, self.model_args)
         self.pipeline: Pipeline | None = None
         self.whole_model_shapes = None  # under PP, where this rank's model is a part of it

@@ -18,8 +18,15 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_loss
-from torchtitan.components.loss_head import ChunkedLoss, LinearCrossEntropy, auto_loss_chunks
+from torchtitan.components.loss import IGNORE_INDEX, build_cross_entropy_loss, cross_entropy_loss
+from torchtitan.components.loss_head import (
+    ChunkedLoss,
+    LinearCrossEntropy,
+    auto_loss_chunks,
+    build_chunked_loss,
+)
+from torchtitan.config.manager import parse_args
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.deepseek_v3 import deepseek_v3_flavors
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 from torchtitan.models.llama3 import llama3_flavors
@@ -222,3 +229,17 @@ def test_the_fused_path_runs_only_for_the_stock_loss_when_allowed(monkeypatch, l
     tokens = _tokens(model.args.vocab_size)
     model(tokens[:, :-1], tokens[:, 1:], ChunkedLoss(loss_fn, 4, fused))
     assert bool(calls) == uses_fused
+
+
+@pytest.mark.parametrize(
+    "argv, dims, shards, fused",
+    [([], ParallelDims(1, 8, 1, 8), 1, True),
+     (["--parallelism.tensor_parallel_degree", "8"], ParallelDims(1, 1, 8, 8), 8, True),
+     (["--parallelism.tensor_parallel_degree", "8", "--parallelism.disable_loss_parallel"],
+      ParallelDims(1, 1, 8, 8), 1, True),
+     (["--parallelism.pipeline_parallel_degree", "2"], ParallelDims(1, 4, 1, 8, pp=2), 1, False)],
+    ids=["fsdp", "tp, loss parallel", "tp, gathered logits", "pp"],
+)  # fmt: skip
+def test_the_runs_chunked_loss_sizes_chunks_by_a_ranks_logits_and_fuses_outside_pp(argv, dims, shards, fused):
+    loss = build_chunked_loss(parse_args(argv, env={}), build_cross_entropy_loss, dims)
+    assert (loss.vocab_shards, loss.fused, loss.chunks) == (shards, fused, 0)

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_loss
 from torchtitan.distributed.activation_checkpoint import recompute_in_backward
+from torchtitan.distributed.tensor_parallel import loss_parallel_enabled
 
 # With `training.loss_chunks = 0` each chunk holds at most this many logits (64 MiB in fp32).
 AUTO_CHUNK_LOGITS = 2**24
@@ -47,6 +48,8 @@ class ChunkedLoss:
         fused: whether `LinearCrossEntropy` may run the chunks (see `__call__`). The trainer
             turns it off under pipeline parallelism, whose schedules may split a backward in
             two passes.
+        vocab_shards: the ranks each chunk's logits are split over (the TP degree under loss
+            parallelism, else 1); `chunks` 0 sizes the chunks by a rank's share.
 
     Each chunk's loss is weighted by its share of the tokens, so the sum is the mean over every
     token, whatever the chunk sizes. The output weight is read once per chunk, in forward and
@@ -62,8 +65,8 @@ class ChunkedLoss:
         token) again.
     """
 
-    def __init__(self, loss_fn: Callable, chunks: int = 1, fused: bool = True):
-        self.loss_fn, self.chunks, self.fused = loss_fn, chunks, fused
+    def __init__(self, loss_fn: Callable, chunks: int = 1, fused: bool = True, vocab_shards: int = 1):
+        self.loss_fn, self.chunks, self.fused, self.vocab_shards = loss_fn, chunks, fused, vocab_shards
 
     def __call__(
         self,
@@ -86,7 +89,7 @@ class ChunkedLoss:
         """
         tokens = labels.numel()
         vocab_size = vocab_size or (linear_weight.shape[0] if linear_weight is not None else None)
-        chunks = self.chunks or auto_loss_chunks(tokens, vocab_size)
+        chunks = self.chunks or auto_loss_chunks(tokens, vocab_size // self.vocab_shards)
         chunks = min(chunks, tokens)
         if chunks == 1:
             return self.loss_fn(project(hidden), labels)
@@ -178,11 +181,12 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None
 
 
-def build_chunked_loss(job_config, build_loss_fn: Callable) -> ChunkedLoss:
+def build_chunked_loss(job_config, build_loss_fn: Callable, parallel_dims) -> ChunkedLoss:
     """The run's `ChunkedLoss`: the spec's loss (`build_loss_fn(job_config)`) over
     `training.loss_chunks` chunks, fused unless under pipeline parallelism."""
-    pipelined = job_config.parallelism.pipeline_parallel_degree > 1
-    return ChunkedLoss(build_loss_fn(job_config), job_config.training.loss_chunks, fused=not pipelined)
+    shards = parallel_dims.tp if loss_parallel_enabled(parallel_dims, job_config) else 1
+    loss_fn, chunks = build_loss_fn(job_config), job_config.training.loss_chunks
+    return ChunkedLoss(loss_fn, chunks, fused=not parallel_dims.pp_enabled, vocab_shards=shards)
 
 
 def _chunk_sizes(tokens: int, chunks: int) -> list[int]:
