@@ -166,7 +166,7 @@ class Training:
         0,
         "token ranges the output head and loss run over, one at a time, each recomputed in "
         "backward, so the whole logits never exist; 0 = as many as keep each chunk's fp32 "
-        "logits within 64 MiB (1 for a small vocabulary); 1 = the whole logits at once",
+        "logits within 64 MiB per rank (1 for a small vocabulary); 1 = the whole logits at once",
         min=0,
     )
     max_norm: float = opt(1.0, "gradient clipping max global norm; 0 disables", min=0.0)
