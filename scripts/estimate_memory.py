@@ -100,7 +100,7 @@ from torchtitan.config.job_config import model_compile_enabled
 from torchtitan.distributed.ac_planner import BLOCK_CHOICES, BlockCost, BlockPlan, RankCosts, solve
 from torchtitan.distributed.activation_checkpoint import fixed_mode, format_block_plan, nothing_fits
 from torchtitan.distributed.activation_offload import offloaders_in
-from torchtitan.distributed.context_parallel import ContextParallel
+from torchtitan.distributed.context_parallel import ContextParallel, sharded_or_whole
 from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.expert_parallel import is_ep_local
 from torchtitan.distributed.grad_norm import clip_grad_norm_
@@ -892,13 +892,14 @@ def tracked_pipeline_step(
     batch = _batch(cfg, device)
     accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
     loss_fn = build_chunked_loss(cfg, spec.build_loss_fn, parallel_dims)
+    context_parallel = context_parallel_of(cfg, parallel_dims)
     # Under CP a stage's microbatch is this rank's share of each sequence.
-    first_inputs = batch[0][:, : cfg.training.seq_len // parallel_dims.cp]
+    with sharded_or_whole(context_parallel, *batch) as (first_inputs, _):
+        io = None if embedding is None else stage_io(cfg, plan, embedding, first_inputs, device)
     pipeline = Pipeline(
         plan, stages, loss_fn, parallel_dims.submesh("pp").get_group(), device,
         plan.n_microbatches * accum_steps, cfg.parallelism.pipeline_parallel_schedule_csv,
-        stage_io=None if embedding is None else stage_io(cfg, plan, embedding, first_inputs, device),
-        context_parallel=context_parallel_of(cfg, parallel_dims),
+        stage_io=io, context_parallel=context_parallel,
     )  # fmt: skip
     tracker = make_tracker(model, optimizer, batch)
     with tracking(tracker), probing(model, cfg, parallel_dims, probe) as blocks:

@@ -35,7 +35,7 @@ from tests.integration.workers import shut_down
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed import grad_norm
 from torchtitan.distributed.context_parallel import ContextParallel
-from torchtitan.distributed.expert_parallel import expert_parallel_params, full_expert_tensor
+from torchtitan.distributed.expert_parallel import expert_parallel_params, full_expert_tensor, routed_experts
 from torchtitan.distributed.rank_agreement import mean_and_max_over_ranks
 from torchtitan.tools.fqn import clean_fqn
 from torchtitan.tools.logging import init_logger
@@ -140,9 +140,8 @@ def plant(bug: str, trainer: Trainer) -> None:
 
         ContextParallel.gathered_positions = in_rank_order
     elif bug == "experts-mean-without-cp":
-        for module in model.modules():
-            if hasattr(module, "_ep_hooks"):
-                module._ep_hooks.data_ranks //= trainer.parallel_dims.cp
+        for experts in routed_experts(model):
+            experts._ep_hooks.data_ranks //= trainer.parallel_dims.cp
     elif bug != "none":
         raise ValueError(f"unknown bug to plant: {bug}")
 
