@@ -16,8 +16,13 @@ the trainer's step at table 1's batch and seq_len) and puts the plan beside that
 plan's peak and recompute FLOPs per step (`scripts/estimate_memory.py --plan`'s measurements),
 and step times timed as in table 1, interleaved, relative to the fixed mode.
 
+Table 5 fits mode "auto"'s host prices (`auto_host_us_per_op`, `auto_host_us_per_rerun`): each
+block choice on every block of the debug model, timed as in table 1 (run it with a tiny batch
+and seq_len, so that kernels cost next to nothing), against the host ops and region reruns
+that `RecomputeCost` counts.
+
     python benchmarks/activation_checkpoint.py [--batch 2] [--seq-len 1024] [--rounds 3]
-        [--steps-per-round 3] [--warmup 2] [--tables 1,2,3,4]
+        [--steps-per-round 3] [--warmup 2] [--tables 1,2,3,4,5]
 """
 
 import argparse
@@ -27,6 +32,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -41,6 +47,7 @@ from torchtitan.models.llama3.model import Transformer, TransformerBlock
 from torchtitan.models.llama3.parallelize import LLAMA3_SAVE_LIST, parallelize_llama
 from torchtitan.models.rope import precompute_rope_cache
 from torchtitan.tools.activation_memory import bytes_held_for_backward, bytes_saved_for_backward
+from torchtitan.tools.op_counter import RecomputeCost
 
 MODES = {
     "none": ActivationCheckpoint(mode="none"),
@@ -319,6 +326,60 @@ def auto_table(cli) -> list[str]:
     return lines
 
 
+HOST_CHOICES = ("none", "regions", "op", "full")
+
+
+def host_cost_table(cli) -> list[str]:
+    """Mode "auto"'s host prices, fitted: per block choice, the host time per layer over no AC
+    (the debug model at table 1's batch and seq_len, which should be tiny so that kernels cost
+    next to nothing), beside the ops and region reruns `RecomputeCost` counts for it."""
+    args = replace(llama3_flavors["debugmodel"], max_seq_len=cli.seq_len)
+    tokens = torch.randint(
+        0, args.vocab_size, (cli.batch, cli.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
+    plans = {
+        c: ActivationCheckpoint(mode="auto", auto_plan=f"{c}:0-{args.n_layers - 1}") for c in HOST_CHOICES
+    }
+    runs = {c: ModeRun(build_model(args, ac), tokens) for c, ac in plans.items()}
+    counts = {}
+    for choice, run in runs.items():
+        blocks = {int(name): block for name, block in run.model.layers.named_children()}
+        with RecomputeCost(blocks) as cost:
+            run.step(record=False)
+        host_ops = sum(cost.ops.values()) + sum(cost.sac_ops.values())
+        counts[choice] = (host_ops / args.n_layers, sum(cost.runs.values()) / args.n_layers)
+        for _ in range(cli.warmup):
+            run.step(record=False)
+    _timed_rounds(runs, cli)
+    base = statistics.median(runs["none"].times)
+    per_layer_ms = {c: 1e3 * (statistics.median(runs[c].times) - base) / args.n_layers for c in HOST_CHOICES}
+    rows = [c for c in HOST_CHOICES if c != "none"]
+    (us_per_op, us_per_rerun), *_ = np.linalg.lstsq(
+        np.array([counts[c] for c in rows]), np.array([1e3 * per_layer_ms[c] for c in rows]), rcond=None
+    )
+    default = ActivationCheckpoint()
+    lines = [
+        f"Llama 3 debugmodel, batch {cli.batch} x {cli.seq_len}, fp32, CPU ({torch.get_num_threads()} "
+        f"threads), median of {cli.rounds * cli.steps_per_round} steps, torch {torch.__version__}",
+        "",
+        "| choice | host ops / layer | reruns / layer | measured ms / layer over none | fitted model | "
+        "model at the defaults |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in rows:
+        ops, reruns = counts[c]
+        fitted = (ops * us_per_op + reruns * us_per_rerun) / 1e3
+        at_default = (ops * default.auto_host_us_per_op + reruns * default.auto_host_us_per_rerun) / 1e3
+        lines.append(_row(c, [f"{ops:.0f}", f"{reruns:.0f}", f"{per_layer_ms[c]:.2f}", f"{fitted:.2f}",
+                              f"{at_default:.2f}"]))  # fmt: skip
+    lines.append(
+        f"\nFitted: {us_per_op:.1f} µs per op, {us_per_rerun:.0f} µs per rerun (defaults "
+        f"auto_host_us_per_op {default.auto_host_us_per_op:g}, auto_host_us_per_rerun "
+        f"{default.auto_host_us_per_rerun:g})."
+    )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=2)
@@ -326,11 +387,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--tables", default="1,2,3,4", help="which tables, e.g. 3 or 1,2")
+    parser.add_argument("--tables", default="1,2,3,4,5", help="which tables, e.g. 3 or 1,2")
     cli = parser.parse_args()
     tables = {"2": block_8b_table, "1": lambda: debug_model_table(cli), "3": lambda: compiled_table(cli),
-              "4": lambda: auto_table(cli)}  # fmt: skip
-    wanted = [t for t in ("2", "1", "3", "4") if t in cli.tables.split(",")]
+              "4": lambda: auto_table(cli), "5": lambda: host_cost_table(cli)}  # fmt: skip
+    wanted = [t for t in ("2", "1", "3", "4", "5") if t in cli.tables.split(",")]
     for index, table in enumerate(wanted):
         print(("\n" if index else "") + "\n".join(tables[table]()), flush=True)
 

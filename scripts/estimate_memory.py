@@ -22,8 +22,9 @@ unsharded copies, in `training.mixed_precision_param`, that FSDP all-gathers for
 `--all-ac-modes`: one column per activation-checkpointing mode (none, full, selective op,
 selective 2). A config mistake prints one message and exits with code 2.
 
-With `--plan --budget-gib GIB` it plans AC mode "auto" instead: per block none, op-SAC or full
-AC, the least recompute whose peak fits GIB per rank (`plan_to_budget`; docs/ac_auto.md).
+With `--plan --budget-gib GIB` it plans AC mode "auto" instead: per block none, cheap regions,
+op-SAC or full AC, the least modelled recompute time whose peak fits GIB per rank
+(`plan_to_budget`; docs/ac_auto.md).
 
 With `--max-seq-len GIB` it searches instead, per AC mode, the longest `training.seq_len` whose
 peak fits GIB per rank (`longest_seq_len`). Under context parallelism each rank runs its share of
@@ -86,7 +87,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
-from torchtitan.components.ac_auto import DEFAULT_TFLOPS
+from torchtitan.components.ac_auto import DEFAULT_TFLOPS, recompute_rates
 from torchtitan.components.loss_head import build_chunked_loss
 from torchtitan.components.optimizer import OptimizerInBackward, check_early_step_in_backward
 from torchtitan.components.training_step import (
@@ -97,7 +98,15 @@ from torchtitan.components.training_step import (
 )
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig, parse_args
 from torchtitan.config.job_config import model_compile_enabled
-from torchtitan.distributed.ac_planner import BLOCK_CHOICES, BlockCost, BlockPlan, RankCosts, solve
+from torchtitan.distributed.ac_planner import (
+    BLOCK_CHOICES,
+    BlockCost,
+    BlockPlan,
+    RankCosts,
+    Recompute,
+    plan_of,
+    solve,
+)  # fmt: skip
 from torchtitan.distributed.activation_checkpoint import fixed_mode, format_block_plan, nothing_fits
 from torchtitan.distributed.activation_offload import offloaders_in
 from torchtitan.distributed.context_parallel import ContextParallel, sharded_or_whole
@@ -116,10 +125,16 @@ from torchtitan.distributed.pipeline_parallel import (
 )
 from torchtitan.models import attention, get_train_spec
 from torchtitan.models.moe import MoE
-from torchtitan.preflight import build_meta_model, build_parallelized_model, build_pipeline_stages, fake_world
+from torchtitan.preflight import (
+    build_meta_model,
+    build_parallelized_model,
+    build_pipeline_stages,
+    fake_world,
+    reusing_fake_worlds,
+)  # fmt: skip
 from torchtitan.protocols.train_spec import import_custom_module
 from torchtitan.tools.activation_memory import held_per_block
-from torchtitan.tools.op_counter import RecomputeFlops
+from torchtitan.tools.op_counter import RecomputeCost
 
 GiB = 2**30
 
@@ -145,8 +160,8 @@ ROWS = {
 TOTAL = "peak total"
 # Not part of the peak: the bytes activation offload sends to the host in one step (and back).
 OFFLOADED = "offloaded to host per step"
-# Not a row: with `probe`, per block the bytes one forward holds for backward and the FLOPs the
-# step recomputes in it (`probing`).
+# Not a row: with `probe`, per block the bytes one forward holds for backward and what the step
+# recomputes in it (`probing`).
 BLOCKS = "blocks"
 # PCIe Gen5 x16's peak per direction; real pinned copies reach somewhat less.
 DEFAULT_OFFLOAD_GBPS = 64.0
@@ -237,8 +252,9 @@ def parse_cli(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
         "--tflops",
         type=positive_float,
         metavar="TFLOPS",
-        help="with --plan: recompute throughput for the table's milliseconds (default: "
-        f"activation_checkpoint.auto_tflops, or {DEFAULT_TFLOPS:g})",
+        help="with --plan: the math throughput that prices recompute (default: "
+        f"activation_checkpoint.auto_tflops, or {DEFAULT_TFLOPS:g}); the other prices are the "
+        "activation_checkpoint.auto_* keys",
     )
     parser.add_argument("--plan-out", metavar="PATH", help="with --plan: also write the plan as JSON to PATH")
     args, rest = parser.parse_known_args(argv)
@@ -700,20 +716,23 @@ def _with_offloaded(snapshot: dict, model, cfg: JobConfig, parallel_dims: Parall
 @contextlib.contextmanager
 def probing(model: torch.nn.Module, cfg: JobConfig, parallel_dims: ParallelDims, enabled: bool):
     """With `enabled`, measure every block of `model.layers` over the step: yields a dict, filled
-    on exit, block index (a string, as JSON keeps it) -> [bytes one forward holds for backward
-    (`held_per_block`), FLOPs the step recomputes in the block (`RecomputeFlops`, scaled from
-    the measured micro-batches to all of the step's)]. What the mode "auto" planner needs."""
+    on exit, block index (a string, as JSON keys are) -> [bytes one forward holds for backward
+    (`held_per_block`), then what the step recomputes in the block (`RecomputeCost`): FLOPs,
+    element-wise bytes, host ops, region reruns], the step's counts scaled from the measured
+    micro-batches to all of the step's. What the mode "auto" planner needs."""
     if not enabled:
         yield None
         return
     blocks = {int(name): block for name, block in model.layers.named_children()}
     measured: dict[str, list[int]] = {}
-    with held_per_block(blocks) as held, RecomputeFlops(blocks) as recompute:
+    with held_per_block(blocks) as held, RecomputeCost(blocks) as recompute:
         yield measured
     accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
+    counts = (recompute.flops, recompute.memory_bytes, recompute.ops, recompute.runs)
     for index in blocks:
-        flops = recompute.flops.get(index, 0) * accum_steps // min(accum_steps, 2)
-        measured[str(index)] = [held.get(index, 0), flops]
+        per_step = [n.get(index, 0) * accum_steps // min(accum_steps, 2) for n in counts]
+        per_step[2] += recompute.sac_ops.get(index, 0) * accum_steps // min(accum_steps, 2)
+        measured[str(index)] = [held.get(index, 0), *per_step]
 
 
 def breakdown(snapshot: dict) -> dict[str, int]:
@@ -1007,8 +1026,9 @@ def rank_costs(
     cfg: JobConfig, ngpu: int, ep_imbalance: float = 1.0, budget: int | None = None
 ) -> list[RankCosts]:  # fmt: skip
     """The planner's measurements (`RankCosts`), one per pipeline rank (one without pipelining),
-    from fake-mode steps with every block at "none", at "op", at "full": each twice, since the
-    probe's dispatch modes shift the peak by a few MiB (probed: the blocks; plain: the peak).
+    from fake-mode steps with every block at each of `BLOCK_CHOICES`: each twice, since the
+    probe's dispatch modes can shift the peak by a few MiB (probed: the blocks; plain: the
+    peak). Their recompute is priced at the config's `auto_*` rates (`recompute_rates`).
 
     Raises:
         NothingFits: with a `budget` that full AC's peak exceeds on some rank (checked first).
@@ -1020,7 +1040,9 @@ def rank_costs(
         if budget is not None and full[_column("full", label)][TOTAL] > budget:
             raise nothing_fits(budget, full[_column("full", label)][TOTAL], label)
     probed = estimate_configs(configs, ngpu, ep_imbalance, probe=True)
-    plain = full | estimate_configs({c: configs[c] for c in ("none", "op")}, ngpu, ep_imbalance)
+    others = {c: configs[c] for c in BLOCK_CHOICES if c != "full"}
+    plain = full | estimate_configs(others, ngpu, ep_imbalance)
+    rates = recompute_rates(ac)
     costs = []
     for label in _pp_labels(cfg):
         runs = {choice: probed[_column(choice, label)][BLOCKS] for choice in BLOCK_CHOICES}
@@ -1028,12 +1050,12 @@ def rank_costs(
             BlockCost(
                 int(index),
                 held={c: runs[c][index][0] for c in BLOCK_CHOICES},
-                recompute={c: runs[c][index][1] for c in BLOCK_CHOICES},
+                recompute={c: Recompute(*runs[c][index][1:]) for c in BLOCK_CHOICES},
             )
             for index in sorted(runs["none"], key=int)
         )
         peaks = {c: plain[_column(c, label)][TOTAL] for c in BLOCK_CHOICES}
-        costs.append(RankCosts(label, peaks, blocks))
+        costs.append(RankCosts(label, peaks, blocks, rates))
     return costs
 
 
@@ -1078,20 +1100,7 @@ def plan_to_budget(
     else:
         worst = max(over, key=over.get)
         raise nothing_fits(budget, measured[worst], worst, measured=True)
-    ranks = {
-        c.label: {
-            "estimated": c.estimated_peak(choices), "measured": measured[c.label],
-            "recompute_flops": c.recompute_flops(choices),
-            "full_flops_recompute": c.recompute_flops({b.index: "full" for b in c.blocks}),
-        }
-        for c in costs
-    }  # fmt: skip
-    saving = {b.index: {ch: round(c.saving(b, ch)) for ch in BLOCK_CHOICES} for c in costs for b in c.blocks}
-    recompute = {
-        b.index: {ch: b.recompute_flops(ch) for ch in BLOCK_CHOICES} for c in costs for b in c.blocks
-    }
-    return BlockPlan(choices=dict(sorted(choices.items())), budget=budget, ranks=ranks, saving=saving,
-                     recompute=recompute)  # fmt: skip
+    return plan_of(costs, choices, budget, measured)
 
 
 def plan_command(cfg: JobConfig, args: argparse.Namespace) -> str:
@@ -1102,18 +1111,20 @@ def plan_command(cfg: JobConfig, args: argparse.Namespace) -> str:
             "--plan needs the memory per rank: give --budget-gib GIB (or "
             "activation_checkpoint.auto_memory_gib)."
         )
+    if args.tflops:
+        ac = dataclasses.replace(cfg.activation_checkpoint, auto_tflops=args.tflops)
+        cfg = dataclasses.replace(cfg, activation_checkpoint=ac)
     plan = plan_to_budget(cfg, args.ngpu, round(gib * GiB), args.ep_imbalance)
     if args.plan_out:
         Path(args.plan_out).write_text(plan.to_json())
-    tflops = args.tflops or cfg.activation_checkpoint.auto_tflops or DEFAULT_TFLOPS
-    return plan_report(cfg, args.ngpu, plan, tflops, args.ep_imbalance)
+    return plan_report(cfg, args.ngpu, plan, args.ep_imbalance)
 
 
-def plan_report(cfg: JobConfig, ngpu: int, plan: BlockPlan, tflops: float, ep_imbalance: float = 1.0) -> str:
+def plan_report(cfg: JobConfig, ngpu: int, plan: BlockPlan, ep_imbalance: float = 1.0) -> str:
     """The title, the plan's `auto_plan` string and its table."""
     return (
         f"Activation checkpointing plan (mode auto) within {plan.budget / GiB:g} GiB per rank: "
-        f'{describe(cfg, ngpu, ep_imbalance)}\n\nauto_plan = "{plan.spec}"\n\n{plan.table(tflops)}'
+        f'{describe(cfg, ngpu, ep_imbalance)}\n\nauto_plan = "{plan.spec}"\n\n{plan.table()}'
     )
 
 
@@ -1169,6 +1180,11 @@ def describe_stages(cfg: JobConfig) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """Print the estimate as Markdown; on a config mistake print it and exit 2."""
     argv = sys.argv[1:] if argv is None else argv
+    with reusing_fake_worlds():
+        _main(argv)
+
+
+def _main(argv: list[str]) -> None:
     try:
         args, cfg = parse_cli(argv)
         import_custom_module(cfg.job.custom_import)

@@ -12,7 +12,15 @@ import torch
 from tests.model_testing import next_token_loss_and_grads, tiny_deepseek_v3, tiny_llama3, tiny_qwen3
 from torchtitan.components import ac_auto
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig
-from torchtitan.distributed.ac_planner import BLOCK_CHOICES, BlockCost, BlockPlan, RankCosts, solve
+from torchtitan.distributed.ac_planner import (
+    BLOCK_CHOICES,
+    BlockCost,
+    BlockPlan,
+    RankCosts,
+    Recompute,
+    RecomputeRates,
+    solve,
+)
 from torchtitan.distributed.activation_checkpoint import (
     ACFacts,
     NothingFits,
@@ -24,7 +32,7 @@ from torchtitan.distributed.activation_checkpoint import (
 )
 from torchtitan.models.moe import MoEArgs
 from torchtitan.tools.activation_memory import bytes_held_for_backward
-from torchtitan.tools.op_counter import RecomputeFlops
+from torchtitan.tools.op_counter import OpCounter, RecomputeCost
 
 MiB = 2**20
 GRANULE = MiB
@@ -135,17 +143,26 @@ def test_a_mixed_plan_gives_the_no_ac_loss_and_gradients(family, spec):
 # ----- the solver -----------------------------------------------------------------------------
 
 
-def _costs(blocks: list[tuple[int, int, int, int, int]], in_flight: float = 1, label: str = "") -> RankCosts:
-    """Blocks as (held none, held op, held full, op recompute, full recompute), in MiB and FLOPs;
-    the peaks follow from them with 100 MiB of other memory and `in_flight` forwards held at once
-    (a pipeline rank's microbatches; below 1 where a probe counts bytes the peak never sees)."""
-    costs = tuple(
-        BlockCost(i, held={"none": n * MiB, "op": o * MiB, "full": f * MiB},
-                  recompute={"none": 0, "op": ro, "full": rf})
-        for i, (n, o, f, ro, rf) in enumerate(blocks)
-    )  # fmt: skip
+# Prices that make a block's recompute time its FLOPs, in seconds.
+FLOPS_AS_SECONDS = RecomputeRates(tflops=1e-12, memory_gbps=1.0, host_us_per_op=0.0, host_us_per_rerun=0.0)
+
+
+def _costs(blocks: list[tuple[int, ...]], in_flight: float = 1, label: str = "") -> RankCosts:
+    """Blocks as (held none, held op, held full, op recompute, full recompute), in MiB and FLOPs,
+    optionally followed by (held regions, regions recompute), else regions saves nothing and
+    costs 1; the peaks follow from them with 100 MiB of other memory and `in_flight` forwards
+    held at once (a pipeline rank's microbatches; below 1 where a probe counts bytes the peak
+    never sees). A block's recompute time is its FLOPs (`FLOPS_AS_SECONDS`)."""
+    costs = []
+    for i, (n, o, f, ro, rf, *regions) in enumerate(blocks):
+        r, rr = regions or (n, 1)
+        costs.append(
+            BlockCost(i, held={"none": n * MiB, "regions": r * MiB, "op": o * MiB, "full": f * MiB},
+                      recompute={"none": Recompute(), "regions": Recompute(rr), "op": Recompute(ro),
+                                 "full": Recompute(rf)})
+        )  # fmt: skip
     peak = {c: 100 * MiB + round(in_flight * sum(b.held[c] for b in costs)) for c in BLOCK_CHOICES}
-    return RankCosts(label, peak, costs)
+    return RankCosts(label, peak, tuple(costs), FLOPS_AS_SECONDS)
 
 
 def _random_costs(seed: int, n: int = 6, in_flight: int = 1) -> RankCosts:
@@ -155,48 +172,67 @@ def _random_costs(seed: int, n: int = 6, in_flight: int = 1) -> RankCosts:
         none = rng.randint(20, 60)
         op, full = rng.randint(5, none - 5), rng.randint(0, 4)
         op_flops = rng.randint(1, 50)
-        blocks.append((none, op, full, op_flops, op_flops + rng.randint(1, 80)))
+        regions = rng.randint(op + 1, none)
+        blocks.append(
+            (none, op, full, op_flops, op_flops + rng.randint(1, 80), regions, rng.randint(0, op_flops))
+        )
     return _costs(blocks, in_flight)
 
 
-def _brute_force(costs: RankCosts, budget: int) -> int:
-    """The least recompute over every plan whose modelled peak fits, by enumeration."""
+def _brute_force(costs: RankCosts, budget: int) -> float:
+    """The least recompute time over every plan whose modelled peak fits, by enumeration."""
     best = None
     for combo in itertools.product(BLOCK_CHOICES, repeat=len(costs.blocks)):
         choices = {b.index: c for b, c in zip(costs.blocks, combo)}
         if costs.estimated_peak(choices) <= budget:
-            flops = costs.recompute_flops(choices)
-            best = flops if best is None else min(best, flops)
+            seconds = costs.recompute_seconds(choices)
+            best = seconds if best is None else min(best, seconds)
     return best
 
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("in_flight", [0.4, 1, 3])
-def test_the_solver_finds_the_least_recompute_that_fits_as_enumeration_does(seed, in_flight):
+def test_the_solver_finds_the_least_recompute_time_that_fits_as_enumeration_does(seed, in_flight):
     costs = _random_costs(seed, in_flight=in_flight)
     for fraction in (0.0, 0.2, 0.5, 0.8, 1.0):
         budget = round(costs.peak["full"] + fraction * (costs.peak["none"] - costs.peak["full"]))
         choices = solve(costs, budget)
         assert costs.estimated_peak(choices) <= budget
-        assert costs.recompute_flops(choices) == _brute_force(costs, budget), (seed, fraction)
+        assert costs.recompute_seconds(choices) == pytest.approx(_brute_force(costs, budget)), (
+            seed,
+            fraction,
+        )
 
 
-@pytest.mark.parametrize("choice", ["op", "full"])
+@pytest.mark.parametrize("choice", ["regions", "op", "full"])
 def test_at_a_uniform_plans_own_peak_the_solver_recomputes_no_more_than_it(choice):
     # Savings split into thirds of a unit: rounding down alone would miss the uniform plan.
-    costs = _costs([(40, 13, 3, 7, 11)] * 3 + [(35, 11, 2, 6, 10)] * 4)
+    costs = _costs([(40, 13, 3, 7, 11, 31, 2)] * 3 + [(35, 11, 2, 6, 10, 28, 2)] * 4)
     uniform = dict.fromkeys(range(7), choice)
     choices = solve(costs, costs.peak[choice])
     assert costs.estimated_peak(choices) <= costs.peak[choice]
-    assert costs.recompute_flops(choices) <= costs.recompute_flops(uniform)
+    assert costs.recompute_seconds(choices) <= costs.recompute_seconds(uniform)
 
 
-def test_a_larger_budget_never_plans_more_recompute():
+def test_a_larger_budget_never_plans_more_recompute_time():
     costs = _random_costs(11, n=24)
     budgets = range(costs.peak["full"], costs.peak["none"] + 4 * GRANULE, 7 * GRANULE)
-    recompute = [costs.recompute_flops(solve(costs, budget)) for budget in budgets]
+    recompute = [costs.recompute_seconds(solve(costs, budget)) for budget in budgets]
     assert recompute == sorted(recompute, reverse=True)
     assert recompute[0] > 0 and recompute[-1] == 0
+
+
+def test_host_time_can_make_full_ac_cheaper_than_op_sac():
+    # op-SAC recomputes half full AC's FLOPs but dispatches four times its ops: at 1 µs per op
+    # and 10 ms for the FLOPs of full AC, op costs 5 + 8 ms and full 10 + 2 ms.
+    rates = RecomputeRates(tflops=1.0, memory_gbps=1.0, host_us_per_op=1000.0, host_us_per_rerun=0.0)
+    op, full = Recompute(flops=5 * 10**9, host_ops=8), Recompute(flops=10**10, host_ops=2)
+    assert rates.seconds(op) == pytest.approx(0.013) and rates.seconds(full) == pytest.approx(0.012)
+    held = {"none": 40 * MiB, "regions": 40 * MiB, "op": 10 * MiB, "full": 2 * MiB}
+    block = BlockCost(0, held, {"none": Recompute(), "regions": Recompute(), "op": op, "full": full})
+    peak = {c: 100 * MiB + block.held[c] for c in BLOCK_CHOICES}
+    costs = RankCosts("", peak, (block,), rates)
+    assert solve(costs, peak["op"]) == {0: "full"}
 
 
 def test_a_budget_below_full_ac_is_refused_with_its_peak_and_what_to_change():
@@ -230,10 +266,11 @@ def test_each_choice_saves_what_the_peaks_say_shared_by_the_bytes_each_block_hol
 
 
 def _plan(spec_choices: dict[int, str], fingerprint: str) -> BlockPlan:
+    zeros = {i: dict.fromkeys(BLOCK_CHOICES, 0) for i in spec_choices}
     return BlockPlan(
         choices=spec_choices, budget=GRANULE, ranks={"": {"estimated": 1, "measured": 1, "recompute_flops": 0,
-        "full_flops_recompute": 0}}, saving={i: dict.fromkeys(BLOCK_CHOICES, 0) for i in spec_choices},
-        recompute={i: dict.fromkeys(BLOCK_CHOICES, 0) for i in spec_choices}, fingerprint=fingerprint,
+        "recompute_ms": 0.0, "full_recompute_ms": 0.0}}, saving=zeros, recompute=zeros, recompute_ms=zeros,
+        rates=FLOPS_AS_SECONDS.describe(), fingerprint=fingerprint,
     )  # fmt: skip
 
 
@@ -267,12 +304,41 @@ def test_a_resume_takes_the_saved_plan_and_a_changed_layout_plans_again(tmp_path
     first = ac_auto.resolve_auto_plan(cfg, 1, 0, torch.device("cpu"))
     assert first.activation_checkpoint.auto_plan == "op:0; full:1"
     saved = json.loads((tmp_path / ac_auto.PLAN_FILE).read_text())
-    assert saved["fingerprint"] == ac_auto.layout_fingerprint(cfg, 1, GRANULE * 1024)
+    priced = ac_auto.with_rates_of(cfg, torch.device("cpu"))
+    assert saved["fingerprint"] == ac_auto.layout_fingerprint(priced, 1, GRANULE * 1024)
     ac_auto.resolve_auto_plan(cfg, 1, 0, torch.device("cpu"))
     assert len(planned) == 1
     cfg.training.seq_len *= 2
     ac_auto.resolve_auto_plan(cfg, 1, 0, torch.device("cpu"))
     assert len(planned) == 2
+
+
+def _plan_slowly_on_rank_0(rank: int, folder: str, seconds: float) -> None:
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    def slow_estimator(cfg, world_size, budget):
+        time.sleep(seconds)
+        return _plan({0: "op", 1: "full"}, "")
+
+    ac_auto.plan_with_estimator = slow_estimator
+    store = dist.FileStore(f"{folder}/store", 2)
+    timeout = datetime.timedelta(seconds=seconds / 4)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    try:
+        cfg = _auto_config(folder)
+        cfg.comm.init_timeout_seconds = 1
+        got = ac_auto.resolve_auto_plan(cfg, 2, rank, torch.device("cpu"))
+        assert got.activation_checkpoint.auto_plan == "op:0; full:1"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_other_ranks_wait_for_a_plan_longer_than_the_worlds_timeout(tmp_path):
+    # The world's collectives time out after 1 s; rank 0 plans for 4 s.
+    torch.multiprocessing.spawn(_plan_slowly_on_rank_0, args=(str(tmp_path), 4.0), nprocs=2)
 
 
 def test_mode_auto_on_the_cpu_without_a_budget_is_refused(tmp_path):
@@ -303,12 +369,35 @@ def test_recompute_flops_count_what_each_blocks_backward_reruns():
     last_matmul = next(
         sum(ops.values()) for name, ops in forward_only.get_flop_counts().items() if name.endswith("w2")
     )
-    with RecomputeFlops(blocks) as counter:
+    with RecomputeCost(blocks) as counter:
         next_token_loss_and_grads(model, tokens)
     assert counter.flops.get(0, 0) == 0
     assert 0 < counter.flops[1] < counter.flops[2]
     # early_stop: full AC reruns the block's forward but its last matmul (w2).
     assert counter.flops[2] == block_forward - last_matmul
+
+
+def test_recompute_cost_sees_cheap_regions_rerun_and_sacs_dispatch():
+    model = tiny_llama3(n_layers=4)
+    apply_ac(model, _auto("none:0; regions:1; op:2; full:3"))
+    blocks = {int(name): block for name, block in model.layers.named_children()}
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(5))
+    h, rope = model.tok_embeddings(tokens[:, :-1]), model.rope_cache[:16]
+    with OpCounter() as block_ops:
+        blocks[0](h, rope)
+    with RecomputeCost(blocks) as counter:
+        next_token_loss_and_grads(model, tokens)
+    # A cheap region reruns as a bare function, with no module hooks: found by its graph nodes.
+    # Two norms and the gate rerun once each, RoPE twice (for q and for k).
+    assert len(blocks[1].cheap_regions()) == 4 and counter.runs[1] == 5
+    assert counter.flops.get(1, 0) == 0 and counter.memory_bytes[1] > 0
+    assert counter.runs[2] == counter.runs[3] == 1
+    assert 0 < counter.ops[1] < counter.ops[2] <= counter.ops[3]
+    # Only op-SAC's dispatch mode sees every op of the forward, and again in its recompute (the
+    # checkpoint adds a few of its own).
+    assert set(counter.sac_ops) == {2}
+    assert 0 <= counter.sac_ops[2] - 2 * len(block_ops.calls) <= 4
+    assert 0 not in counter.ops
 
 
 def test_preflight_refuses_mode_auto_on_the_cpu_without_a_budget():

@@ -9,6 +9,7 @@ rank with the estimator's message.
 """
 
 import dataclasses
+import datetime
 import hashlib
 import json
 import logging
@@ -21,23 +22,31 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchtitan.config import ActivationCheckpoint
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.toml_writer import to_toml
-from torchtitan.distributed.ac_planner import BlockPlan, GiB
+from torchtitan.distributed.ac_planner import BlockPlan, GiB, RecomputeRates
 from torchtitan.distributed.activation_checkpoint import auto_budget, no_planner
 from torchtitan.distributed.rank_agreement import agree_on_config_errors
-from torchtitan.tools.device_info import capacity_bytes, peak_bf16_flops
+from torchtitan.tools.device_info import capacity_bytes, peak_bf16_flops, peak_memory_bandwidth
 
 logger = logging.getLogger(__name__)
 
 PLAN_FILE = "ac_plan.json"
+# How long the other ranks wait for rank 0's plan at least (`comm.init_timeout_seconds` when
+# longer): planning Llama 3 70B on 64 ranks takes about 3 minutes on a slow host core.
+PLANNING_TIMEOUT_SECONDS = 3600
 ESTIMATOR = Path(__file__).resolve().parents[2] / "scripts" / "estimate_memory.py"
 # The recompute throughput where the device's peak is unknown (the CPU, other GPUs): about 40%
 # of an H100's dense bf16 peak.
 DEFAULT_TFLOPS = 400.0
 # Of the device's bf16 peak, what recompute is taken to reach.
 RECOMPUTE_MFU = 0.4
+# The element-wise throughput where the device's bandwidth is unknown, GB/s (about 60% of an
+# H100's), and the share of a known peak bandwidth that element-wise kernels reach.
+DEFAULT_MEMORY_GBPS = 2000.0
+ELEMENTWISE_BANDWIDTH_SHARE = 0.7
 # What changes a step's memory, by config section; everything else (steps, logging, checkpoint
 # and data paths, the learning rate) leaves a saved plan valid.
 _FINGERPRINTED = {
@@ -60,12 +69,29 @@ def budget_bytes(cfg: JobConfig, device: torch.device) -> int:
     return auto_budget(cfg.activation_checkpoint, capacity_bytes(device))
 
 
-def recompute_tflops(cfg: JobConfig, device: torch.device) -> float:
-    """`auto_tflops`, or `RECOMPUTE_MFU` of the device's bf16 peak, or `DEFAULT_TFLOPS`."""
-    if cfg.activation_checkpoint.auto_tflops > 0:
-        return cfg.activation_checkpoint.auto_tflops
-    peak = peak_bf16_flops(device)
-    return RECOMPUTE_MFU * peak / 1e12 if peak else DEFAULT_TFLOPS
+def recompute_rates(ac: ActivationCheckpoint, device: torch.device | None = None) -> RecomputeRates:
+    """The planner's prices (`RecomputeRates`): the `auto_*` keys; where `auto_tflops` or
+    `auto_memory_gbps` is 0, a fraction of `device`'s peak (`RECOMPUTE_MFU`,
+    `ELEMENTWISE_BANDWIDTH_SHARE`), or the defaults where it is unknown (no device: the memory
+    estimator, planning for any)."""
+    peak_flops = peak_bf16_flops(device) if device is not None else None
+    peak_bandwidth = peak_memory_bandwidth(device) if device is not None else None
+    tflops = ac.auto_tflops or (RECOMPUTE_MFU * peak_flops / 1e12 if peak_flops else DEFAULT_TFLOPS)
+    gbps = ac.auto_memory_gbps or (
+        ELEMENTWISE_BANDWIDTH_SHARE * peak_bandwidth / 1e9 if peak_bandwidth else DEFAULT_MEMORY_GBPS
+    )
+    return RecomputeRates(tflops, gbps, ac.auto_host_us_per_op, ac.auto_host_us_per_rerun)
+
+
+def with_rates_of(cfg: JobConfig, device: torch.device) -> JobConfig:
+    """`cfg` with the `auto_*` prices that are 0 set to `device`'s (`recompute_rates`): what the
+    estimator, planning in a process without the device, is given, and what a saved plan's
+    fingerprint records."""
+    rates = recompute_rates(cfg.activation_checkpoint, device)
+    ac = dataclasses.replace(
+        cfg.activation_checkpoint, auto_tflops=rates.tflops, auto_memory_gbps=rates.memory_gbps
+    )
+    return dataclasses.replace(cfg, activation_checkpoint=ac)
 
 
 def layout_fingerprint(cfg: JobConfig, world_size: int, budget: int) -> str:
@@ -93,20 +119,35 @@ def resolve_auto_plan(cfg: JobConfig, world_size: int, rank: int, device: torch.
     if ac.mode != "auto" or ac.auto_plan.strip():
         return cfg
     budget = agree_on_config_errors(lambda: budget_bytes(cfg, device))
-    tflops = recompute_tflops(cfg, device)
+    cfg = with_rates_of(cfg, device)
     fingerprint = layout_fingerprint(cfg, world_size, budget)
     path = Path(cfg.job.dump_folder) / PLAN_FILE
+    group = _planning_group(cfg)
     made = agree_on_config_errors(
-        lambda: _saved_or_new_plan(cfg, path, fingerprint, world_size, budget) if rank == 0 else None
+        lambda: _saved_or_new_plan(cfg, path, fingerprint, world_size, budget) if rank == 0 else None, group
     )
     shared = [made]
-    if dist.is_initialized() and world_size > 1:
-        dist.broadcast_object_list(shared, src=0)
+    if group is not None:
+        dist.broadcast_object_list(shared, src=0, group=group)
+        dist.destroy_process_group(group)
     plan, reused = shared[0]
     if rank == 0:
         how = f"taken from {path} (same layout)" if reused else f"planned and saved to {path}"
-        logger.info(f"Activation checkpointing plan (mode auto), {how}:\n{plan.table(tflops)}")
-    return dataclasses.replace(cfg, activation_checkpoint=dataclasses.replace(ac, auto_plan=plan.spec))
+        logger.info(f"Activation checkpointing plan (mode auto), {how}:\n{plan.table()}")
+    return dataclasses.replace(
+        cfg, activation_checkpoint=dataclasses.replace(cfg.activation_checkpoint, auto_plan=plan.spec)
+    )
+
+
+def _planning_group(cfg: JobConfig) -> dist.ProcessGroup | None:
+    """A gloo group of every rank, to wait in for rank 0's plan; None when not distributed.
+
+    Why its own: the world's timeout is `comm.init_timeout_seconds` (300 s by default), shorter
+    than a large model's planning."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    seconds = max(cfg.comm.init_timeout_seconds, PLANNING_TIMEOUT_SECONDS)
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
 
 
 def _saved_or_new_plan(

@@ -294,8 +294,8 @@ class Metrics:
 class ActivationCheckpoint:
     mode: Literal["none", "full", "selective", "memory_budget", "auto"] = opt(
         "selective",
-        'activation checkpointing mode; "auto" chooses none, op-SAC or full AC per block to fit '
-        "auto_memory_gib with the least recompute",
+        'activation checkpointing mode; "auto" chooses none, cheap regions, op-SAC or full AC per '
+        "block to fit auto_memory_gib with the least modelled recompute time",
     )
     selective_ac_option: str = opt("2", '"op" for per-op selective AC, or N to checkpoint every Nth block')
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = opt(
@@ -355,8 +355,25 @@ class ActivationCheckpoint:
     )
     auto_tflops: float = opt(
         0.0,
-        'mode "auto": the recompute throughput, TFLOP/s, that turns the plan\'s recompute FLOPs into '
-        "milliseconds in its table; 0 takes 40% of the device's bf16 peak (400 where it is unknown)",
+        'mode "auto": the math throughput of recompute, TFLOP/s, that prices its matmuls and attention; '
+        "0 takes 40% of the device's bf16 peak (400 where it is unknown)",
+        min=0.0,
+    )
+    auto_memory_gbps: float = opt(
+        0.0,
+        'mode "auto": the memory throughput, GB/s, that prices recomputed element-wise work (norms, '
+        "activations, RoPE); 0 takes 70% of the device's peak bandwidth (2000 where it is unknown)",
+        min=0.0,
+    )
+    auto_host_us_per_op: float = opt(
+        15.0,
+        'mode "auto": host time, microseconds, per op that AC makes the host dispatch (each recomputed '
+        "op, and each op through op-SAC's Python dispatch mode, in forward and in recompute)",
+        min=0.0,
+    )
+    auto_host_us_per_rerun: float = opt(
+        150.0,
+        'mode "auto": host time, microseconds, per checkpointed region rerun in backward',
         min=0.0,
     )
     auto_plan: str = opt(

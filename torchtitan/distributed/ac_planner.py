@@ -1,27 +1,31 @@
 """Mode "auto": choose, per block, how much to recompute so that a step fits a memory budget.
 
-The choices (`BLOCK_CHOICES`) are three of the AC module's: "none", "op" (per-op SAC) and
-"full". The planner needs, for each group of blocks one device holds (the whole model, or one pipeline
-rank's stages), measurements of three uniform runs, one per choice (`RankCosts`):
+The choices (`BLOCK_CHOICES`) are four of the AC module's: "none", "regions" (the block's cheap
+regions, each a plain checkpoint), "op" (per-op SAC) and "full". The planner needs, for each
+group of blocks one device holds (the whole model, or one pipeline rank's stages), measurements
+of four uniform runs, one per choice (`RankCosts`):
 
 - the step's peak with every block at that choice;
-- per block, the bytes one forward holds for backward, and the FLOPs the step recomputes in it.
+- per block, the bytes one forward holds for backward, and what the step recomputes in it
+  (`Recompute`: FLOPs, bytes of element-wise work, ops dispatched, regions rerun).
 
 A choice saves, over the whole group, what the peaks say (no AC's peak less that choice's); it
 is shared among the blocks in proportion to what each holds less under it than under no AC
 (`RankCosts.saving`). So the peaks calibrate the per-block bytes: a pipeline rank that holds
 several microbatches at once saves that many times a block's bytes, and bytes a forward keeps
 that the peak never sees do not count. A plan's peak is modelled as no AC's peak less its
-blocks' savings, never below full AC's (`RankCosts.estimated_peak`); it is exact for the three
-uniform plans. `solve` finds the plan with the least recompute FLOPs whose modelled peak fits
-(a multiple-choice knapsack by dynamic programming over the bytes to save, in units of
-1/`RESOLUTION` of them; see `solve` for how rounding is kept from costing a plan). The memory estimator
-(`scripts/estimate_memory.py --plan`) measures the chosen plan's peak on fake tensors and
-re-solves with a tighter target where the model was short; the trainer runs it at startup
-(`ac_auto.py`).
+blocks' savings, never below full AC's (`RankCosts.estimated_peak`); it is exact for the four
+uniform plans.
 
-Recompute FLOPs become time at one throughput (`auto_tflops`), so the FLOPs alone decide; the
-host cost of op-SAC's per-op dispatch is not modelled (see docs/ac_auto.md).
+A recompute costs time (`RecomputeRates.seconds`): its FLOPs at the math throughput, its
+element-wise bytes at the memory's, and its host time, per op dispatched and per region rerun.
+The host term is what makes op-SAC dear where kernels are short: its Python dispatch mode sees
+every op of the block twice. `solve` finds the plan with the least recompute time whose
+modelled peak fits (a multiple-choice knapsack by dynamic programming over the bytes to save,
+in units of 1/`RESOLUTION` of them; see `solve` for how rounding is kept from costing a plan).
+The memory estimator (`scripts/estimate_memory.py --plan`) measures the chosen plan's peak on
+fake tensors and re-solves with a tighter target where the model was short; the trainer runs it
+at startup (`ac_auto.py`).
 """
 
 import json
@@ -33,13 +37,65 @@ import numpy as np
 from torchtitan.distributed.activation_checkpoint import format_block_plan, nothing_fits
 
 GiB = 2**30
-# What the planner chooses among, from the least recompute to the most. Not "regions"
-# (`CheapRegionsAC`): its recompute is element-wise work, which FLOP counts do not see, so the
-# FLOP cost model would take it for free.
-BLOCK_CHOICES = ("none", "op", "full")
+# What the planner chooses among, from the least memory saved to the most.
+BLOCK_CHOICES = ("none", "regions", "op", "full")
 # The solver counts the bytes a plan must save in at most this many units: each block's saving,
 # rounded down to a unit, is then short by less than 1/RESOLUTION of what must be saved.
 RESOLUTION = 2**14
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """What one step recomputes in one block (all micro-batches; `op_counter.RecomputeCost`).
+
+    Attributes:
+        flops: FLOPs of the recomputed ops that have a FLOP formula (matmuls, attention).
+        memory_bytes: bytes written by the other recomputed ops (element-wise work, copies).
+        host_ops: ops the host dispatches for AC: each recomputed op, and under SAC each op of
+            the forward and of its recompute once more (SAC's Python dispatch mode).
+        reruns: checkpointed regions rerun.
+    """
+
+    flops: int = 0
+    memory_bytes: int = 0
+    host_ops: int = 0
+    reruns: int = 0
+
+
+@dataclass(frozen=True)
+class RecomputeRates:
+    """What turns a `Recompute` into seconds (`seconds`).
+
+    Attributes:
+        tflops: the math throughput of recompute, TFLOP/s.
+        memory_gbps: the memory throughput of element-wise work, GB/s; each byte written is
+            taken to be read once too.
+        host_us_per_op: host time per op dispatched, µs.
+        host_us_per_rerun: host time per region rerun (the checkpoint's own work), µs.
+
+    Pitfall: the terms are added. On a GPU the host runs ahead of long kernels and hides some
+    of its time behind them, so where kernels are long the sum overstates host time, which
+    leans the plan from op-SAC (many ops) toward full AC (fewer ops, more FLOPs).
+    """
+
+    tflops: float
+    memory_gbps: float
+    host_us_per_op: float
+    host_us_per_rerun: float
+
+    def seconds(self, work: Recompute) -> float:
+        host_us = work.host_ops * self.host_us_per_op + work.reruns * self.host_us_per_rerun
+        return (
+            work.flops / (self.tflops * 1e12)
+            + 2 * work.memory_bytes / (self.memory_gbps * 1e9)
+            + host_us * 1e-6
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.tflops:g} TFLOP/s, {self.memory_gbps:g} GB/s, host {self.host_us_per_op:g} µs per op "
+            f"and {self.host_us_per_rerun:g} µs per region rerun"
+        )
 
 
 @dataclass(frozen=True)
@@ -49,12 +105,12 @@ class BlockCost:
     Attributes:
         index: the block's index in the whole model.
         held: bytes one forward of the block holds for backward.
-        recompute: FLOPs the step recomputes in the block, all micro-batches included.
+        recompute: what the step recomputes in the block, all micro-batches included.
     """
 
     index: int
     held: dict[str, int]
-    recompute: dict[str, int]
+    recompute: dict[str, Recompute]
 
     def held_less(self, choice: str) -> int:
         """Bytes one forward holds less under `choice` than under no AC (never negative)."""
@@ -62,17 +118,19 @@ class BlockCost:
 
     def recompute_flops(self, choice: str) -> int:
         """FLOPs a step spends recomputing this block under `choice`."""
-        return self.recompute[choice]
+        return self.recompute[choice].flops
 
 
 @dataclass(frozen=True)
 class RankCosts:
     """The measurements of one device's blocks: `peak[choice]` is the step's peak with every
-    block at `choice`; `label` names the device ("" for the whole model, "pp 1", ...)."""
+    block at `choice`; `label` names the device ("" for the whole model, "pp 1", ...); `rates`
+    prices their recompute."""
 
     label: str
     peak: dict[str, int]
     blocks: tuple[BlockCost, ...]
+    rates: RecomputeRates
 
     @cached_property
     def _held_less(self) -> dict[str, int]:
@@ -94,11 +152,19 @@ class RankCosts:
     def recompute_flops(self, choices: dict[int, str]) -> int:
         return sum(block.recompute_flops(choices[block.index]) for block in self.blocks)
 
+    def seconds(self, block: BlockCost, choice: str) -> float:
+        """The modelled time a step spends recomputing `block` under `choice`."""
+        return self.rates.seconds(block.recompute[choice])
+
+    def recompute_seconds(self, choices: dict[int, str]) -> float:
+        return sum(self.seconds(block, choices[block.index]) for block in self.blocks)
+
 
 def solve(costs: RankCosts, budget: int) -> dict[int, str]:
-    """The choices for `costs.blocks` with the least recompute FLOPs whose modelled peak
-    (`RankCosts.estimated_peak`) is at most `budget` bytes. Ties go to the choice listed first
-    in `BLOCK_CHOICES` (the least recompute), block by block, so equal inputs give equal plans.
+    """The choices for `costs.blocks` with the least modelled recompute time
+    (`RankCosts.seconds`) whose modelled peak (`RankCosts.estimated_peak`) is at most `budget`
+    bytes. Ties go to the choice listed first in `BLOCK_CHOICES` (the least saving), block by
+    block, so equal inputs give equal plans.
 
     Savings count in whole units of 1/`RESOLUTION` of the bytes to save, each block's rounded
     down. A first pass asks for as many units as any fitting plan has (the bytes to save less
@@ -114,7 +180,7 @@ def solve(costs: RankCosts, budget: int) -> dict[int, str]:
     need = max(0, costs.peak["none"] - budget)
     granule = max(1, -(-need // RESOLUTION))
     units = [[int(costs.saving(block, c)) // granule for c in BLOCK_CHOICES] for block in costs.blocks]
-    cost = [[block.recompute_flops(c) for c in BLOCK_CHOICES] for block in costs.blocks]
+    cost = [[costs.seconds(block, c) for c in BLOCK_CHOICES] for block in costs.blocks]
     enough = -(-need // granule)
     choices = _least_cost(costs.blocks, units, cost, max(0, enough - len(costs.blocks)))
     if costs.estimated_peak(choices) <= budget:
@@ -126,7 +192,7 @@ def solve(costs: RankCosts, budget: int) -> dict[int, str]:
     return _least_cost(costs.blocks, units, cost, enough)
 
 
-def _least_cost(blocks, units: list[list[int]], cost: list[list[int]], target: int) -> dict[int, str]:
+def _least_cost(blocks, units: list[list[int]], cost: list[list[float]], target: int) -> dict[int, str]:
     """The multiple-choice knapsack: per block the choice (an index into `BLOCK_CHOICES`) with
     the least total cost whose units add up to at least `target`, by dynamic programming."""
     # best[t]: the least cost to save at least t units with the blocks seen so far.
@@ -149,22 +215,27 @@ def _least_cost(blocks, units: list[list[int]], cost: list[list[int]], target: i
 @dataclass
 class BlockPlan:
     """A solved plan: the choice per block, and per device group its modelled and measured
-    peaks and recompute FLOPs per step.
+    peaks and its recompute per step.
 
     Attributes:
         choices: block index -> choice.
         budget: the bytes it was planned for.
-        ranks: per device label, {"estimated", "measured", "recompute_flops", "full_flops_recompute"}.
+        ranks: per device label, {"estimated", "measured" (peak bytes), "recompute_flops",
+            "recompute_ms", "full_recompute_ms" (full AC on every block, for comparison)}.
         saving: block index -> choice -> bytes it takes off the peak (`RankCosts.saving`).
-        recompute: block index -> choice -> recompute FLOPs per step (for the table).
+        recompute: block index -> choice -> recompute FLOPs per step.
+        recompute_ms: block index -> choice -> modelled recompute time per step, ms.
+        rates: what priced the recompute (`RecomputeRates.describe`).
         fingerprint: what the plan was made for (`ac_auto.layout_fingerprint`).
     """
 
     choices: dict[int, str]
     budget: int
-    ranks: dict[str, dict[str, int]]
+    ranks: dict[str, dict[str, float]]
     saving: dict[int, dict[str, int]]
     recompute: dict[int, dict[str, int]]
+    recompute_ms: dict[int, dict[str, float]]
+    rates: str
     fingerprint: str = ""
 
     @property
@@ -172,31 +243,29 @@ class BlockPlan:
         """The `auto_plan` string."""
         return format_block_plan(self.choices)
 
-    def table(self, tflops: float) -> str:
+    def table(self) -> str:
         """A Markdown table: per block its choice, the bytes that takes off the peak, and its
-        recompute per step in GFLOP and in ms at `tflops` TFLOP/s; then one line per device."""
+        recompute per step in GFLOP and in modelled ms; then one line per device."""
         lines = [
             "| block | choice | off the peak, MiB | recompute per step, GFLOP | recompute per step, ms |",
             "|---|---|---|---|---|",
         ]
         for index in sorted(self.choices):
             choice = self.choices[index]
-            flops = self.recompute[index][choice]
             lines.append(
-                f"| {index} | {choice} | {self.saving[index][choice] / 2**20:.1f} | {flops / 1e9:.2f} | "
-                f"{1e3 * flops / (tflops * 1e12):.3f} |"
+                f"| {index} | {choice} | {self.saving[index][choice] / 2**20:.1f} | "
+                f"{self.recompute[index][choice] / 1e9:.2f} | {self.recompute_ms[index][choice]:.3f} |"
             )
         counts = [f"{c} on {list(self.choices.values()).count(c)}" for c in BLOCK_CHOICES]
         lines.append(f"\nBlocks: {', '.join(counts)} of {len(self.choices)}.")
         for label, r in self.ranks.items():
             where = f" on {label}" if label else ""
-            ms = 1e3 * r["recompute_flops"] / (tflops * 1e12)
-            full_ms = 1e3 * r["full_flops_recompute"] / (tflops * 1e12)
             lines.append(
                 f"Peak{where}: {r['measured'] / GiB:.3f} GiB measured on fake tensors, "
                 f"{r['estimated'] / GiB:.3f} GiB modelled, budget {self.budget / GiB:.3f} GiB; "
-                f"recompute {ms:.1f} ms per step (full AC: {full_ms:.1f} ms) at {tflops:g} TFLOP/s."
+                f"recompute {r['recompute_ms']:.1f} ms per step (full AC: {r['full_recompute_ms']:.1f} ms)."
             )
+        lines.append(f"Recompute priced at {self.rates}.")
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -204,10 +273,40 @@ class BlockPlan:
 
     @classmethod
     def from_json(cls, text: str) -> "BlockPlan":
+        """Raises ValueError or KeyError for text that is not a plan (or one of an older
+        release's format)."""
         raw = json.loads(text)
         ints = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731  (JSON keys are strings)
         return cls(
             choices=ints(raw["choices"]), budget=raw["budget"], ranks=raw["ranks"],
             saving=ints(raw["saving"]), recompute=ints(raw["recompute"]),
+            recompute_ms=ints(raw["recompute_ms"]), rates=raw["rates"],
             fingerprint=raw.get("fingerprint", ""),
         )  # fmt: skip
+
+
+def plan_of(
+    costs: list[RankCosts], choices: dict[int, str], budget: int, measured: dict[str, int]
+) -> BlockPlan:
+    """The `BlockPlan` of `choices` (block index -> choice) for the devices `costs` describe,
+    with each device's `measured` peak."""
+    ranks = {
+        c.label: {
+            "estimated": c.estimated_peak(choices), "measured": measured[c.label],
+            "recompute_flops": c.recompute_flops(choices),
+            "recompute_ms": 1e3 * c.recompute_seconds(choices),
+            "full_recompute_ms": 1e3 * c.recompute_seconds({b.index: "full" for b in c.blocks}),
+        }
+        for c in costs
+    }  # fmt: skip
+
+    def per_block(value) -> dict[int, dict[str, float]]:
+        return {b.index: {ch: value(c, b, ch) for ch in BLOCK_CHOICES} for c in costs for b in c.blocks}
+
+    return BlockPlan(
+        choices=dict(sorted(choices.items())), budget=budget, ranks=ranks,
+        saving=per_block(lambda c, b, ch: round(c.saving(b, ch))),
+        recompute=per_block(lambda c, b, ch: b.recompute_flops(ch)),
+        recompute_ms=per_block(lambda c, b, ch: 1e3 * c.seconds(b, ch)),
+        rates=costs[0].rates.describe(),
+    )  # fmt: skip

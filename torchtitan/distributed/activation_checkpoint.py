@@ -1075,13 +1075,19 @@ def parse_offload_blocks(spec: str) -> frozenset[int]:
 AUTO_PLAN_CHOICES = ("none", "regions", "op", "full")
 
 
+# A block range that covers every model's blocks (a plan's blocks past the last are ignored).
+EVERY_BLOCK = f"0-{2**16 - 1}"
+
+
 def fixed_mode(config: ActivationCheckpoint, choice: str) -> ActivationCheckpoint:
-    """`config` as the fixed mode that wraps every block as mode "auto"'s `choice` ("none",
-    "op" or "full"; "regions" has no fixed mode) wraps one: what the planner measures and the
-    preflight builds for that choice."""
-    modes = {"none": {"mode": "none"}, "op": {"mode": "selective", "selective_ac_option": "op"},
-             "full": {"mode": "full"}}  # fmt: skip
-    return dataclasses.replace(config, auto_plan="", **modes[choice])
+    """`config` as the mode that wraps every block as mode "auto"'s `choice` wraps one: the fixed
+    mode ("none", "op", "full"), or for "regions", which has none, mode "auto" with that choice
+    on every block. What the planner measures and the preflight builds for that choice."""
+    modes = {"none": {"mode": "none", "auto_plan": ""},
+             "regions": {"mode": "auto", "auto_plan": f"regions:{EVERY_BLOCK}"},
+             "op": {"mode": "selective", "selective_ac_option": "op", "auto_plan": ""},
+             "full": {"mode": "full", "auto_plan": ""}}  # fmt: skip
+    return dataclasses.replace(config, **modes[choice])
 
 
 def parse_block_plan(spec: str) -> dict[int, str]:

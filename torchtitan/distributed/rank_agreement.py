@@ -31,7 +31,7 @@ def mean_and_max_over_ranks(value: float, device: torch.device) -> tuple[float, 
     return values.mean().item(), values.max().item()
 
 
-def agree_on_config_errors(work: Callable[[], T]) -> T:
+def agree_on_config_errors(work: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
     """Run `work` on every rank and return its result; a ConfigError it raised on any rank is
     raised on every rank (the lowest such rank's message), so that all exit 2 with it.
 
@@ -40,6 +40,8 @@ def agree_on_config_errors(work: Callable[[], T]) -> T:
     alone, the error ended that rank while the others waited in their next collective until it
     failed or timed out, and the launcher reported exit 1 with a traceback. Collective: every
     rank calls it. Other exceptions are not shared (they are bugs, not the user's to fix).
+    `group`: the group to agree in (default: the world's), whose timeout bounds how long the
+    other ranks wait for the slowest one's `work`.
     """
     result, error = None, None
     try:
@@ -48,7 +50,7 @@ def agree_on_config_errors(work: Callable[[], T]) -> T:
         error = str(e)
     if dist.is_initialized() and dist.get_world_size() > 1:
         errors: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+        dist.all_gather_object(errors, error, group=group)
         error = next((e for e in errors if e is not None), None)
     if error is not None:
         raise ConfigError(error)

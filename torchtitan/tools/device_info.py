@@ -1,4 +1,4 @@
-"""Facts about the device: peak bf16 FLOPs (for MFU) and peak memory."""
+"""Facts about the device: peak bf16 FLOPs (for MFU), peak memory bandwidth, and peak memory."""
 
 import resource
 
@@ -15,6 +15,26 @@ _PEAK_BF16_FLOPS = (
     ("B200", 2.25e15),
     ("A100", 312e12),
 )
+
+
+# Peak memory bandwidths, bytes/s, from the same datasheets, matched the same way.
+_PEAK_MEMORY_BANDWIDTH = (
+    ("H200 NVL", 4.8e12),
+    ("H200", 4.8e12),
+    ("H100 NVL", 3.9e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),
+    ("B200", 8.0e12),
+    ("A100", 2.0e12),
+)
+
+
+def peak_memory_bandwidth(device: torch.device) -> float | None:
+    """Peak memory bandwidth of `device` in bytes/s, or None when unknown (the CPU, other GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bandwidth for key, bandwidth in _PEAK_MEMORY_BANDWIDTH if key in name), None)
 
 
 def peak_bf16_flops(device: torch.device) -> float | None:

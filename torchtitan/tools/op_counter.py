@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import _CachingTorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -119,28 +120,52 @@ class OpCounter(TorchDispatchMode):
         return counts
 
 
-class RecomputeFlops(TorchDispatchMode):
-    """Per block, the FLOPs of what activation checkpointing recomputes in backward.
+# Where `RecomputeCost` tags a block's autograd nodes with the block's index.
+_BLOCK_KEY = "torchtitan.recompute_cost.block"
+# Marks a node under which a recompute ran.
+_RERAN = "torchtitan.recompute_cost.reran"
+
+
+class RecomputeCost(TorchDispatchMode):
+    """Per block, what activation checkpointing costs it in one step.
 
     An op is a recompute when it runs inside backward (an autograd graph task) with grad mode
-    on (the gradients' own ops run with it off), within the forward of one of a block's modules;
-    it counts for that block. What SAC replays from its cache is not dispatched again, so it
-    does not count. FLOPs come from torch's formulas (`torch.utils.flop_counter`), at the shapes
-    of this rank's shards for a DTensor op: this rank's FLOPs, where FlopCounterMode would count
-    the op's global shapes.
+    on (the gradients' own ops run with it off). It counts for the block whose forward made
+    the autograd node backward is running: every node a block's forward makes is tagged with
+    the block's index, so a recompute is found whether the checkpoint reruns whole modules
+    (full AC, op-SAC) or a bare function (a cheap region's `forward`). What SAC replays from
+    its cache is not dispatched again, so it does not count.
+
+    Per block index, once backward ran:
+        flops: FLOPs recomputed, by torch's formulas (`torch.utils.flop_counter`), at the
+            shapes of this rank's shards for a DTensor op.
+        memory_bytes: bytes written by recomputed ops that have no FLOP formula and are not
+            views (element-wise work and copies: their time is the memory's, not the math
+            units').
+        ops: ops recomputed.
+        runs: recomputes, each a checkpointed region rerun (a run of recomputed ops).
+        sac_ops: ops that pass through SAC's Python dispatch mode, in forward and in its
+            recompute (twice the forward's ops of a block run under SAC), each paying the
+            policy's host cost whether saved or not.
 
     Args:
         blocks: block index -> module.
 
     Pitfall: enter it before the forward, as `OpCounter` (a dispatch mode entered only for
-    backward breaks selective-AC recompute). `flops` holds the totals once backward ran.
+    backward breaks selective-AC recompute).
     """
 
     def __init__(self, blocks: dict[int, torch.nn.Module]):
         super().__init__()
+        self.top = {block: index for index, block in blocks.items()}
         self.owner = {module: index for index, block in blocks.items() for module in block.modules()}
         self.running: list[int] = []
+        self.under_sac: set[int] = set()
         self.flops: dict[int, int] = defaultdict(int)
+        self.memory_bytes: dict[int, int] = defaultdict(int)
+        self.ops: dict[int, int] = defaultdict(int)
+        self.runs: dict[int, int] = defaultdict(int)
+        self.sac_ops: dict[int, int] = defaultdict(int)
 
     def __enter__(self):
         self._hooks = [
@@ -154,24 +179,61 @@ class RecomputeFlops(TorchDispatchMode):
             hook.remove()
         return super().__exit__(*exc)
 
+    def _in_backward(self) -> bool:
+        return torch._C._current_graph_task_id() != -1
+
     def _enter_module(self, module, args) -> None:
-        if module in self.owner:
-            self.running.append(self.owner[module])
+        if module not in self.owner or self._in_backward():
+            return
+        index = self.owner[module]
+        if module in self.top:
+            self.running.append(index)
+        if any(isinstance(mode, _CachingTorchDispatchMode) for mode in _get_current_dispatch_mode_stack()):
+            self.under_sac.add(index)
 
     def _leave_module(self, module, args, output) -> None:
         # Called also when the forward raised (a checkpoint's early stop ends its recompute so).
-        if module in self.owner and self.running:
-            self.running.pop()
+        if module not in self.top or self._in_backward() or not self.running:
+            return
+        index = self.running.pop()
+        _tag_graph(output, index)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        recomputing = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+        if not self._in_backward():
+            if self.running and self.running[-1] in self.under_sac and torch.is_grad_enabled():
+                self.sac_ops[self.running[-1]] += 2
+            return out
+        node = torch._C._current_autograd_node() if torch.is_grad_enabled() else None
+        index = None if node is None else node.metadata.get(_BLOCK_KEY)
+        if index is None:
+            return out
+        if _RERAN not in node.metadata:
+            # A checkpoint reruns its region when a node first unpacks what it saved.
+            node.metadata[_RERAN] = True
+            self.runs[index] += 1
+        self.ops[index] += 1
         formula = flop_registry.get(func.overloadpacket)
-        if self.running and recomputing and formula is not None:
+        if formula is not None:
             local_args, local_kwargs, local_out = tree_map(_local, (args, kwargs, out))
-            self.flops[self.running[-1]] += formula(*local_args, **local_kwargs, out_val=local_out)
+            self.flops[index] += formula(*local_args, **local_kwargs, out_val=local_out)
+        elif not func.is_view:
+            local = [_local(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            self.memory_bytes[index] += sum(t.numel() * t.element_size() for t in local)
         return out
+
+
+def _tag_graph(output, index: int) -> None:
+    """Tag the autograd nodes behind `output` with block `index`, back to the nodes an earlier
+    block tagged (or the graph's leaves)."""
+    stack = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or _BLOCK_KEY in node.metadata:
+            continue
+        node.metadata[_BLOCK_KEY] = index
+        stack.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _local(value):
