@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from torchtitan.config import ActivationCheckpoint
 from torchtitan.config.manager import parse_args
-from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.activation_checkpoint import apply_ac, in_selective_checkpoint
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import Transformer, TransformerBlock
@@ -326,7 +326,7 @@ def auto_table(cli) -> list[str]:
     return lines
 
 
-HOST_CHOICES = ("none", "regions", "op", "full")
+HOST_CHOICES = ("none", "regions", "op", "op_all_mm", "full")
 
 
 def host_cost_table(cli) -> list[str]:
@@ -344,7 +344,7 @@ def host_cost_table(cli) -> list[str]:
     counts = {}
     for choice, run in runs.items():
         blocks = {int(name): block for name, block in run.model.layers.named_children()}
-        with RecomputeCost(blocks) as cost:
+        with RecomputeCost(blocks, in_selective_checkpoint) as cost:
             run.step(record=False)
         host_ops = sum(cost.ops.values()) + sum(cost.sac_ops.values())
         counts[choice] = (host_ops / args.n_layers, sum(cost.runs.values()) / args.n_layers)

@@ -107,7 +107,12 @@ from torchtitan.distributed.ac_planner import (
     plan_of,
     solve,
 )  # fmt: skip
-from torchtitan.distributed.activation_checkpoint import fixed_mode, format_block_plan, nothing_fits
+from torchtitan.distributed.activation_checkpoint import (
+    fixed_mode,
+    format_block_plan,
+    in_selective_checkpoint,
+    nothing_fits,
+)  # fmt: skip
 from torchtitan.distributed.activation_offload import offloaders_in
 from torchtitan.distributed.context_parallel import ContextParallel, sharded_or_whole
 from torchtitan.distributed.data_parallel import set_gradient_sync
@@ -725,7 +730,7 @@ def probing(model: torch.nn.Module, cfg: JobConfig, parallel_dims: ParallelDims,
         return
     blocks = {int(name): block for name, block in model.layers.named_children()}
     measured: dict[str, list[int]] = {}
-    with held_per_block(blocks) as held, RecomputeCost(blocks) as recompute:
+    with held_per_block(blocks) as held, RecomputeCost(blocks, in_selective_checkpoint) as recompute:
         yield measured
     accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
     counts = (recompute.flops, recompute.memory_bytes, recompute.ops, recompute.runs)

@@ -294,8 +294,9 @@ class Metrics:
 class ActivationCheckpoint:
     mode: Literal["none", "full", "selective", "memory_budget", "auto"] = opt(
         "selective",
-        'activation checkpointing mode; "auto" chooses none, cheap regions, op-SAC or full AC per '
-        "block to fit auto_memory_gib with the least modelled recompute time",
+        'activation checkpointing mode; "auto" chooses per block none, cheap regions, op-SAC (every '
+        "second or every matmul recomputed) or full AC, to fit auto_memory_gib with the least modelled "
+        "recompute time",
     )
     selective_ac_option: str = opt("2", '"op" for per-op selective AC, or N to checkpoint every Nth block')
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = opt(
@@ -366,13 +367,13 @@ class ActivationCheckpoint:
         min=0.0,
     )
     auto_host_us_per_op: float = opt(
-        15.0,
+        20.0,
         'mode "auto": host time, microseconds, per op that AC makes the host dispatch (each recomputed '
         "op, and each op through op-SAC's Python dispatch mode, in forward and in recompute)",
         min=0.0,
     )
     auto_host_us_per_rerun: float = opt(
-        150.0,
+        250.0,
         'mode "auto": host time, microseconds, per checkpointed region rerun in backward',
         min=0.0,
     )

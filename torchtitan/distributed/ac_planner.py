@@ -1,9 +1,10 @@
 """Mode "auto": choose, per block, how much to recompute so that a step fits a memory budget.
 
-The choices (`BLOCK_CHOICES`) are four of the AC module's: "none", "regions" (the block's cheap
-regions, each a plain checkpoint), "op" (per-op SAC) and "full". The planner needs, for each
-group of blocks one device holds (the whole model, or one pipeline rank's stages), measurements
-of four uniform runs, one per choice (`RankCosts`):
+The choices (`BLOCK_CHOICES`) are the AC module's: "none", "regions" (the block's cheap regions,
+each a plain checkpoint), "op" (per-op SAC, every second matmul recomputed), "op_all_mm" (per-op
+SAC, every matmul recomputed) and "full". The planner needs, for each group of blocks one device
+holds (the whole model, or one pipeline rank's stages), measurements of one uniform run per
+choice (`RankCosts`):
 
 - the step's peak with every block at that choice;
 - per block, the bytes one forward holds for backward, and what the step recomputes in it
@@ -14,7 +15,7 @@ is shared among the blocks in proportion to what each holds less under it than u
 (`RankCosts.saving`). So the peaks calibrate the per-block bytes: a pipeline rank that holds
 several microbatches at once saves that many times a block's bytes, and bytes a forward keeps
 that the peak never sees do not count. A plan's peak is modelled as no AC's peak less its
-blocks' savings, never below full AC's (`RankCosts.estimated_peak`); it is exact for the four
+blocks' savings, never below full AC's (`RankCosts.estimated_peak`); it is exact for the
 uniform plans.
 
 A recompute costs time (`RecomputeRates.seconds`): its FLOPs at the math throughput, its
@@ -34,11 +35,12 @@ from functools import cached_property
 
 import numpy as np
 
-from torchtitan.distributed.activation_checkpoint import format_block_plan, nothing_fits
+from torchtitan.distributed.activation_checkpoint import AUTO_PLAN_CHOICES, format_block_plan, nothing_fits
 
 GiB = 2**30
-# What the planner chooses among, from the least memory saved to the most.
-BLOCK_CHOICES = ("none", "regions", "op", "full")
+# What the planner chooses among: every choice of the AC module's mode "auto", from the least
+# memory saved to the most.
+BLOCK_CHOICES = AUTO_PLAN_CHOICES
 # The solver counts the bytes a plan must save in at most this many units: each block's saving,
 # rounded down to a unit, is then short by less than 1/RESOLUTION of what must be saved.
 RESOLUTION = 2**14

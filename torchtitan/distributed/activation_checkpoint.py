@@ -21,8 +21,9 @@ Modes (`[activation_checkpoint].mode`):
     memory_budget (`MemoryBudgetAC`): no wrapping; torch.compile's partitioner chooses what to
         save so that activations stay within `memory_budget` of what saving everything costs.
     auto (`PerBlockAC`): each block as `auto_plan` names it: none, "regions" (its cheap
-        regions checkpointed one by one, `CheapRegionsAC`), "op" (op-SAC) or full; the trainer
-        fills the plan at startup to fit `auto_memory_gib` (`ac_planner.py`).
+        regions checkpointed one by one, `CheapRegionsAC`), "op" (op-SAC), "op_all_mm" (op-SAC
+        recomputing every matmul, `OpSACEveryMatmul`) or full; the trainer fills the plan at
+        startup to fit `auto_memory_gib` (`ac_planner.py`).
 
 Wherever a recompute replays the expert-parallel combine all-to-all from its cache (op-SAC,
 full AC with "replay"), it skips the matmul that makes that all-to-all's input (see
@@ -48,7 +49,7 @@ from torch._higher_order_ops.flex_attention import flex_attention as _flex_atten
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper as ptd_checkpoint_wrapper,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import _CONSUMED as _SAC_CONSUMED
 from torch.utils.checkpoint import _RECOMPUTE as _SAC_RECOMPUTE
@@ -343,7 +344,10 @@ class EveryNthBlockAC(FullAC):
 
 
 class OpSAC(ACPlan):
-    """mode = "selective" with option "op": per-op selective AC (see `op_sac_context_fn`)."""
+    """mode = "selective" with option "op": per-op selective AC (see `op_sac_context_fn`),
+    recomputing every second matmul."""
+
+    mm_recompute_every = 2
 
     def prepare(self, model):
         self.forced = forced_recompute_linears(
@@ -355,6 +359,7 @@ class OpSAC(ACPlan):
         context_fn = op_sac_context_fn(
             self.facts.save_list, roles, self._skips_all_to_all_inputs(block), keep=self.facts.split_backward,
             context_parallel_group=self.facts.context_parallel_group, offloader=self._offloader_of(index),
+            mm_recompute_every=self.mm_recompute_every,
         )  # fmt: skip
         sac = lambda m: self._checkpoint(m, context_fn)  # noqa: E731
         if self.facts.flex_attention and not self.facts.compile_enabled:
@@ -375,6 +380,14 @@ class OpSAC(ACPlan):
             block.register_module(block.mlp_name, sac(block.mlp))
             return block, f"attention op-SAC + {block.mlp_name} op-SAC"
         return sac(block), "op-SAC"
+
+
+class OpSACEveryMatmul(OpSAC):
+    """A choice of mode "auto" ("op_all_mm"): op-SAC that recomputes every matmul and keeps
+    what else its save list holds (attention's output, the collectives'). Between op-SAC and
+    full AC: it spares attention's recompute, which at long sequences costs the most."""
+
+    mm_recompute_every = 1
 
 
 class MemoryBudgetAC(ACPlan):
@@ -422,9 +435,9 @@ class CheapRegionsAC(ACPlan):
 
 class PerBlockAC(ACPlan):
     """mode = "auto": each block gets the choice its plan (`auto_plan`) names: "none",
-    "regions" (`CheapRegionsAC`), "op" (`OpSAC`'s wrapping) or "full" (`FullAC`'s). The planner
-    (`ac_planner.py`) writes the plan (without "regions"); this class only applies it, so a plan
-    given by hand runs the same way.
+    "regions" (`CheapRegionsAC`), "op" (`OpSAC`'s wrapping), "op_all_mm" (`OpSACEveryMatmul`'s)
+    or "full" (`FullAC`'s). The planner (`ac_planner.py`) writes the plan; this class only
+    applies it, so a plan given by hand runs the same way.
 
     Pitfall: a block the plan does not name is refused when the plan is applied, not guessed."""
 
@@ -435,6 +448,7 @@ class PerBlockAC(ACPlan):
             "none": ACPlan(config, facts),
             "regions": CheapRegionsAC(config, facts),
             "op": OpSAC(fixed_mode(config, "op"), facts),
+            "op_all_mm": OpSACEveryMatmul(fixed_mode(config, "op"), facts),
             "full": FullAC(fixed_mode(config, "full"), facts),
         }
 
@@ -871,9 +885,17 @@ def context_parallel_collective(func, args, kwargs, group_name: str) -> bool:
     return kwargs.get("group_name", args[-1]) == group_name
 
 
+def in_selective_checkpoint() -> bool:
+    """Whether the forward of a selective checkpoint (SAC: op-SAC, or full AC of an MoE block)
+    runs now, its dispatch mode seeing each op. For measurements (`op_counter.RecomputeCost`);
+    call it outside a dispatch mode's handler, which hides the modes above it."""
+    return any(isinstance(mode, _CachingTorchDispatchMode) for mode in _get_current_dispatch_mode_stack())
+
+
 def _op_sac_policy(
-    save_ops: frozenset, roles: _LinearRoles | None, counts: dict, context_parallel_group: str = ""
-):
+    save_ops: frozenset, roles: _LinearRoles | None, counts: dict, context_parallel_group: str = "",
+    mm_recompute_every: int = 2,
+):  # fmt: skip
     def policy(ctx, func, *args, **kwargs):
         if _is_device_to_host_copy(func, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
@@ -890,8 +912,8 @@ def _op_sac_policy(
             if forced:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             counts[phase] += 1
-            # Recomputing every second matmul halves their memory for half their time.
-            if counts[phase] % 2 == 0:
+            # By default every second matmul: half their memory for half their time.
+            if counts[phase] % mm_recompute_every == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         if func == _c10d.reduce_scatter_tensor.default and counts[phase, "after block-end mm"]:
             # The block's last sequence-parallel reduce-scatter (of its feed-forward or MoE
@@ -937,9 +959,11 @@ def op_sac_context_fn(
     keep: bool = False,
     context_parallel_group: str = "",
     offloader: ActivationOffloader | None = None,
+    mm_recompute_every: int = 2,
 ):
     """A `context_fn` for op-SAC; each checkpointed call gets fresh matmul counters, shared
-    by its forward and its recompute so that both make the same choices. `roles` tells the
+    by its forward and its recompute so that both make the same choices: every
+    `mm_recompute_every`-th matmul is recomputed (1: every one), the others are saved. `roles` tells the
     block's forced Linears (always recomputed) and its end Linears: the reduce-scatter right
     after one of their matmuls is not saved, which holds only under `early_stop` (that never
     recomputes it). `skip_all_to_all_inputs` (only when `save_ops` holds the all-to-all): see
@@ -948,7 +972,7 @@ def op_sac_context_fn(
     `_OffloadingSACCache`)."""
 
     def new_policy():
-        return _op_sac_policy(save_ops, roles, defaultdict(int), context_parallel_group)
+        return _op_sac_policy(save_ops, roles, defaultdict(int), context_parallel_group, mm_recompute_every)
 
     skip = skip_all_to_all_inputs and _c10d.all_to_all_single.default in save_ops
     return _selective_context_fn(new_policy, skip, keep, offloader)
@@ -1072,7 +1096,8 @@ def parse_offload_blocks(spec: str) -> frozenset[int]:
 
 
 # What mode "auto" may choose for a block, from the least recompute to the most.
-AUTO_PLAN_CHOICES = ("none", "regions", "op", "full")
+# What mode "auto" gives a block, from the least memory saved to the most.
+AUTO_PLAN_CHOICES = ("none", "regions", "op", "op_all_mm", "full")
 
 
 # A block range that covers every model's blocks (a plan's blocks past the last are ignored).
@@ -1081,11 +1106,13 @@ EVERY_BLOCK = f"0-{2**16 - 1}"
 
 def fixed_mode(config: ActivationCheckpoint, choice: str) -> ActivationCheckpoint:
     """`config` as the mode that wraps every block as mode "auto"'s `choice` wraps one: the fixed
-    mode ("none", "op", "full"), or for "regions", which has none, mode "auto" with that choice
-    on every block. What the planner measures and the preflight builds for that choice."""
+    mode ("none", "op", "full"), or for a choice without one ("regions", "op_all_mm"), mode
+    "auto" with that choice on every block. What the planner measures and the preflight builds
+    for that choice."""
     modes = {"none": {"mode": "none", "auto_plan": ""},
              "regions": {"mode": "auto", "auto_plan": f"regions:{EVERY_BLOCK}"},
              "op": {"mode": "selective", "selective_ac_option": "op", "auto_plan": ""},
+             "op_all_mm": {"mode": "auto", "auto_plan": f"op_all_mm:{EVERY_BLOCK}"},
              "full": {"mode": "full", "auto_plan": ""}}  # fmt: skip
     return dataclasses.replace(config, **modes[choice])
 

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.checkpoint import _CachingTorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -150,13 +149,17 @@ class RecomputeCost(TorchDispatchMode):
 
     Args:
         blocks: block index -> module.
+        in_sac: tells whether the forward runs under SAC now (the AC module's
+            `in_selective_checkpoint`, which this layer cannot import); without it no op counts
+            as SAC's.
 
     Pitfall: enter it before the forward, as `OpCounter` (a dispatch mode entered only for
     backward breaks selective-AC recompute).
     """
 
-    def __init__(self, blocks: dict[int, torch.nn.Module]):
+    def __init__(self, blocks: dict[int, torch.nn.Module], in_sac: Callable[[], bool] = lambda: False):
         super().__init__()
+        self.in_sac = in_sac
         self.top = {block: index for index, block in blocks.items()}
         self.owner = {module: index for index, block in blocks.items() for module in block.modules()}
         self.running: list[int] = []
@@ -188,7 +191,7 @@ class RecomputeCost(TorchDispatchMode):
         index = self.owner[module]
         if module in self.top:
             self.running.append(index)
-        if any(isinstance(mode, _CachingTorchDispatchMode) for mode in _get_current_dispatch_mode_stack()):
+        if self.in_sac():
             self.under_sac.add(index)
 
     def _leave_module(self, module, args, output) -> None:
@@ -214,7 +217,7 @@ class RecomputeCost(TorchDispatchMode):
             node.metadata[_RERAN] = True
             self.runs[index] += 1
         self.ops[index] += 1
-        formula = flop_registry.get(func.overloadpacket)
+        formula = _flop_formula(func)
         if formula is not None:
             local_args, local_kwargs, local_out = tree_map(_local, (args, kwargs, out))
             self.flops[index] += formula(*local_args, **local_kwargs, out_val=local_out)
@@ -222,6 +225,16 @@ class RecomputeCost(TorchDispatchMode):
             local = [_local(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             self.memory_bytes[index] += sum(t.numel() * t.element_size() for t in local)
         return out
+
+
+# The CPU's fused attention has no FLOP formula in torch; it does the work of the GPU's flash
+# kernel, whose formula reads only the shapes of q, k and v (its first three arguments).
+_aten = torch.ops.aten
+_FORMULA_OF = {_aten._scaled_dot_product_flash_attention_for_cpu: _aten._scaled_dot_product_flash_attention}
+
+
+def _flop_formula(func):
+    return flop_registry.get(_FORMULA_OF.get(func.overloadpacket, func.overloadpacket))
 
 
 def _tag_graph(output, index: int) -> None:
