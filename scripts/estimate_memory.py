@@ -102,8 +102,8 @@ from torchtitan.distributed.ac_planner import (
     BLOCK_CHOICES,
     BlockCost,
     BlockPlan,
+    BlockWork,
     RankCosts,
-    Recompute,
     plan_of,
     solve,
 )  # fmt: skip
@@ -722,9 +722,10 @@ def _with_offloaded(snapshot: dict, model, cfg: JobConfig, parallel_dims: Parall
 def probing(model: torch.nn.Module, cfg: JobConfig, parallel_dims: ParallelDims, enabled: bool):
     """With `enabled`, measure every block of `model.layers` over the step: yields a dict, filled
     on exit, block index (a string, as JSON keys are) -> [bytes one forward holds for backward
-    (`held_per_block`), then what the step recomputes in the block (`RecomputeCost`): FLOPs,
-    element-wise bytes, host ops, region reruns], the step's counts scaled from the measured
-    micro-batches to all of the step's. What the mode "auto" planner needs."""
+    (`held_per_block`), then what the step runs in the block (`RecomputeCost.work_per_block`:
+    FLOPs, element-wise bytes, host ops, region reruns, recomputed FLOPs)], the step's counts
+    scaled from the measured micro-batches to all of the step's. What the mode "auto" planner
+    needs."""
     if not enabled:
         yield None
         return
@@ -733,10 +734,9 @@ def probing(model: torch.nn.Module, cfg: JobConfig, parallel_dims: ParallelDims,
     with held_per_block(blocks) as held, RecomputeCost(blocks, in_selective_checkpoint) as recompute:
         yield measured
     accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
-    counts = (recompute.flops, recompute.memory_bytes, recompute.ops, recompute.runs)
+    work = recompute.work_per_block()
     for index in blocks:
-        per_step = [n.get(index, 0) * accum_steps // min(accum_steps, 2) for n in counts]
-        per_step[2] += recompute.sac_ops.get(index, 0) * accum_steps // min(accum_steps, 2)
+        per_step = [n * accum_steps // min(accum_steps, 2) for n in work.get(index, (0,) * 5)]
         measured[str(index)] = [held.get(index, 0), *per_step]
 
 
@@ -1031,35 +1031,34 @@ def rank_costs(
     cfg: JobConfig, ngpu: int, ep_imbalance: float = 1.0, budget: int | None = None
 ) -> list[RankCosts]:  # fmt: skip
     """The planner's measurements (`RankCosts`), one per pipeline rank (one without pipelining),
-    from fake-mode steps with every block at each of `BLOCK_CHOICES`: each twice, since the
-    probe's dispatch modes can shift the peak by a few MiB (probed: the blocks; plain: the
-    peak). Their recompute is priced at the config's `auto_*` rates (`recompute_rates`).
+    from probed fake-mode steps (`probing`) with every block at each of `BLOCK_CHOICES`, full AC
+    first. Their work is priced at the config's `auto_*` rates (`recompute_rates`).
 
     Raises:
-        NothingFits: with a `budget` that full AC's peak exceeds on some rank (checked first).
+        NothingFits: with a `budget` that full AC's peak exceeds on some rank (checked before
+            the other choices are measured).
     """
     ac = cfg.activation_checkpoint
     configs = {c: dataclasses.replace(cfg, activation_checkpoint=fixed_mode(ac, c)) for c in BLOCK_CHOICES}
-    full = estimate_configs({"full": configs["full"]}, ngpu, ep_imbalance)
+    probed = estimate_configs({"full": configs["full"]}, ngpu, ep_imbalance, probe=True)
     for label in _pp_labels(cfg):
-        if budget is not None and full[_column("full", label)][TOTAL] > budget:
-            raise nothing_fits(budget, full[_column("full", label)][TOTAL], label)
-    probed = estimate_configs(configs, ngpu, ep_imbalance, probe=True)
+        if budget is not None and probed[_column("full", label)][TOTAL] > budget:
+            raise nothing_fits(budget, probed[_column("full", label)][TOTAL], label)
     others = {c: configs[c] for c in BLOCK_CHOICES if c != "full"}
-    plain = full | estimate_configs(others, ngpu, ep_imbalance)
+    probed |= estimate_configs(others, ngpu, ep_imbalance, probe=True)
     rates = recompute_rates(ac)
     costs = []
     for label in _pp_labels(cfg):
-        runs = {choice: probed[_column(choice, label)][BLOCKS] for choice in BLOCK_CHOICES}
+        runs = {choice: probed[_column(choice, label)] for choice in BLOCK_CHOICES}
         blocks = tuple(
             BlockCost(
                 int(index),
-                held={c: runs[c][index][0] for c in BLOCK_CHOICES},
-                recompute={c: Recompute(*runs[c][index][1:]) for c in BLOCK_CHOICES},
+                held={c: runs[c][BLOCKS][index][0] for c in BLOCK_CHOICES},
+                work={c: BlockWork(*runs[c][BLOCKS][index][1:]) for c in BLOCK_CHOICES},
             )
-            for index in sorted(runs["none"], key=int)
+            for index in sorted(runs["none"][BLOCKS], key=int)
         )
-        peaks = {c: plain[_column(c, label)][TOTAL] for c in BLOCK_CHOICES}
+        peaks = {c: runs[c][TOTAL] for c in BLOCK_CHOICES}
         costs.append(RankCosts(label, peaks, blocks, rates))
     return costs
 

@@ -34,7 +34,7 @@ from torchtitan.config import check
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import wants_help
-from torchtitan.distributed.activation_checkpoint import auto_budget, fixed_mode
+from torchtitan.distributed.activation_checkpoint import AUTO_PLAN_CHOICES, auto_budget, fixed_mode
 from torchtitan.distributed.context_parallel import check_context_parallel
 from torchtitan.distributed.device import device_type
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -177,16 +177,14 @@ def check_layout(cfg: JobConfig, world_size: int, device: torch.device | None = 
 
 def _as_built(cfg: JobConfig) -> list[JobConfig]:
     """The configs the ranks may build: mode "auto" without a plan is planned at startup, so
-    each choice it may give a block is checked, as a mode of its own (op-SAC and full AC)."""
+    each choice that wraps a block is checked, on every block."""
     ac = cfg.activation_checkpoint
     if ac.mode != "auto" or ac.auto_plan.strip():
         return [cfg]
     if device_type() == "cpu":
         auto_budget(ac, capacity=None)  # the CPU has no memory size to plan within
-    return [
-        dataclasses.replace(cfg, activation_checkpoint=fixed_mode(ac, choice))
-        for choice in ("regions", "op", "full")
-    ]
+    wrapping = [choice for choice in AUTO_PLAN_CHOICES if choice != "none"]
+    return [dataclasses.replace(cfg, activation_checkpoint=fixed_mode(ac, choice)) for choice in wrapping]
 
 
 def main(argv: list[str] | None = None) -> int:

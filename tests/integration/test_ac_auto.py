@@ -56,6 +56,13 @@ def test_a_real_step_of_the_plan_fits_the_budget_and_its_estimate(argv, request)
         assert abs(real - planned) <= 0.10 * planned, (fraction, real, planned)
 
 
+def test_probing_the_blocks_leaves_the_steps_peak_as_it_is():
+    # The planner reads each choice's peak from its probed step (rank_costs).
+    cfg = parse_args(LLAMA + ["--activation_checkpoint.mode", "selective"], env={})
+    probed = em.measure(cfg, 1, probe=True)
+    assert probed[em.BLOCKS] and probed[em.TOTAL] == em.measure(cfg, 1)[em.TOTAL]
+
+
 def test_a_larger_budget_never_plans_more_recompute_time(llama_costs):
     cfg, costs = parse_args(LLAMA, env={}), llama_costs
     plans = [

@@ -16,8 +16,8 @@ from torchtitan.distributed.ac_planner import (
     BLOCK_CHOICES,
     BlockCost,
     BlockPlan,
+    BlockWork,
     RankCosts,
-    Recompute,
     RecomputeRates,
     solve,
 )
@@ -162,7 +162,7 @@ def _costs(blocks: list[tuple[int, ...]], in_flight: float = 1, label: str = "")
         recompute = {"none": 0, "regions": rr, "op": ro, "op_all_mm": ra, "full": rf}
         costs.append(
             BlockCost(i, held={c: held[c] * MiB for c in BLOCK_CHOICES},
-                      recompute={c: Recompute(recompute[c]) for c in BLOCK_CHOICES})
+                      work={c: BlockWork(recompute[c], recompute_flops=recompute[c]) for c in BLOCK_CHOICES})
         )  # fmt: skip
     peak = {c: 100 * MiB + round(in_flight * sum(b.held[c] for b in costs)) for c in BLOCK_CHOICES}
     return RankCosts(label, peak, tuple(costs), FLOPS_AS_SECONDS)
@@ -225,18 +225,34 @@ def test_a_larger_budget_never_plans_more_recompute_time():
     assert recompute[0] > 0 and recompute[-1] == 0
 
 
-def test_host_time_can_make_full_ac_cheaper_than_op_sac():
-    # op-SAC recomputes half full AC's FLOPs but dispatches four times its ops: at 1 ms per op
-    # and 10 ms for the FLOPs of full AC, op costs 5 + 8 ms and full 10 + 2 ms.
-    rates = RecomputeRates(tflops=1.0, memory_gbps=1.0, host_us_per_op=1000.0, host_us_per_rerun=0.0)
-    op, full = Recompute(flops=5 * 10**9, host_ops=8), Recompute(flops=10**10, host_ops=2)
-    assert rates.seconds(op) == pytest.approx(0.013) and rates.seconds(full) == pytest.approx(0.012)
+def _block_at_ops_peak(none: BlockWork, op: BlockWork, full: BlockWork, rates) -> dict[int, str]:
+    """The plan of one block at op-SAC's peak, with `none`, `op` and `full`'s work in it."""
     held = {"none": 40 * MiB, "regions": 40 * MiB, "op": 10 * MiB, "op_all_mm": 10 * MiB, "full": 2 * MiB}
-    recompute = {"none": Recompute(), "regions": Recompute(), "op": op, "op_all_mm": op, "full": full}
-    block = BlockCost(0, held, recompute)
+    work = {"none": none, "regions": none, "op": op, "op_all_mm": op, "full": full}
+    block = BlockCost(0, held, work)
     peak = {c: 100 * MiB + block.held[c] for c in BLOCK_CHOICES}
-    costs = RankCosts("", peak, (block,), rates)
-    assert solve(costs, peak["op"]) == {0: "full"}
+    return solve(RankCosts("", peak, (block,), rates), peak["op"])
+
+
+def test_host_time_costs_where_it_exceeds_the_blocks_device_time():
+    # 1 ms per op dispatched, 1 ms per GFLOP. op-SAC recomputes half of full AC's FLOPs but
+    # dispatches 8 more ops, full AC 3 more.
+    rates = RecomputeRates(tflops=1.0, memory_gbps=1.0, host_us_per_op=1000.0, host_us_per_rerun=0.0)
+    assert rates.seconds(BlockWork(flops=2 * 10**9, host_ops=5)) == pytest.approx(0.005)
+    assert rates.seconds(BlockWork(flops=5 * 10**9, host_ops=2)) == pytest.approx(0.005)
+
+    def plan(forward_gflop: int) -> str:
+        g = 10**9
+        none = BlockWork(flops=3 * forward_gflop * g, host_ops=10)
+        op = BlockWork(flops=int(3.5 * forward_gflop * g), host_ops=18)
+        full = BlockWork(flops=4 * forward_gflop * g, host_ops=13)
+        return _block_at_ops_peak(none, op, full, rates)[0]
+
+    # Short kernels (1 ms a forward): the host is the longer, and op-SAC's ops cost more than
+    # full AC's FLOPs.
+    assert plan(forward_gflop=1) == "full"
+    # Long kernels (100 ms a forward): the device is the longer, and hides the host.
+    assert plan(forward_gflop=100) == "op"
 
 
 def test_a_budget_below_full_ac_is_refused_with_its_peak_and_what_to_change():

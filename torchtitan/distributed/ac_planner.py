@@ -7,8 +7,8 @@ holds (the whole model, or one pipeline rank's stages), measurements of one unif
 choice (`RankCosts`):
 
 - the step's peak with every block at that choice;
-- per block, the bytes one forward holds for backward, and what the step recomputes in it
-  (`Recompute`: FLOPs, bytes of element-wise work, ops dispatched, regions rerun).
+- per block, the bytes one forward holds for backward, and what the step runs in it
+  (`BlockWork`: FLOPs, bytes of element-wise work, ops dispatched, regions rerun).
 
 A choice saves, over the whole group, what the peaks say (no AC's peak less that choice's); it
 is shared among the blocks in proportion to what each holds less under it than under no AC
@@ -18,12 +18,14 @@ that the peak never sees do not count. A plan's peak is modelled as no AC's peak
 blocks' savings, never below full AC's (`RankCosts.estimated_peak`); it is exact for the
 uniform plans.
 
-A recompute costs time (`RecomputeRates.seconds`): its FLOPs at the math throughput, its
-element-wise bytes at the memory's, and its host time, per op dispatched and per region rerun.
-The host term is what makes op-SAC dear where kernels are short: its Python dispatch mode sees
-every op of the block twice. `solve` finds the plan with the least recompute time whose
-modelled peak fits (a multiple-choice knapsack by dynamic programming over the bytes to save,
-in units of 1/`RESOLUTION` of them; see `solve` for how rounding is kept from costing a plan).
+A choice costs the time it adds to the block's step (`RankCosts.seconds`). A block's time is
+its device's or its host's, whichever is longer (`RecomputeRates.seconds`): the device's from
+its FLOPs at the math throughput and its element-wise bytes at the memory's, the host's per op
+dispatched and per region rerun. The host term is what makes op-SAC dear where kernels are
+short: its Python dispatch mode sees every op of the block twice. `solve` finds the plan with
+the least added time whose modelled peak fits (a multiple-choice knapsack by dynamic
+programming over the bytes to save, in units of 1/`RESOLUTION` of them; see `solve` for how
+rounding is kept from costing a plan).
 The memory estimator (`scripts/estimate_memory.py --plan`) measures the chosen plan's peak on
 fake tensors and re-solves with a tighter target where the model was short; the trainer runs it
 at startup (`ac_auto.py`).
@@ -47,37 +49,36 @@ RESOLUTION = 2**14
 
 
 @dataclass(frozen=True)
-class Recompute:
-    """What one step recomputes in one block (all micro-batches; `op_counter.RecomputeCost`).
+class BlockWork:
+    """What one step runs in one block under one choice: its forward, its backward and its
+    recompute, all micro-batches (`op_counter.RecomputeCost`).
 
     Attributes:
-        flops: FLOPs of the recomputed ops that have a FLOP formula (matmuls, attention).
-        memory_bytes: bytes written by the other recomputed ops (element-wise work, copies).
-        host_ops: ops the host dispatches for AC: each recomputed op, and under SAC each op of
-            the forward and of its recompute once more (SAC's Python dispatch mode).
+        flops: FLOPs of the ops that have a FLOP formula (matmuls, attention).
+        memory_bytes: bytes written by the other ops (element-wise work, copies).
+        host_ops: ops the host dispatches: each op once, and under SAC each op of the forward
+            and of its recompute once more (SAC's Python dispatch mode).
         reruns: checkpointed regions rerun.
+        recompute_flops: of `flops`, those of the recompute.
     """
 
     flops: int = 0
     memory_bytes: int = 0
     host_ops: int = 0
     reruns: int = 0
+    recompute_flops: int = 0
 
 
 @dataclass(frozen=True)
 class RecomputeRates:
-    """What turns a `Recompute` into seconds (`seconds`).
+    """What turns a `BlockWork` into seconds (`seconds`).
 
     Attributes:
-        tflops: the math throughput of recompute, TFLOP/s.
+        tflops: the math throughput, TFLOP/s.
         memory_gbps: the memory throughput of element-wise work, GB/s; each byte written is
             taken to be read once too.
         host_us_per_op: host time per op dispatched, µs.
         host_us_per_rerun: host time per region rerun (the checkpoint's own work), µs.
-
-    Pitfall: the terms are added. On a GPU the host runs ahead of long kernels and hides some
-    of its time behind them, so where kernels are long the sum overstates host time, which
-    leans the plan from op-SAC (many ops) toward full AC (fewer ops, more FLOPs).
     """
 
     tflops: float
@@ -85,13 +86,17 @@ class RecomputeRates:
     host_us_per_op: float
     host_us_per_rerun: float
 
-    def seconds(self, work: Recompute) -> float:
-        host_us = work.host_ops * self.host_us_per_op + work.reruns * self.host_us_per_rerun
-        return (
-            work.flops / (self.tflops * 1e12)
-            + 2 * work.memory_bytes / (self.memory_gbps * 1e9)
-            + host_us * 1e-6
-        )
+    def device_seconds(self, work: BlockWork) -> float:
+        return work.flops / (self.tflops * 1e12) + 2 * work.memory_bytes / (self.memory_gbps * 1e9)
+
+    def host_seconds(self, work: BlockWork) -> float:
+        return (work.host_ops * self.host_us_per_op + work.reruns * self.host_us_per_rerun) * 1e-6
+
+    def seconds(self, work: BlockWork) -> float:
+        """The block's time in the step: the device's or the host's, whichever is longer. The
+        host queues kernels ahead of the device, so its time costs only where it is the longer
+        (short kernels: small blocks, short sequences, op-SAC's many ops)."""
+        return max(self.device_seconds(work), self.host_seconds(work))
 
     def describe(self) -> str:
         return (
@@ -107,12 +112,12 @@ class BlockCost:
     Attributes:
         index: the block's index in the whole model.
         held: bytes one forward of the block holds for backward.
-        recompute: what the step recomputes in the block, all micro-batches included.
+        work: what the step runs in the block, all micro-batches included.
     """
 
     index: int
     held: dict[str, int]
-    recompute: dict[str, Recompute]
+    work: dict[str, BlockWork]
 
     def held_less(self, choice: str) -> int:
         """Bytes one forward holds less under `choice` than under no AC (never negative)."""
@@ -120,7 +125,7 @@ class BlockCost:
 
     def recompute_flops(self, choice: str) -> int:
         """FLOPs a step spends recomputing this block under `choice`."""
-        return self.recompute[choice].flops
+        return self.work[choice].recompute_flops
 
 
 @dataclass(frozen=True)
@@ -155,8 +160,9 @@ class RankCosts:
         return sum(block.recompute_flops(choices[block.index]) for block in self.blocks)
 
     def seconds(self, block: BlockCost, choice: str) -> float:
-        """The modelled time a step spends recomputing `block` under `choice`."""
-        return self.rates.seconds(block.recompute[choice])
+        """The modelled time `choice` adds to the step in `block` (`RecomputeRates.seconds`
+        under it less under no AC)."""
+        return max(0.0, self.rates.seconds(block.work[choice]) - self.rates.seconds(block.work["none"]))
 
     def recompute_seconds(self, choices: dict[int, str]) -> float:
         return sum(self.seconds(block, choices[block.index]) for block in self.blocks)

@@ -138,10 +138,13 @@ class RecomputeCost(TorchDispatchMode):
     Per block index, once backward ran:
         flops: FLOPs recomputed, by torch's formulas (`torch.utils.flop_counter`), at the
             shapes of this rank's shards for a DTensor op.
-        memory_bytes: bytes written by recomputed ops that have no FLOP formula and are not
-            views (element-wise work and copies: their time is the memory's, not the math
-            units').
+        memory_bytes: bytes written by recomputed ops that have no FLOP formula and are neither
+            views nor collectives (element-wise work and copies: their time is the memory's,
+            not the math units').
         ops: ops recomputed.
+        step_flops, step_memory_bytes, step_ops: the same for everything the block runs in the
+            step: its forward, its backward and its recompute (what AC adds to, and what can
+            hide a host cost).
         runs: recomputes, each a checkpointed region rerun (a run of recomputed ops).
         sac_ops: ops that pass through SAC's Python dispatch mode, in forward and in its
             recompute (twice the forward's ops of a block run under SAC), each paying the
@@ -167,6 +170,9 @@ class RecomputeCost(TorchDispatchMode):
         self.flops: dict[int, int] = defaultdict(int)
         self.memory_bytes: dict[int, int] = defaultdict(int)
         self.ops: dict[int, int] = defaultdict(int)
+        self.step_flops: dict[int, int] = defaultdict(int)
+        self.step_memory_bytes: dict[int, int] = defaultdict(int)
+        self.step_ops: dict[int, int] = defaultdict(int)
         self.runs: dict[int, int] = defaultdict(int)
         self.sac_ops: dict[int, int] = defaultdict(int)
 
@@ -205,26 +211,54 @@ class RecomputeCost(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not self._in_backward():
-            if self.running and self.running[-1] in self.under_sac and torch.is_grad_enabled():
-                self.sac_ops[self.running[-1]] += 2
+            if self.running:
+                index = self.running[-1]
+                self._tally(index, func, args, kwargs, out, recomputed=False)
+                if index in self.under_sac and torch.is_grad_enabled():
+                    self.sac_ops[index] += 2
             return out
-        node = torch._C._current_autograd_node() if torch.is_grad_enabled() else None
+        node = torch._C._current_autograd_node()
         index = None if node is None else node.metadata.get(_BLOCK_KEY)
         if index is None:
             return out
-        if _RERAN not in node.metadata:
+        recomputed = torch.is_grad_enabled()
+        if recomputed and _RERAN not in node.metadata:
             # A checkpoint reruns its region when a node first unpacks what it saved.
             node.metadata[_RERAN] = True
             self.runs[index] += 1
-        self.ops[index] += 1
+        self._tally(index, func, args, kwargs, out, recomputed)
+        return out
+
+    def work_per_block(self) -> dict[int, tuple[int, int, int, int, int]]:
+        """Per block: (step FLOPs, step element-wise bytes, host ops: the step's ops plus SAC's,
+        region reruns, recomputed FLOPs); the fields of the planner's `BlockWork`."""
+        return {
+            index: (self.step_flops[index], self.step_memory_bytes[index],
+                    self.step_ops[index] + self.sac_ops.get(index, 0), self.runs.get(index, 0),
+                    self.flops.get(index, 0))
+            for index in self.step_ops
+        }  # fmt: skip
+
+    def _tally(self, index: int, func, args, kwargs, out, recomputed: bool) -> None:
         formula = _flop_formula(func)
+        flops = memory_bytes = 0
         if formula is not None:
             local_args, local_kwargs, local_out = tree_map(_local, (args, kwargs, out))
-            self.flops[index] += formula(*local_args, **local_kwargs, out_val=local_out)
-        elif not func.is_view:
+            flops = formula(*local_args, **local_kwargs, out_val=local_out)
+        elif not func.is_view and func.namespace not in _COLLECTIVE_NAMESPACES:
             local = [_local(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            self.memory_bytes[index] += sum(t.numel() * t.element_size() for t in local)
-        return out
+            memory_bytes = sum(t.numel() * t.element_size() for t in local)
+        self.step_flops[index] += flops
+        self.step_memory_bytes[index] += memory_bytes
+        self.step_ops[index] += 1
+        if recomputed:
+            self.flops[index] += flops
+            self.memory_bytes[index] += memory_bytes
+            self.ops[index] += 1
+
+
+# Communication, not memory-bound work.
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d", "_dtensor")
 
 
 # The CPU's fused attention has no FLOP formula in torch; it does the work of the GPU's flash
