@@ -269,11 +269,34 @@ def _estimator():
     return module
 
 
+def this_cpus_rates() -> tuple[float, float]:
+    """(TFLOP/s of an fp32 matmul, GB/s of an element-wise op) on this CPU, so that mode "auto"
+    prices recompute at this machine's rates, not a GPU's."""
+
+    def best_of(fn, repeats: int = 5) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    tflops = 2 * 1024**3 / best_of(lambda: a @ b) / 1e12
+    x = torch.randn(2**24)
+    gbps = 2 * x.numel() * x.element_size() / best_of(lambda: torch.nn.functional.silu(x)) / 1e9
+    return tflops, gbps
+
+
 def auto_table(cli) -> list[str]:
-    """Mode "auto" at the budget of each fixed mode's peak, beside that mode."""
+    """Mode "auto" at the budget of each fixed mode's peak, beside that mode; recompute priced at
+    this CPU's rates (`this_cpus_rates`)."""
     em = _estimator()
+    tflops, gbps = this_cpus_rates()
+    prices = ["--activation_checkpoint.auto_tflops", repr(tflops), "--activation_checkpoint.auto_memory_gbps",
+              repr(gbps)]  # fmt: skip
     cfg = parse_args(["--config", "debug_model.toml", "--training.local_batch_size", str(cli.batch),
-                      "--training.seq_len", str(cli.seq_len)], env={})  # fmt: skip
+                      "--training.seq_len", str(cli.seq_len), *prices], env={})  # fmt: skip
     (costs,) = em.rank_costs(cfg, 1)
     n = len(costs.blocks)
     fixed = {
@@ -305,7 +328,8 @@ def auto_table(cli) -> list[str]:
     lines = [
         f"Llama 3 debugmodel, batch {cli.batch} x {cli.seq_len}, fp32, "
         f"CPU ({torch.get_num_threads()} threads), median of {cli.rounds * cli.steps_per_round} steps, "
-        f"torch {torch.__version__}; peaks and FLOPs from the memory estimator (the trainer's step)",
+        f"torch {torch.__version__}; peaks and FLOPs from the memory estimator (the trainer's step); "
+        f"recompute priced at {tflops:.3f} TFLOP/s and {gbps:.1f} GB/s (this CPU)",
         "",
         "| run | blocks | step peak MiB | recompute GFLOP / step | step (ms) | time vs the fixed mode |",
         "|---|---|---|---|---|---|",

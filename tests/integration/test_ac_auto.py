@@ -81,8 +81,10 @@ def test_the_first_pipeline_stage_plans_at_least_the_recompute_of_the_last():
     # The first rank's peaks hold 2 microbatches, so full AC saves it about twice the last's.
     first_saves, last_saves = (c.peak["none"] - c.peak["full"] for c in (first, last))
     assert first_saves > 1.5 * last_saves
-    budget = _between(last, 0.3)
+    # The last rank needs 40% of what full AC saves it: not every block.
+    budget = _between(last, 0.6)
     plan = em.plan_to_budget(cfg, 2, budget, costs=[first, last])
+    assert set(plan.choices.values()) != {"full"}
     assert plan.ranks["pp 0"]["recompute_ms"] >= plan.ranks["pp 1"]["recompute_ms"] > 0
     assert all(rank["measured"] <= budget for rank in plan.ranks.values())
 
