@@ -269,9 +269,11 @@ def _estimator():
     return module
 
 
-def this_cpus_rates() -> tuple[float, float]:
-    """(TFLOP/s of an fp32 matmul, GB/s of an element-wise op) on this CPU, so that mode "auto"
-    prices recompute at this machine's rates, not a GPU's."""
+def this_cpus_rates(activation_elements: int) -> tuple[float, float]:
+    """(TFLOP/s of an fp32 matmul, GB/s of SiLU on `activation_elements` floats) on this CPU, so
+    that mode "auto" prices recompute at this machine's rates, not a GPU's. The element-wise
+    rate is taken at the model's activation size: where that fits in the CPU's caches it is
+    several times the rate out of memory."""
 
     def best_of(fn, repeats: int = 5) -> float:
         times = []
@@ -283,7 +285,7 @@ def this_cpus_rates() -> tuple[float, float]:
 
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     tflops = 2 * 1024**3 / best_of(lambda: a @ b) / 1e12
-    x = torch.randn(2**24)
+    x = torch.randn(activation_elements)
     gbps = 2 * x.numel() * x.element_size() / best_of(lambda: torch.nn.functional.silu(x)) / 1e9
     return tflops, gbps
 
@@ -292,7 +294,8 @@ def auto_table(cli) -> list[str]:
     """Mode "auto" at the budget of each fixed mode's peak, beside that mode; recompute priced at
     this CPU's rates (`this_cpus_rates`)."""
     em = _estimator()
-    tflops, gbps = this_cpus_rates()
+    args = replace(llama3_flavors["debugmodel"], max_seq_len=cli.seq_len)
+    tflops, gbps = this_cpus_rates(cli.batch * cli.seq_len * args.ffn_hidden_dim)
     prices = ["--activation_checkpoint.auto_tflops", repr(tflops), "--activation_checkpoint.auto_memory_gbps",
               repr(gbps)]  # fmt: skip
     cfg = parse_args(["--config", "debug_model.toml", "--training.local_batch_size", str(cli.batch),
@@ -305,7 +308,6 @@ def auto_table(cli) -> list[str]:
         "selective 2": ({i: "none" if i % 2 else "full" for i in range(n)},
                         em.estimate(cfg, 1, ["selective 2"])["selective 2"][em.TOTAL]),
     }  # fmt: skip
-    args = replace(llama3_flavors["debugmodel"], max_seq_len=cli.seq_len)
     tokens = torch.randint(
         0, args.vocab_size, (cli.batch, cli.seq_len + 1), generator=torch.Generator().manual_seed(0)
     )
