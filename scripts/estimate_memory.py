@@ -166,7 +166,7 @@ TOTAL = "peak total"
 # Not part of the peak: the bytes activation offload sends to the host in one step (and back).
 OFFLOADED = "offloaded to host per step"
 # Not a row: with `probe`, per block the bytes one forward holds for backward and what the step
-# recomputes in it (`probing`).
+# runs in it (`probing`).
 BLOCKS = "blocks"
 # PCIe Gen5 x16's peak per direction; real pinned copies reach somewhat less.
 DEFAULT_OFFLOAD_GBPS = 64.0

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 PLAN_FILE = "ac_plan.json"
 # How long the other ranks wait for rank 0's plan at least (`comm.init_timeout_seconds` when
-# longer): planning Llama 3 70B on 64 ranks takes about 3 minutes on a slow host core.
+# longer): planning Llama 3 70B on 64 ranks took 2 to 3 minutes on one core of an AMD EPYC.
 PLANNING_TIMEOUT_SECONDS = 3600
 ESTIMATOR = Path(__file__).resolve().parents[2] / "scripts" / "estimate_memory.py"
 # The recompute throughput where the device's peak is unknown (the CPU, other GPUs): about 40%

@@ -232,7 +232,8 @@ class BlockPlan:
             "recompute_ms", "full_recompute_ms" (full AC on every block, for comparison)}.
         saving: block index -> choice -> bytes it takes off the peak (`RankCosts.saving`).
         recompute: block index -> choice -> recompute FLOPs per step.
-        recompute_ms: block index -> choice -> modelled recompute time per step, ms.
+        recompute_ms: block index -> choice -> the time it adds to the step, modelled, ms
+            (`RankCosts.seconds`).
         rates: what priced the recompute (`RecomputeRates.describe`).
         fingerprint: what the plan was made for (`ac_auto.layout_fingerprint`).
     """
@@ -252,10 +253,11 @@ class BlockPlan:
         return format_block_plan(self.choices)
 
     def table(self) -> str:
-        """A Markdown table: per block its choice, the bytes that takes off the peak, and its
-        recompute per step in GFLOP and in modelled ms; then one line per device."""
+        """A Markdown table: per block its choice, the bytes that takes off the peak, its
+        recompute FLOPs per step, and the time it adds to the step (modelled); then one line
+        per device."""
         lines = [
-            "| block | choice | off the peak, MiB | recompute per step, GFLOP | recompute per step, ms |",
+            "| block | choice | off the peak, MiB | recompute per step, GFLOP | added per step, ms |",
             "|---|---|---|---|---|",
         ]
         for index in sorted(self.choices):
@@ -271,7 +273,7 @@ class BlockPlan:
             lines.append(
                 f"Peak{where}: {r['measured'] / GiB:.3f} GiB measured on fake tensors, "
                 f"{r['estimated'] / GiB:.3f} GiB modelled, budget {self.budget / GiB:.3f} GiB; "
-                f"recompute {r['recompute_ms']:.1f} ms per step (full AC: {r['full_recompute_ms']:.1f} ms)."
+                f"adds {r['recompute_ms']:.1f} ms per step (full AC: {r['full_recompute_ms']:.1f} ms)."
             )
         lines.append(f"Recompute priced at {self.rates}.")
         return "\n".join(lines)

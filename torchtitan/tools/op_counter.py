@@ -145,7 +145,8 @@ class RecomputeCost(TorchDispatchMode):
         step_flops, step_memory_bytes, step_ops: the same for everything the block runs in the
             step: its forward, its backward and its recompute (what AC adds to, and what can
             hide a host cost).
-        runs: recomputes, each a checkpointed region rerun (a run of recomputed ops).
+        runs: checkpointed regions rerun, each counted at the autograd node that first asked
+            for what the region saved.
         sac_ops: ops that pass through SAC's Python dispatch mode, in forward and in its
             recompute (twice the forward's ops of a block run under SAC), each paying the
             policy's host cost whether saved or not.
@@ -201,7 +202,7 @@ class RecomputeCost(TorchDispatchMode):
             self.under_sac.add(index)
 
     def _leave_module(self, module, args, output) -> None:
-        # Called also when the forward raised (a checkpoint's early stop ends its recompute so).
+        # Called also when a forward raised, so that the stack stays balanced.
         if module not in self.top or self._in_backward() or not self.running:
             return
         index = self.running.pop()
