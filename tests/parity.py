@@ -50,7 +50,7 @@ AC_ARGV = {
     "op-SAC": [_AC + "mode", "selective", _AC + "selective_ac_option", "op"],
     # Mode "auto" with its plan given: every choice on some block (blocks past a model's last
     # are not there to wrap).
-    "auto plan": [_AC + "mode", "auto", _AC + "auto_plan", "none:0; regions:1; op:2; full:3-63"],
+    "auto plan": [_AC + "mode", "auto", _AC + "auto_plan", "none:0; regions:1; op:2; op_all_mm:3; full:4-63"],
 }
 
 

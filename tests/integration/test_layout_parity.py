@@ -218,7 +218,7 @@ OFFLOAD_LAYOUTS = {
     "FSDP 2 x TP 2, offload": (("llama3", 4, 2, TP2 + OFFLOAD, "op-SAC"), FULL),
 }  # fmt: skip
 LAYOUTS.update({name: layout for name, (layout, _) in OFFLOAD_LAYOUTS.items()})
-# Mode "auto" with a given plan (none, op-SAC and full AC on different blocks); the trainer's
+# Mode "auto" with a given plan (every choice on some block: see tests/parity.py); the trainer's
 # planning at startup under FSDP 2 is in test_ac_auto.py.
 AUTO_LAYOUTS = {
     "FSDP 2 x TP 2, auto plan": (("llama3", 4, 2, TP2, "auto plan"), ()),
