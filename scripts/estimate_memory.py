@@ -734,9 +734,8 @@ def probing(model: torch.nn.Module, cfg: JobConfig, parallel_dims: ParallelDims,
     with held_per_block(blocks) as held, RecomputeCost(blocks, in_selective_checkpoint) as recompute:
         yield measured
     accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
-    work = recompute.work_per_block()
-    for index in blocks:
-        per_step = [n * accum_steps // min(accum_steps, 2) for n in work.get(index, (0,) * 5)]
+    for index, work in recompute.work_per_block().items():
+        per_step = [n * accum_steps // min(accum_steps, 2) for n in work]
         measured[str(index)] = [held.get(index, 0), *per_step]
 
 

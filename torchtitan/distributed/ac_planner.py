@@ -164,7 +164,7 @@ class RankCosts:
         under it less under no AC)."""
         return max(0.0, self.rates.seconds(block.work[choice]) - self.rates.seconds(block.work["none"]))
 
-    def recompute_seconds(self, choices: dict[int, str]) -> float:
+    def added_seconds(self, choices: dict[int, str]) -> float:
         return sum(self.seconds(block, choices[block.index]) for block in self.blocks)
 
 
@@ -229,10 +229,10 @@ class BlockPlan:
         choices: block index -> choice.
         budget: the bytes it was planned for.
         ranks: per device label, {"estimated", "measured" (peak bytes), "recompute_flops",
-            "recompute_ms", "full_recompute_ms" (full AC on every block, for comparison)}.
+            "added_ms", "full_ac_added_ms" (full AC on every block, for comparison)}.
         saving: block index -> choice -> bytes it takes off the peak (`RankCosts.saving`).
         recompute: block index -> choice -> recompute FLOPs per step.
-        recompute_ms: block index -> choice -> the time it adds to the step, modelled, ms
+        added_ms: block index -> choice -> the time it adds to the step, modelled, ms
             (`RankCosts.seconds`).
         rates: what priced the recompute (`RecomputeRates.describe`).
         fingerprint: what the plan was made for (`ac_auto.layout_fingerprint`).
@@ -243,7 +243,7 @@ class BlockPlan:
     ranks: dict[str, dict[str, float]]
     saving: dict[int, dict[str, int]]
     recompute: dict[int, dict[str, int]]
-    recompute_ms: dict[int, dict[str, float]]
+    added_ms: dict[int, dict[str, float]]
     rates: str
     fingerprint: str = ""
 
@@ -264,7 +264,7 @@ class BlockPlan:
             choice = self.choices[index]
             lines.append(
                 f"| {index} | {choice} | {self.saving[index][choice] / 2**20:.1f} | "
-                f"{self.recompute[index][choice] / 1e9:.2f} | {self.recompute_ms[index][choice]:.3f} |"
+                f"{self.recompute[index][choice] / 1e9:.2f} | {self.added_ms[index][choice]:.3f} |"
             )
         counts = [f"{c} on {list(self.choices.values()).count(c)}" for c in BLOCK_CHOICES]
         lines.append(f"\nBlocks: {', '.join(counts)} of {len(self.choices)}.")
@@ -273,7 +273,7 @@ class BlockPlan:
             lines.append(
                 f"Peak{where}: {r['measured'] / GiB:.3f} GiB measured on fake tensors, "
                 f"{r['estimated'] / GiB:.3f} GiB modelled, budget {self.budget / GiB:.3f} GiB; "
-                f"adds {r['recompute_ms']:.1f} ms per step (full AC: {r['full_recompute_ms']:.1f} ms)."
+                f"adds {r['added_ms']:.1f} ms per step (full AC: {r['full_ac_added_ms']:.1f} ms)."
             )
         lines.append(f"Recompute priced at {self.rates}.")
         return "\n".join(lines)
@@ -290,7 +290,7 @@ class BlockPlan:
         return cls(
             choices=ints(raw["choices"]), budget=raw["budget"], ranks=raw["ranks"],
             saving=ints(raw["saving"]), recompute=ints(raw["recompute"]),
-            recompute_ms=ints(raw["recompute_ms"]), rates=raw["rates"],
+            added_ms=ints(raw["added_ms"]), rates=raw["rates"],
             fingerprint=raw.get("fingerprint", ""),
         )  # fmt: skip
 
@@ -304,8 +304,8 @@ def plan_of(
         c.label: {
             "estimated": c.estimated_peak(choices), "measured": measured[c.label],
             "recompute_flops": c.recompute_flops(choices),
-            "recompute_ms": 1e3 * c.recompute_seconds(choices),
-            "full_recompute_ms": 1e3 * c.recompute_seconds({b.index: "full" for b in c.blocks}),
+            "added_ms": 1e3 * c.added_seconds(choices),
+            "full_ac_added_ms": 1e3 * c.added_seconds({b.index: "full" for b in c.blocks}),
         }
         for c in costs
     }  # fmt: skip
@@ -317,6 +317,6 @@ def plan_of(
         choices=dict(sorted(choices.items())), budget=budget, ranks=ranks,
         saving=per_block(lambda c, b, ch: round(c.saving(b, ch))),
         recompute=per_block(lambda c, b, ch: b.recompute_flops(ch)),
-        recompute_ms=per_block(lambda c, b, ch: 1e3 * c.seconds(b, ch)),
+        added_ms=per_block(lambda c, b, ch: 1e3 * c.seconds(b, ch)),
         rates=costs[0].rates.describe(),
     )  # fmt: skip

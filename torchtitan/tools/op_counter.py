@@ -231,13 +231,13 @@ class RecomputeCost(TorchDispatchMode):
         return out
 
     def work_per_block(self) -> dict[int, tuple[int, int, int, int, int]]:
-        """Per block: (step FLOPs, step element-wise bytes, host ops: the step's ops plus SAC's,
-        region reruns, recomputed FLOPs); the fields of the planner's `BlockWork`."""
+        """Per block, every block included: (step FLOPs, step element-wise bytes, host ops: the
+        step's ops plus SAC's, region reruns, recomputed FLOPs); the fields of the planner's
+        `BlockWork`."""
         return {
             index: (self.step_flops[index], self.step_memory_bytes[index],
-                    self.step_ops[index] + self.sac_ops.get(index, 0), self.runs.get(index, 0),
-                    self.flops.get(index, 0))
-            for index in self.step_ops
+                    self.step_ops[index] + self.sac_ops[index], self.runs[index], self.flops[index])
+            for index in self.top.values()
         }  # fmt: skip
 
     def _tally(self, index: int, func, args, kwargs, out, recomputed: bool) -> None:
