@@ -292,12 +292,13 @@ def this_cpus_rates(activation_elements: int) -> tuple[float, float]:
 
 def auto_table(cli) -> list[str]:
     """Mode "auto" at the budget of each fixed mode's peak, beside that mode; recompute priced at
-    this CPU's rates (`this_cpus_rates`)."""
+    this CPU's rates (`this_cpus_rates`), and no offload (the CPU copies synchronously, as the
+    trainer plans on it)."""
     em = _estimator()
     args = replace(llama3_flavors["debugmodel"], max_seq_len=cli.seq_len)
     tflops, gbps = this_cpus_rates(cli.batch * cli.seq_len * args.ffn_hidden_dim)
     prices = ["--activation_checkpoint.auto_tflops", repr(tflops), "--activation_checkpoint.auto_memory_gbps",
-              repr(gbps)]  # fmt: skip
+              repr(gbps), "--activation_checkpoint.auto_offload", "false"]  # fmt: skip
     cfg = parse_args(["--config", "debug_model.toml", "--training.local_batch_size", str(cli.batch),
                       "--training.seq_len", str(cli.seq_len), *prices], env={})  # fmt: skip
     (costs,) = em.rank_costs(cfg, 1)

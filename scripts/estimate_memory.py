@@ -87,7 +87,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
-from torchtitan.components.ac_auto import DEFAULT_TFLOPS, recompute_rates
+from torchtitan.components.ac_auto import DEFAULT_TFLOPS, planned_choices, recompute_rates
 from torchtitan.components.loss_head import build_chunked_loss
 from torchtitan.components.optimizer import OptimizerInBackward, check_early_step_in_backward
 from torchtitan.components.training_step import (
@@ -99,7 +99,6 @@ from torchtitan.components.training_step import (
 from torchtitan.config import ActivationCheckpoint, ConfigError, JobConfig, parse_args
 from torchtitan.config.job_config import model_compile_enabled
 from torchtitan.distributed.ac_planner import (
-    BLOCK_CHOICES,
     BlockCost,
     BlockPlan,
     BlockWork,
@@ -108,12 +107,13 @@ from torchtitan.distributed.ac_planner import (
     solve,
 )  # fmt: skip
 from torchtitan.distributed.activation_checkpoint import (
+    OFFLOAD_CHOICES,
     fixed_mode,
     format_block_plan,
     in_selective_checkpoint,
     nothing_fits,
 )  # fmt: skip
-from torchtitan.distributed.activation_offload import offloaders_in
+from torchtitan.distributed.activation_offload import ActivationOffloader, HostPool, offloaders_in
 from torchtitan.distributed.context_parallel import ContextParallel, sharded_or_whole
 from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.expert_parallel import is_ep_local
@@ -587,28 +587,43 @@ class _FSDPMemTracker(_Pausable, FSDPMemTracker):
 
 @contextlib.contextmanager
 def tracking(tracker: _Pausable):
-    """Enter `tracker`, with DTensor's shape propagation left untracked.
+    """Enter `tracker`, with DTensor's shape propagation and activation offload's host side left
+    untracked.
 
     DTensor derives an op's output shape by running the op on global-shape fake tensors in the
     active fake mode. MemTracker skips those only when that mode differs from its own; under our
     FakeTensorMode it is the same one, so without this they would count as allocations (grad
     clipping alone would "hold" an unsharded fp32 copy of every gradient).
+
+    Offload's host buffers are the host's memory, not the device's. Fake tensors' buffers hold
+    nothing anyway; on real CPU tensors (`measure(fake=False)`) they would count as the
+    device's, though on a GPU they would not.
     """
-    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+    untracked = [
+        (ShardingPropagator, "_propagate_tensor_meta_non_cached"),
+        (HostPool, "take"),
+        (ActivationOffloader, "_to_host"),
+    ]
+    originals = [getattr(owner, name) for owner, name in untracked]
 
-    def propagate_untracked(self, op_schema):
-        tracker.paused += 1
-        try:
-            return propagate(self, op_schema)
-        finally:
-            tracker.paused -= 1
+    def paused(method):
+        def run(*args, **kwargs):
+            tracker.paused += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                tracker.paused -= 1
 
-    ShardingPropagator._propagate_tensor_meta_non_cached = propagate_untracked
+        return run
+
+    for (owner, name), method in zip(untracked, originals):
+        setattr(owner, name, paused(method))
     try:
         with tracker:
             yield tracker
     finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+        for (owner, name), method in zip(untracked, originals):
+            setattr(owner, name, method)
 
 
 def make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) -> MemTracker:
@@ -723,9 +738,10 @@ def probing(model: torch.nn.Module, cfg: JobConfig, parallel_dims: ParallelDims,
     """With `enabled`, measure every block of `model.layers` over the step: yields a dict, filled
     on exit, block index (a string, as JSON keys are) -> [bytes one forward holds for backward
     (`held_per_block`), then what the step runs in the block (`RecomputeCost.work_per_block`:
-    FLOPs, element-wise bytes, host ops, region reruns, recomputed FLOPs)], the step's counts
-    scaled from the measured micro-batches to all of the step's. What the mode "auto" planner
-    needs."""
+    FLOPs, element-wise bytes, host ops, region reruns, recomputed FLOPs), then the bytes it
+    offloads (`ActivationOffloader.bytes_total_by_block`)], the step's counts scaled from the
+    measured micro-batches to all of the step's. What the mode "auto" planner needs (`BlockWork`
+    in that order)."""
     if not enabled:
         yield None
         return
@@ -734,8 +750,10 @@ def probing(model: torch.nn.Module, cfg: JobConfig, parallel_dims: ParallelDims,
     with held_per_block(blocks) as held, RecomputeCost(blocks, in_selective_checkpoint) as recompute:
         yield measured
     accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
+    offloaders = offloaders_in(model)
     for index, work in recompute.work_per_block().items():
-        per_step = [n * accum_steps // min(accum_steps, 2) for n in work]
+        offloaded = sum(offloader.bytes_total_by_block.get(index, 0) for offloader in offloaders)
+        per_step = [n * accum_steps // min(accum_steps, 2) for n in (*work, offloaded)]
         measured[str(index)] = [held.get(index, 0), *per_step]
 
 
@@ -1030,34 +1048,39 @@ def rank_costs(
     cfg: JobConfig, ngpu: int, ep_imbalance: float = 1.0, budget: int | None = None
 ) -> list[RankCosts]:  # fmt: skip
     """The planner's measurements (`RankCosts`), one per pipeline rank (one without pipelining),
-    from probed fake-mode steps (`probing`) with every block at each of `BLOCK_CHOICES`, full AC
-    first. Their work is priced at the config's `auto_*` rates (`recompute_rates`).
+    from probed fake-mode steps (`probing`) with every block at each of the layout's choices
+    (`planned_choices`), full AC (and full AC with offload) first. Their work is priced at the
+    config's `auto_*` rates (`recompute_rates`).
 
     Raises:
-        NothingFits: with a `budget` that full AC's peak exceeds on some rank (checked before
-            the other choices are measured).
+        NothingFits: with a `budget` that the least of those first peaks exceeds on some rank
+            (checked before the other choices are measured).
     """
     ac = cfg.activation_checkpoint
-    configs = {c: dataclasses.replace(cfg, activation_checkpoint=fixed_mode(ac, c)) for c in BLOCK_CHOICES}
-    probed = estimate_configs({"full": configs["full"]}, ngpu, ep_imbalance, probe=True)
+    choices = planned_choices(cfg)
+    configs = {c: dataclasses.replace(cfg, activation_checkpoint=fixed_mode(ac, c)) for c in choices}
+    least = [c for c in ("full", "full_offload") if c in choices]
+    probed = estimate_configs({c: configs[c] for c in least}, ngpu, ep_imbalance, probe=True)
     for label in _pp_labels(cfg):
-        if budget is not None and probed[_column("full", label)][TOTAL] > budget:
-            raise nothing_fits(budget, probed[_column("full", label)][TOTAL], label)
-    others = {c: configs[c] for c in BLOCK_CHOICES if c != "full"}
+        floor = min(least, key=lambda c: probed[_column(c, label)][TOTAL])
+        needed = probed[_column(floor, label)][TOTAL]
+        if budget is not None and needed > budget:
+            raise nothing_fits(budget, needed, label, offload=floor in OFFLOAD_CHOICES)
+    others = {c: configs[c] for c in choices if c not in least}
     probed |= estimate_configs(others, ngpu, ep_imbalance, probe=True)
     rates = recompute_rates(ac)
     costs = []
     for label in _pp_labels(cfg):
-        runs = {choice: probed[_column(choice, label)] for choice in BLOCK_CHOICES}
+        runs = {choice: probed[_column(choice, label)] for choice in choices}
         blocks = tuple(
             BlockCost(
                 int(index),
-                held={c: runs[c][BLOCKS][index][0] for c in BLOCK_CHOICES},
-                work={c: BlockWork(*runs[c][BLOCKS][index][1:]) for c in BLOCK_CHOICES},
+                held={c: runs[c][BLOCKS][index][0] for c in choices},
+                work={c: BlockWork(*runs[c][BLOCKS][index][1:]) for c in choices},
             )
             for index in sorted(runs["none"][BLOCKS], key=int)
         )
-        peaks = {c: runs[c][TOTAL] for c in BLOCK_CHOICES}
+        peaks = {c: runs[c][TOTAL] for c in choices}
         costs.append(RankCosts(label, peaks, blocks, rates))
     return costs
 
@@ -1089,8 +1112,8 @@ def plan_to_budget(
     for _ in range(PLAN_ROUNDS):
         choices = {}
         for c in costs:
-            if targets[c.label] < c.peak["full"] <= budget:
-                choices |= {block.index: "full" for block in c.blocks}
+            if targets[c.label] < c.peak[c.floor] <= budget:
+                choices |= {block.index: c.floor for block in c.blocks}
             else:
                 choices |= solve(c, targets[c.label])
         results = estimate_configs({"auto": with_block_plan(cfg, choices)}, ngpu, ep_imbalance)

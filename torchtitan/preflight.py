@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from torchtitan.components.ac_auto import planned_choices, with_rates_of
 from torchtitan.components.model_converter import build_model_converters
 from torchtitan.components.optimizer import check_early_step_in_backward
 from torchtitan.components.training_step import gradient_accumulation_steps
@@ -34,7 +35,7 @@ from torchtitan.config import check
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import wants_help
-from torchtitan.distributed.activation_checkpoint import AUTO_PLAN_CHOICES, auto_budget, fixed_mode
+from torchtitan.distributed.activation_checkpoint import auto_budget, fixed_mode
 from torchtitan.distributed.context_parallel import check_context_parallel
 from torchtitan.distributed.device import device_type
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -172,19 +173,19 @@ def check_layout(cfg: JobConfig, world_size: int, device: torch.device | None = 
         accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
         check_early_step_in_backward(cfg, parallel_dims, accum_steps)
         parallel_dims.build_mesh(device.type)
-        for candidate in _as_built(cfg):
+        for candidate in _as_built(cfg, device):
             build_parallelized_model(candidate, parallel_dims, device)
 
 
-def _as_built(cfg: JobConfig) -> list[JobConfig]:
+def _as_built(cfg: JobConfig, device: torch.device) -> list[JobConfig]:
     """The configs the ranks may build: mode "auto" without a plan is planned at startup, so
-    each choice that wraps a block is checked, on every block."""
+    each choice that wraps a block and that the layout plans with is checked, on every block."""
     ac = cfg.activation_checkpoint
     if ac.mode != "auto" or ac.auto_plan.strip():
         return [cfg]
-    if device_type() == "cpu":
+    if device.type == "cpu":
         auto_budget(ac, capacity=None)  # the CPU has no memory size to plan within
-    wrapping = [choice for choice in AUTO_PLAN_CHOICES if choice != "none"]
+    wrapping = [choice for choice in planned_choices(with_rates_of(cfg, device)) if choice != "none"]
     return [dataclasses.replace(cfg, activation_checkpoint=fixed_mode(ac, choice)) for choice in wrapping]
 
 

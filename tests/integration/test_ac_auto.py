@@ -56,6 +56,27 @@ def test_a_real_step_of_the_plan_fits_the_budget_and_its_estimate(argv, request)
         assert abs(real - planned) <= 0.10 * planned, (fraction, real, planned)
 
 
+# Prices under which recompute is dear and copies cost nothing: the planner offloads where it can.
+CHEAP_COPIES = [
+    "--activation_checkpoint.auto_tflops", "0.001", "--activation_checkpoint.auto_host_us_per_op", "0",
+    "--activation_checkpoint.auto_host_us_per_rerun", "0", "--activation_checkpoint.auto_offload_gbps", "1e6",
+    "--activation_checkpoint.offload_min_bytes", "4096",
+]  # fmt: skip
+
+
+def test_a_real_step_of_a_plan_that_offloads_fits_the_budget_and_its_estimate():
+    cfg = parse_args(LLAMA + CHEAP_COPIES, env={})
+    costs = em.rank_costs(cfg, 1)[0]
+    budget = _between(costs, 0.3)
+    plan = em.plan_to_budget(cfg, 1, budget, costs=[costs])
+    assert "op_offload" in plan.choices.values(), plan.spec
+    planned = plan.ranks[""]["measured"]
+    real = em.measure(em.with_block_plan(cfg, plan.choices), 1, fake=False)
+    assert real[em.OFFLOADED] > 0
+    assert real[em.TOTAL] <= budget, (real[em.TOTAL], budget)
+    assert abs(real[em.TOTAL] - planned) <= 0.10 * planned, (real[em.TOTAL], planned)
+
+
 def test_probing_the_blocks_leaves_the_steps_peak_as_it_is():
     # The planner reads each choice's peak from its probed step (rank_costs).
     cfg = parse_args(LLAMA + ["--activation_checkpoint.mode", "selective"], env={})

@@ -22,6 +22,7 @@ from torchtitan.distributed.ac_planner import (
     solve,
 )
 from torchtitan.distributed.activation_checkpoint import (
+    OFFLOAD_CHOICES,
     ACFacts,
     NothingFits,
     PerBlockAC,
@@ -74,17 +75,32 @@ def test_mode_auto_without_a_plan_is_refused_where_blocks_are_wrapped():
         plan_activation_checkpointing(ActivationCheckpoint(mode="auto"), ACFacts())
 
 
-def test_mode_auto_with_offload_is_refused_until_the_planner_chooses_offload():
+def test_mode_auto_with_the_offload_key_is_refused_since_its_plan_chooses_offload():
     config = ActivationCheckpoint(mode="auto", auto_plan="op:0-1", offload="saved")
-    with pytest.raises(ConfigError, match="planner does not choose offload"):
+    with pytest.raises(ConfigError, match='mode auto chooses offload per block itself.*offload = "none"'):
         plan_activation_checkpointing(config, ACFacts())
+
+
+@pytest.mark.parametrize(
+    "facts, fix",
+    [(ACFacts(compile_enabled=True), "compile.enable = false"),
+     (ACFacts(split_backward=True), 'pipeline_parallel_schedule = "1F1B"')],
+)  # fmt: skip
+def test_a_plan_that_offloads_where_offload_cannot_run_is_refused_naming_the_plan(facts, fix):
+    config = ActivationCheckpoint(mode="auto", auto_plan="op_offload:0; full:1")
+    with pytest.raises(
+        ConfigError, match="'activation_checkpoint.auto_plan' = 'op_offload:0; full:1'"
+    ) as error:
+        plan_activation_checkpointing(config, facts)
+    assert fix in str(error.value) and "a plan without op_offload and full_offload" in str(error.value)
 
 
 # ----- the plan class -------------------------------------------------------------------------
 
 
 def _auto(spec: str) -> ActivationCheckpoint:
-    return ActivationCheckpoint(mode="auto", auto_plan=spec)
+    # Every tensor offloads, however small: the tiny models' are all under the default 1 MiB.
+    return ActivationCheckpoint(mode="auto", auto_plan=spec, offload_min_bytes=0)
 
 
 def test_each_block_gets_the_wrapping_its_choice_names(caplog):
@@ -113,6 +129,35 @@ def test_regions_checkpoint_each_norm_rope_and_gate_of_the_block_and_hold_less_t
     assert held("full:0") < held("op_all_mm:0") < held("op:0") < held("regions:0") < held("none:0")
 
 
+@pytest.mark.parametrize("choice", ["op", "full"])
+def test_an_offloading_choice_keeps_on_the_device_what_its_choice_keeps_less_what_it_offloads(choice):
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(5))
+
+    def held_and_offloaded(spec: str) -> tuple[int, int]:
+        model = tiny_llama3(n_layers=2)
+        plan = apply_ac(model, _auto(spec))
+        offloader = plan.offloader
+        # A first step fills the host pool; the measured forward reuses its buffers, so what is
+        # measured is the device side alone.
+        next_token_loss_and_grads(model, tokens)
+        before = offloader.bytes_total if offloader else 0
+        h = torch.randn(2, 16, 32, requires_grad=True)
+        pool = offloader.pool.free_buffer_tensors() if offloader else []
+        held = bytes_held_for_backward(model.layers["1"], h, model.rope_cache[:16], elsewhere=pool)
+        return held, (offloader.bytes_total if offloader else 0) - before
+
+    kept, _ = held_and_offloaded(f"none:0; {choice}:1")
+    kept_offloading, offloaded = held_and_offloaded(f"none:0; {choice}_offload:1")
+    assert offloaded > 0
+    assert kept - kept_offloading == offloaded
+
+
+def test_an_offloading_plan_logs_which_blocks_offload(caplog):
+    with caplog.at_level("INFO"):
+        apply_ac(tiny_llama3(n_layers=3), _auto("op_offload:0; full_offload:1; none:2"))
+    assert "offload of saved tensors of 0 bytes or more on 2/3 blocks: 0, 1" in caplog.text
+
+
 def test_a_block_the_plan_does_not_name_is_refused():
     with pytest.raises(ConfigError, match="names no choice for block 1"):
         apply_ac(tiny_llama3(), _auto("op:0"))
@@ -125,7 +170,9 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("spec", ["none:0; op:1; full:2", "regions:0-1; op_all_mm:2"])
+@pytest.mark.parametrize(
+    "spec", ["none:0; op:1; full:2", "regions:0-1; op_all_mm:2", "op_offload:0-1; full_offload:2"]
+)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_mixed_plan_gives_the_no_ac_loss_and_gradients(family, spec):
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(5))
@@ -133,8 +180,9 @@ def test_a_mixed_plan_gives_the_no_ac_loss_and_gradients(family, spec):
     apply_ac(model, ActivationCheckpoint(mode="none"))
     want_loss, want_grads = next_token_loss_and_grads(model, tokens)
     model = FAMILIES[family]()
-    apply_ac(model, _auto(spec))
+    plan = apply_ac(model, _auto(spec))
     loss, grads = next_token_loss_and_grads(model, tokens)
+    assert ("offload" in spec) == (plan.offloader is not None and plan.offloader.bytes_total > 0)
     torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
     assert grads.keys() == want_grads.keys()
     for name, grad in grads.items():
@@ -144,6 +192,8 @@ def test_a_mixed_plan_gives_the_no_ac_loss_and_gradients(family, spec):
 # ----- the solver -----------------------------------------------------------------------------
 
 
+# The choices that recompute and do not offload: a CPU run's.
+RECOMPUTE_CHOICES = tuple(c for c in BLOCK_CHOICES if c not in OFFLOAD_CHOICES)
 # Prices that make a block's recompute time its FLOPs, in seconds.
 FLOPS_AS_SECONDS = RecomputeRates(tflops=1e-12, memory_gbps=1.0, host_us_per_op=0.0, host_us_per_rerun=0.0)
 
@@ -161,10 +211,10 @@ def _costs(blocks: list[tuple[int, ...]], in_flight: float = 1, label: str = "")
         held = {"none": n, "regions": r, "op": o, "op_all_mm": a, "full": f}
         recompute = {"none": 0, "regions": rr, "op": ro, "op_all_mm": ra, "full": rf}
         costs.append(
-            BlockCost(i, held={c: held[c] * MiB for c in BLOCK_CHOICES},
-                      work={c: BlockWork(recompute[c], recompute_flops=recompute[c]) for c in BLOCK_CHOICES})
+            BlockCost(i, held={c: held[c] * MiB for c in RECOMPUTE_CHOICES},
+                      work={c: BlockWork(flops, recompute_flops=flops) for c, flops in recompute.items()})
         )  # fmt: skip
-    peak = {c: 100 * MiB + round(in_flight * sum(b.held[c] for b in costs)) for c in BLOCK_CHOICES}
+    peak = {c: 100 * MiB + round(in_flight * sum(b.held[c] for b in costs)) for c in RECOMPUTE_CHOICES}
     return RankCosts(label, peak, tuple(costs), FLOPS_AS_SECONDS)
 
 
@@ -185,7 +235,7 @@ def _random_costs(seed: int, n: int = 6, in_flight: int = 1) -> RankCosts:
 def _brute_force(costs: RankCosts, budget: int) -> float:
     """The least recompute time over every plan whose modelled peak fits, by enumeration."""
     best = None
-    for combo in itertools.product(BLOCK_CHOICES, repeat=len(costs.blocks)):
+    for combo in itertools.product(costs.choices, repeat=len(costs.blocks)):
         choices = {b.index: c for b, c in zip(costs.blocks, combo)}
         if costs.estimated_peak(choices) <= budget:
             seconds = costs.added_seconds(choices)
@@ -230,7 +280,7 @@ def _block_at_ops_peak(none: BlockWork, op: BlockWork, full: BlockWork, rates) -
     held = {"none": 40 * MiB, "regions": 40 * MiB, "op": 10 * MiB, "op_all_mm": 10 * MiB, "full": 2 * MiB}
     work = {"none": none, "regions": none, "op": op, "op_all_mm": op, "full": full}
     block = BlockCost(0, held, work)
-    peak = {c: 100 * MiB + block.held[c] for c in BLOCK_CHOICES}
+    peak = {c: 100 * MiB + block.held[c] for c in RECOMPUTE_CHOICES}
     return solve(RankCosts("", peak, (block,), rates), peak["op"])
 
 
@@ -264,6 +314,63 @@ def test_a_budget_below_full_ac_is_refused_with_its_peak_and_what_to_change():
     assert "tensor_parallel_degree" in str(error.value) and "local_batch_size" in str(error.value)
 
 
+def test_exposed_copy_time_is_what_the_neighbouring_forward_and_backward_do_not_hide():
+    rates = RecomputeRates(
+        tflops=1.0, memory_gbps=1.0, host_us_per_op=0.0, host_us_per_rerun=0.0, offload_gbps=1.0
+    )
+    # 3 s of compute per block: its copy out hides behind 1 s of forward, its copy back behind 2 s
+    # of backward.
+    for gigabytes, exposed in ((0.5, 0.0), (1.0, 0.0), (1.5, 0.5), (3.0, 3.0)):
+        work = BlockWork(offloaded_bytes=round(gigabytes * 1e9))
+        assert rates.exposed_copy_seconds(work, compute_seconds=3.0) == pytest.approx(exposed), gigabytes
+
+
+def _offloading_costs(offload_gbps: float, blocks: int = 4) -> RankCosts:
+    """`blocks` equal blocks of 1 s of compute without AC (1 TFLOP at 1 TFLOP/s), with every
+    choice; op-SAC with offload holds what full AC holds, offloads 1 GB, and recomputes op-SAC's
+    0.2 s against full AC's 0.3 s."""
+    g = 10**12
+    held = {
+        "none": 40,
+        "regions": 38,
+        "op": 10,
+        "op_all_mm": 8,
+        "op_offload": 2,
+        "full": 2,
+        "full_offload": 1,
+    }
+    flops = {"none": g, "regions": g, "op": 1.2 * g, "op_all_mm": 1.25 * g, "op_offload": 1.2 * g,
+             "full": 1.3 * g, "full_offload": 1.3 * g}  # fmt: skip
+    offloaded = {"op_offload": 10**9, "full_offload": 10**8}
+    work = {c: BlockWork(flops=int(f), offloaded_bytes=offloaded.get(c, 0)) for c, f in flops.items()}
+    costs = tuple(BlockCost(i, {c: n * MiB for c, n in held.items()}, work) for i in range(blocks))
+    peak = {c: 100 * MiB + blocks * n * MiB for c, n in held.items()}
+    rates = RecomputeRates(1.0, 1.0, host_us_per_op=0.0, host_us_per_rerun=0.0, offload_gbps=offload_gbps)
+    return RankCosts("", peak, costs, rates)
+
+
+def test_the_planner_offloads_where_compute_hides_the_copies_and_recomputes_where_it_does_not():
+    budget = 100 * MiB + 4 * 2 * MiB  # full AC's peak
+    # 10 GB/s: the 1 GB takes 0.1 s each way, under the 0.33 s forward and the 0.67 s backward.
+    fast = _offloading_costs(offload_gbps=10.0)
+    assert set(solve(fast, budget).values()) == {"op_offload"}
+    # 1 GB/s: 1 s each way, of which 0.67 + 0.33 s is exposed; full AC with offload holds less
+    # than needed and costs full AC's recompute, with its 0.1 GB hidden.
+    slow = _offloading_costs(offload_gbps=1.0)
+    assert set(solve(slow, budget).values()) == {"full"}
+    assert slow.seconds(slow.blocks[0], "op_offload") == pytest.approx(0.2 + 1.0)
+
+
+def test_full_ac_with_offload_is_the_floor_and_the_refusal_names_it():
+    costs = _offloading_costs(offload_gbps=10.0)
+    assert costs.floor == "full_offload"
+    below_full = costs.peak["full"] - MiB
+    choices = solve(costs, below_full)
+    assert "full_offload" in choices.values() and costs.estimated_peak(choices) <= below_full
+    with pytest.raises(NothingFits, match="full AC with offload on every block needs"):
+        solve(costs, costs.peak["full_offload"] - 1)
+
+
 def test_equal_blocks_get_the_least_recompute_and_ties_go_to_the_first_blocks():
     # 100 MiB to save: op saves 30 for 5 FLOPs, full 38 for 9; four ops are the cheapest, and of
     # the equal plans the one that recomputes the first blocks is taken, on every rank alike.
@@ -278,7 +385,7 @@ def test_each_choice_saves_what_the_peaks_say_shared_by_the_bytes_each_block_hol
     first, second = costs.blocks
     assert costs.saving(first, "op") == pytest.approx(in_flight * 30 * MiB)
     assert costs.saving(second, "op") == pytest.approx(in_flight * 10 * MiB)
-    for choice in BLOCK_CHOICES:
+    for choice in costs.choices:
         assert costs.estimated_peak({0: choice, 1: choice}) == costs.peak[choice]
 
 
@@ -286,7 +393,7 @@ def test_each_choice_saves_what_the_peaks_say_shared_by_the_bytes_each_block_hol
 
 
 def _plan(spec_choices: dict[int, str], fingerprint: str) -> BlockPlan:
-    zeros = {i: dict.fromkeys(BLOCK_CHOICES, 0) for i in spec_choices}
+    zeros = {i: dict.fromkeys(RECOMPUTE_CHOICES, 0) for i in spec_choices}
     return BlockPlan(
         choices=spec_choices, budget=GRANULE, ranks={"": {"estimated": 1, "measured": 1, "recompute_flops": 0,
         "added_ms": 0.0, "full_ac_added_ms": 0.0}}, saving=zeros, recompute=zeros, added_ms=zeros,
@@ -299,6 +406,20 @@ def _auto_config(tmp_path, **ac) -> JobConfig:
     cfg.job.dump_folder = str(tmp_path)
     cfg.activation_checkpoint = ActivationCheckpoint(**{"mode": "auto", "auto_memory_gib": 1.0, **ac})
     return cfg
+
+
+def test_the_planner_offloads_only_where_copies_can_run_beside_compute(tmp_path):
+    cfg = _auto_config(tmp_path)
+    assert set(OFFLOAD_CHOICES) <= set(ac_auto.planned_choices(cfg))
+    # The CPU copies synchronously; compiled blocks and zero-bubble schedules cannot offload.
+    on_cpu = ac_auto.with_rates_of(cfg, torch.device("cpu"))
+    compiled = _auto_config(tmp_path)
+    compiled.compile.enable = True
+    zero_bubble = _auto_config(tmp_path)
+    zero_bubble.parallelism.pipeline_parallel_degree = 2
+    zero_bubble.parallelism.pipeline_parallel_schedule = "ZBVZeroBubble"
+    for cfg in (on_cpu, compiled, zero_bubble, _auto_config(tmp_path, auto_offload=False)):
+        assert ac_auto.planned_choices(cfg) == RECOMPUTE_CHOICES
 
 
 def test_the_fingerprint_follows_what_changes_memory_and_not_the_step_count(tmp_path):

@@ -24,10 +24,11 @@ import torch.distributed as dist
 
 from torchtitan.config import ActivationCheckpoint
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig, model_compile_enabled
 from torchtitan.config.toml_writer import to_toml
-from torchtitan.distributed.ac_planner import BlockPlan, GiB, RecomputeRates
-from torchtitan.distributed.activation_checkpoint import auto_budget, no_planner
+from torchtitan.distributed.ac_planner import BLOCK_CHOICES, BlockPlan, GiB, RecomputeRates
+from torchtitan.distributed.activation_checkpoint import OFFLOAD_CHOICES, auto_budget, no_planner
+from torchtitan.distributed.pipeline_parallel import splits_backward
 from torchtitan.distributed.rank_agreement import agree_on_config_errors
 from torchtitan.tools.device_info import capacity_bytes, peak_bf16_flops, peak_memory_bandwidth
 
@@ -80,18 +81,33 @@ def recompute_rates(ac: ActivationCheckpoint, device: torch.device | None = None
     gbps = ac.auto_memory_gbps or (
         ELEMENTWISE_BANDWIDTH_SHARE * peak_bandwidth / 1e9 if peak_bandwidth else DEFAULT_MEMORY_GBPS
     )
-    return RecomputeRates(tflops, gbps, ac.auto_host_us_per_op, ac.auto_host_us_per_rerun)
+    return RecomputeRates(
+        tflops, gbps, ac.auto_host_us_per_op, ac.auto_host_us_per_rerun, ac.auto_offload_gbps
+    )
 
 
 def with_rates_of(cfg: JobConfig, device: torch.device) -> JobConfig:
-    """`cfg` with the `auto_*` prices that are 0 set to `device`'s (`recompute_rates`): what the
+    """`cfg` with the `auto_*` prices that are 0 set to `device`'s (`recompute_rates`), and
+    `auto_offload` off on the CPU (whose copies are synchronous, so nothing hides them): what the
     estimator, planning in a process without the device, is given, and what a saved plan's
     fingerprint records."""
-    rates = recompute_rates(cfg.activation_checkpoint, device)
+    ac = cfg.activation_checkpoint
+    rates = recompute_rates(ac, device)
     ac = dataclasses.replace(
-        cfg.activation_checkpoint, auto_tflops=rates.tflops, auto_memory_gbps=rates.memory_gbps
-    )
+        ac, auto_tflops=rates.tflops, auto_memory_gbps=rates.memory_gbps,
+        auto_offload=ac.auto_offload and device.type != "cpu",
+    )  # fmt: skip
     return dataclasses.replace(cfg, activation_checkpoint=ac)
+
+
+def planned_choices(cfg: JobConfig) -> tuple[str, ...]:
+    """What mode "auto" chooses among for `cfg`: every choice, less the offloading ones where
+    `auto_offload` is off or the layout cannot offload (compiled blocks, a zero-bubble schedule:
+    see `activation_checkpoint._check_offload`)."""
+    offloads = (
+        cfg.activation_checkpoint.auto_offload and not model_compile_enabled(cfg) and not splits_backward(cfg)
+    )
+    return tuple(c for c in BLOCK_CHOICES if offloads or c not in OFFLOAD_CHOICES)
 
 
 def layout_fingerprint(cfg: JobConfig, world_size: int, budget: int) -> str:

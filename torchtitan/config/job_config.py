@@ -295,8 +295,8 @@ class ActivationCheckpoint:
     mode: Literal["none", "full", "selective", "memory_budget", "auto"] = opt(
         "selective",
         'activation checkpointing mode; "auto" chooses per block none, cheap regions, op-SAC (every '
-        "second or every matmul recomputed) or full AC, to fit auto_memory_gib with the least modelled "
-        "recompute time",
+        "second or every matmul recomputed) or full AC, with or without offload, to fit auto_memory_gib "
+        "with the least modelled added time",
     )
     selective_ac_option: str = opt("2", '"op" for per-op selective AC, or N to checkpoint every Nth block')
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = opt(
@@ -376,6 +376,18 @@ class ActivationCheckpoint:
         250.0,
         'mode "auto": host time, microseconds, per checkpointed region rerun in backward',
         min=0.0,
+    )
+    auto_offload: bool = opt(
+        True,
+        'mode "auto": the planner may offload what a block keeps (op-SAC or full AC with offload = '
+        '"saved") where copies run beside compute: on an accelerator, with eager blocks, not under a '
+        "zero-bubble schedule",
+    )
+    auto_offload_gbps: float = opt(
+        50.0,
+        'mode "auto": the host-device bandwidth per direction, GB/s, that prices offload copies (about 80% '
+        "of PCIe Gen5 x16's 64)",
+        gt=0.0,
     )
     auto_plan: str = opt(
         "",

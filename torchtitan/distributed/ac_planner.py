@@ -2,27 +2,31 @@
 
 The choices (`BLOCK_CHOICES`) are the AC module's: "none", "regions" (the block's cheap regions,
 each a plain checkpoint), "op" (per-op SAC, every second matmul recomputed), "op_all_mm" (per-op
-SAC, every matmul recomputed) and "full". The planner needs, for each group of blocks one device
-holds (the whole model, or one pipeline rank's stages), measurements of one uniform run per
-choice (`RankCosts`):
+SAC, every matmul recomputed), "full", and "op_offload" and "full_offload" (op-SAC or full AC
+with what the block keeps offloaded to host memory). A layout may plan with fewer (no offload on
+the CPU or with compiled blocks). The planner needs, for each group of blocks one device holds
+(the whole model, or one pipeline rank's stages), measurements of one uniform run per choice
+(`RankCosts`):
 
 - the step's peak with every block at that choice;
 - per block, the bytes one forward holds for backward, and what the step runs in it
-  (`BlockWork`: FLOPs, bytes of element-wise work, ops dispatched, regions rerun).
+  (`BlockWork`: FLOPs, bytes of element-wise work, ops dispatched, regions rerun, bytes
+  offloaded).
 
 A choice saves, over the whole group, what the peaks say (no AC's peak less that choice's); it
 is shared among the blocks in proportion to what each holds less under it than under no AC
 (`RankCosts.saving`). So the peaks calibrate the per-block bytes: a pipeline rank that holds
 several microbatches at once saves that many times a block's bytes, and bytes a forward keeps
 that the peak never sees do not count. A plan's peak is modelled as no AC's peak less its
-blocks' savings, never below full AC's (`RankCosts.estimated_peak`); it is exact for the
-uniform plans.
+blocks' savings, never below the least uniform peak (`RankCosts.estimated_peak`); it is exact
+for the uniform plans.
 
 A choice costs the time it adds to the block's step (`RankCosts.seconds`). A block's time is
 its device's or its host's, whichever is longer (`RecomputeRates.seconds`): the device's from
 its FLOPs at the math throughput and its element-wise bytes at the memory's, the host's per op
 dispatched and per region rerun. The host term is what makes op-SAC dear where kernels are
-short: its Python dispatch mode sees every op of the block twice. `solve` finds the plan with
+short: its Python dispatch mode sees every op of the block twice. An offloading choice adds the
+copy time that compute does not hide (`RecomputeRates.exposed_copy_seconds`). `solve` finds the plan with
 the least added time whose modelled peak fits (a multiple-choice knapsack by dynamic
 programming over the bytes to save, in units of 1/`RESOLUTION` of them; see `solve` for how
 rounding is kept from costing a plan).
@@ -37,7 +41,12 @@ from functools import cached_property
 
 import numpy as np
 
-from torchtitan.distributed.activation_checkpoint import AUTO_PLAN_CHOICES, format_block_plan, nothing_fits
+from torchtitan.distributed.activation_checkpoint import (
+    AUTO_PLAN_CHOICES,
+    OFFLOAD_CHOICES,
+    format_block_plan,
+    nothing_fits,
+)
 
 GiB = 2**30
 # What the planner chooses among: every choice of the AC module's mode "auto", from the least
@@ -60,6 +69,7 @@ class BlockWork:
             and of its recompute once more (SAC's Python dispatch mode).
         reruns: checkpointed regions rerun.
         recompute_flops: of `flops`, those of the recompute.
+        offloaded_bytes: bytes copied to host memory in forward (and back in backward).
     """
 
     flops: int = 0
@@ -67,6 +77,7 @@ class BlockWork:
     host_ops: int = 0
     reruns: int = 0
     recompute_flops: int = 0
+    offloaded_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,12 +90,14 @@ class RecomputeRates:
             taken to be read once too.
         host_us_per_op: host time per op dispatched, µs.
         host_us_per_rerun: host time per region rerun (the checkpoint's own work), µs.
+        offload_gbps: the host-device bandwidth per direction of offload copies, GB/s.
     """
 
     tflops: float
     memory_gbps: float
     host_us_per_op: float
     host_us_per_rerun: float
+    offload_gbps: float = 50.0
 
     def device_seconds(self, work: BlockWork) -> float:
         return work.flops / (self.tflops * 1e12) + 2 * work.memory_bytes / (self.memory_gbps * 1e9)
@@ -98,10 +111,22 @@ class RecomputeRates:
         (short kernels: small blocks, short sequences, op-SAC's many ops)."""
         return max(self.device_seconds(work), self.host_seconds(work))
 
+    def exposed_copy_seconds(self, work: BlockWork, compute_seconds: float) -> float:
+        """The time a block's offload copies (`work.offloaded_bytes`, out and back) add to the
+        step beside `compute_seconds` of compute per block (forward and backward).
+
+        The copies run on side streams: a block's copy out overlaps the next block's forward,
+        taken as a third of `compute_seconds`, and its copy back the backward of the block after
+        it, the other two thirds (a backward costs about twice its forward). What a copy takes
+        beyond its window is exposed."""
+        copy = work.offloaded_bytes / (self.offload_gbps * 1e9)
+        forward = compute_seconds / 3
+        return max(0.0, copy - forward) + max(0.0, copy - 2 * forward)
+
     def describe(self) -> str:
         return (
             f"{self.tflops:g} TFLOP/s, {self.memory_gbps:g} GB/s, host {self.host_us_per_op:g} µs per op "
-            f"and {self.host_us_per_rerun:g} µs per region rerun"
+            f"and {self.host_us_per_rerun:g} µs per region rerun, copies at {self.offload_gbps:g} GB/s"
         )
 
 
@@ -139,6 +164,17 @@ class RankCosts:
     blocks: tuple[BlockCost, ...]
     rates: RecomputeRates
 
+    @property
+    def choices(self) -> tuple[str, ...]:
+        """The choices measured, in `BLOCK_CHOICES`' order (least saving first)."""
+        return tuple(c for c in BLOCK_CHOICES if c in self.peak)
+
+    @property
+    def floor(self) -> str:
+        """Full AC, or full AC with offload where measured and lower: the least uniform peak
+        that a plan can reach. No plan is modelled below it."""
+        return min((c for c in ("full", "full_offload") if c in self.peak), key=self.peak.__getitem__)
+
     @cached_property
     def _held_less(self) -> dict[str, int]:
         return {choice: sum(b.held_less(choice) for b in self.blocks) for choice in self.peak}
@@ -154,22 +190,25 @@ class RankCosts:
     def estimated_peak(self, choices: dict[int, str]) -> int:
         """The modelled step peak of `choices` (block index -> choice)."""
         saved = sum(self.saving(block, choices[block.index]) for block in self.blocks)
-        return max(self.peak["full"], round(self.peak["none"] - saved))
+        return max(self.peak[self.floor], round(self.peak["none"] - saved))
 
     def recompute_flops(self, choices: dict[int, str]) -> int:
         return sum(block.recompute_flops(choices[block.index]) for block in self.blocks)
 
     def seconds(self, block: BlockCost, choice: str) -> float:
-        """The modelled time `choice` adds to the step in `block` (`RecomputeRates.seconds`
-        under it less under no AC)."""
-        return max(0.0, self.rates.seconds(block.work[choice]) - self.rates.seconds(block.work["none"]))
+        """The modelled time `choice` adds to the step in `block`: `RecomputeRates.seconds`
+        under it less under no AC, and the copy time that no AC's compute does not hide
+        (`RecomputeRates.exposed_copy_seconds`)."""
+        work, none = block.work[choice], block.work["none"]
+        added = max(0.0, self.rates.seconds(work) - self.rates.seconds(none))
+        return added + self.rates.exposed_copy_seconds(work, self.rates.device_seconds(none))
 
     def added_seconds(self, choices: dict[int, str]) -> float:
         return sum(self.seconds(block, choices[block.index]) for block in self.blocks)
 
 
 def solve(costs: RankCosts, budget: int) -> dict[int, str]:
-    """The choices for `costs.blocks` with the least modelled recompute time
+    """The choices for `costs.blocks` with the least modelled added time
     (`RankCosts.seconds`) whose modelled peak (`RankCosts.estimated_peak`) is at most `budget`
     bytes. Ties go to the choice listed first in `BLOCK_CHOICES` (the least saving), block by
     block, so equal inputs give equal plans.
@@ -181,28 +220,32 @@ def solve(costs: RankCosts, budget: int) -> dict[int, str]:
     block), a second pass asks for the units rounding down guarantees to fit.
 
     Raises:
-        NothingFits: when even full AC on every block is modelled above `budget`.
+        NothingFits: when even the least uniform peak (`RankCosts.floor`) is above `budget`.
     """
-    if costs.peak["full"] > budget:
-        raise nothing_fits(budget, costs.peak["full"], costs.label)
+    floor = costs.floor
+    if costs.peak[floor] > budget:
+        raise nothing_fits(budget, costs.peak[floor], costs.label, offload=floor in OFFLOAD_CHOICES)
     need = max(0, costs.peak["none"] - budget)
     granule = max(1, -(-need // RESOLUTION))
-    units = [[int(costs.saving(block, c)) // granule for c in BLOCK_CHOICES] for block in costs.blocks]
-    cost = [[costs.seconds(block, c) for c in BLOCK_CHOICES] for block in costs.blocks]
+    units = [[int(costs.saving(block, c)) // granule for c in costs.choices] for block in costs.blocks]
+    cost = [[costs.seconds(block, c) for c in costs.choices] for block in costs.blocks]
     enough = -(-need // granule)
-    choices = _least_cost(costs.blocks, units, cost, max(0, enough - len(costs.blocks)))
+    choices = _least_cost(costs, units, cost, max(0, enough - len(costs.blocks)))
     if costs.estimated_peak(choices) <= budget:
         return choices
     if sum(max(u) for u in units) < enough:
-        # Rounding down lost the last units: every block at its largest saving, which the
-        # full-AC check above proved fits.
-        return {block.index: "full" for block in costs.blocks}
-    return _least_cost(costs.blocks, units, cost, enough)
+        # Rounding down lost the last units: every block at the floor, which the check above
+        # proved fits.
+        return {block.index: floor for block in costs.blocks}
+    return _least_cost(costs, units, cost, enough)
 
 
-def _least_cost(blocks, units: list[list[int]], cost: list[list[float]], target: int) -> dict[int, str]:
-    """The multiple-choice knapsack: per block the choice (an index into `BLOCK_CHOICES`) with
-    the least total cost whose units add up to at least `target`, by dynamic programming."""
+def _least_cost(
+    costs: RankCosts, units: list[list[int]], cost: list[list[float]], target: int
+) -> dict[int, str]:
+    """The multiple-choice knapsack: per block of `costs` the choice (an index into
+    `costs.choices`) with the least total cost whose units add up to at least `target`, by
+    dynamic programming."""
     # best[t]: the least cost to save at least t units with the blocks seen so far.
     best = np.full(target + 1, np.inf)
     best[0] = 0.0
@@ -213,9 +256,9 @@ def _least_cost(blocks, units: list[list[int]], cost: list[list[float]], target:
         picks.append(np.argmin(options, axis=0))  # the first of equal options
         best = options.min(axis=0)
     choices, t = {}, target
-    for block, block_units, pick in zip(reversed(blocks), reversed(units), reversed(picks)):
+    for block, block_units, pick in zip(reversed(costs.blocks), reversed(units), reversed(picks)):
         c = int(pick[t])
-        choices[block.index] = BLOCK_CHOICES[c]
+        choices[block.index] = costs.choices[c]
         t = max(0, t - block_units[c])
     return choices
 
@@ -266,7 +309,8 @@ class BlockPlan:
                 f"| {index} | {choice} | {self.saving[index][choice] / 2**20:.1f} | "
                 f"{self.recompute[index][choice] / 1e9:.2f} | {self.added_ms[index][choice]:.3f} |"
             )
-        counts = [f"{c} on {list(self.choices.values()).count(c)}" for c in BLOCK_CHOICES]
+        planned = [c for c in BLOCK_CHOICES if any(c in by_choice for by_choice in self.saving.values())]
+        counts = [f"{c} on {list(self.choices.values()).count(c)}" for c in planned]
         lines.append(f"\nBlocks: {', '.join(counts)} of {len(self.choices)}.")
         for label, r in self.ranks.items():
             where = f" on {label}" if label else ""
@@ -311,7 +355,7 @@ def plan_of(
     }  # fmt: skip
 
     def per_block(value) -> dict[int, dict[str, float]]:
-        return {b.index: {ch: value(c, b, ch) for ch in BLOCK_CHOICES} for c in costs for b in c.blocks}
+        return {b.index: {ch: value(c, b, ch) for ch in c.choices} for c in costs for b in c.blocks}
 
     return BlockPlan(
         choices=dict(sorted(choices.items())), budget=budget, ranks=ranks,

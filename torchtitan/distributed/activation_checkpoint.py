@@ -22,17 +22,19 @@ Modes (`[activation_checkpoint].mode`):
         save so that activations stay within `memory_budget` of what saving everything costs.
     auto (`PerBlockAC`): each block as `auto_plan` names it: none, "regions" (its cheap
         regions checkpointed one by one, `CheapRegionsAC`), "op" (op-SAC), "op_all_mm" (op-SAC
-        recomputing every matmul, `OpSACEveryMatmul`) or full; the trainer fills the plan at
+        recomputing every matmul, `OpSACEveryMatmul`), full, or "op_offload" / "full_offload"
+        (op-SAC or full AC with what the block keeps offloaded); the trainer fills the plan at
         startup to fit `auto_memory_gib` (`ac_planner.py`).
 
 Wherever a recompute replays the expert-parallel combine all-to-all from its cache (op-SAC,
 full AC with "replay"), it skips the matmul that makes that all-to-all's input (see
 `all_to_all_input`).
 
-With `offload = "saved"` (any mode but memory_budget, eager blocks), the chosen blocks
-(`offload_blocks`) run their forward under the plan's `ActivationOffloader`
-(`activation_offload.py`): what autograd saves there (for a checkpoint, its inputs) and what
-SAC's cache keeps (`_OffloadingSACCache`) wait in host memory until backward.
+Blocks that offload (eager blocks only: with `offload = "saved"` under modes none, full and
+selective, those `offload_blocks` names; under mode auto, those whose choice ends in "_offload")
+run their forward under the plan's `ActivationOffloader` (`activation_offload.py`): what autograd saves
+there (for a checkpoint, its inputs) and what SAC's cache keeps (`_OffloadingSACCache`) wait in
+host memory until backward.
 """
 
 import contextlib
@@ -218,12 +220,16 @@ class ACPlan:
         # Set by `apply` when blocks offload; tests and the benchmark read its pool and log.
         self.offloader: ActivationOffloader | None = None
 
+    def offloads_any(self) -> bool:
+        """Whether some block offloads what it holds for backward."""
+        return self._offload_blocks is not None
+
     def apply(self, model: nn.Module) -> None:
         """Wrap `model.layers` (a ModuleDict or ModuleList of blocks) in place, and log
         `describe()`. Every plan resets torch's process-wide partitioner budget, which a
         previous model's memory_budget plan may have set (see `MemoryBudgetAC`)."""
         torch._functorch.config.activation_memory_budget = 1.0
-        if self._offload_blocks is not None:
+        if self.offloads_any():
             self.offloader = ActivationOffloader(self.config.offload_min_bytes)
             attach(model, self.offloader)
         self.prepare(model)
@@ -307,7 +313,7 @@ class NoAC(ACPlan):
     """mode = "none": nothing is wrapped (and nothing logged), unless blocks offload."""
 
     def apply(self, model):
-        if self._offload_blocks is not None:
+        if self.offloads_any():
             super().apply(model)
             return
         torch._functorch.config.activation_memory_budget = 1.0
@@ -435,9 +441,11 @@ class CheapRegionsAC(ACPlan):
 
 class PerBlockAC(ACPlan):
     """mode = "auto": each block gets the choice its plan (`auto_plan`) names: "none",
-    "regions" (`CheapRegionsAC`), "op" (`OpSAC`'s wrapping), "op_all_mm" (`OpSACEveryMatmul`'s)
-    or "full" (`FullAC`'s). The planner (`ac_planner.py`) writes the plan; this class only
-    applies it, so a plan given by hand runs the same way.
+    "regions" (`CheapRegionsAC`), "op" (`OpSAC`'s wrapping), "op_all_mm" (`OpSACEveryMatmul`'s),
+    "full" (`FullAC`'s), or "op_offload" / "full_offload" (op-SAC's or full AC's, with what the
+    block keeps for backward offloaded to host memory, as `offload = "saved"` does). The planner
+    (`ac_planner.py`) writes the plan; this class only applies it, so a plan given by hand runs
+    the same way.
 
     Pitfall: a block the plan does not name is refused when the plan is applied, not guessed."""
 
@@ -450,10 +458,20 @@ class PerBlockAC(ACPlan):
             "op": OpSAC(fixed_mode(config, "op"), facts),
             "op_all_mm": OpSACEveryMatmul(fixed_mode(config, "op"), facts),
             "full": FullAC(fixed_mode(config, "full"), facts),
+            "op_offload": OpSAC(fixed_mode(config, "op_offload"), facts),
+            "full_offload": FullAC(fixed_mode(config, "full_offload"), facts),
         }
+
+    def offloads_any(self):
+        return any(choice in OFFLOAD_CHOICES for choice in self.choices.values())
+
+    def _offloads(self, index):
+        return self.choices.get(index) in OFFLOAD_CHOICES
 
     def prepare(self, model):
         for plan in self.plans.values():
+            # One offloader per model: the offloading choices' SAC caches hand it their outputs.
+            plan.offloader = self.offloader
             plan.prepare(model)
 
     def wrap_block(self, index, block, model):
@@ -487,7 +505,7 @@ def plan_activation_checkpointing(config: ActivationCheckpoint, facts: ACFacts) 
     if config.mode == "memory_budget":
         _check_memory_budget(config, facts)
     if config.mode == "auto":
-        _check_auto(config)
+        _check_auto(config, facts)
     if config.offload != "none":
         _check_offload(config, facts)
     if config.debug and config.mode != "none":
@@ -542,7 +560,7 @@ def _check_memory_budget(config: ActivationCheckpoint, facts: ACFacts) -> None:
         )
 
 
-def _check_auto(config: ActivationCheckpoint) -> None:
+def _check_auto(config: ActivationCheckpoint, facts: ACFacts) -> None:
     """mode "auto" needs its plan by the time blocks are wrapped; the trainer and the memory
     estimator fill `auto_plan` before (see `ac_planner.py`)."""
     if not config.auto_plan.strip():
@@ -551,12 +569,19 @@ def _check_auto(config: ActivationCheckpoint) -> None:
             "at startup (torchtitan.train), and scripts/estimate_memory.py --plan prints one; outside "
             "them, set 'activation_checkpoint.auto_plan' (e.g. \"op:0-15\") or use another mode."
         )
-    parse_block_plan(config.auto_plan)
+    plan = parse_block_plan(config.auto_plan)
     if config.offload != "none":
         raise ConfigError(
-            "'activation_checkpoint.offload' = 'saved' with mode = 'auto': the planner does not choose "
-            'offload yet. Use offload = "none" with mode "auto", or offload with a fixed mode.'
+            "'activation_checkpoint.offload' = 'saved' with mode = 'auto': mode auto chooses offload per "
+            'block itself (the choices "op_offload" and "full_offload", see auto_offload). Set offload = '
+            '"none" with mode "auto", or use offload with a fixed mode.'
         )
+    if any(choice in OFFLOAD_CHOICES for choice in plan.values()):
+        what = (
+            f"'activation_checkpoint.auto_plan' = '{config.auto_plan}' (its {' and '.join(OFFLOAD_CHOICES)})"
+        )
+        undo = f"a plan without {' and '.join(OFFLOAD_CHOICES)}"
+        _check_offload(dataclasses.replace(config, offload="saved"), facts, what, undo)
 
 
 class NothingFits(ConfigError):
@@ -586,11 +611,15 @@ def auto_budget(config: ActivationCheckpoint, capacity: int | None) -> int:
     return budget
 
 
-def nothing_fits(budget: int, needed: int, where: str = "", measured: bool = False) -> NothingFits:
-    """The refusal of a mode "auto" budget: full AC on every block needs `needed` bytes on
-    device `where` (a pipeline rank's label, or ""); `measured`: the last plan tried needed it."""
+def nothing_fits(
+    budget: int, needed: int, where: str = "", measured: bool = False, offload: bool = False
+) -> NothingFits:  # fmt: skip
+    """The refusal of a mode "auto" budget: full AC on every block (with its input offloaded,
+    with `offload`) needs `needed` bytes on device `where` (a pipeline rank's label, or "");
+    `measured`: the last plan tried needed it."""
     on = f" on {where}" if where else ""
-    what = "the last plan tried measured" if measured else "full AC on every block needs"
+    full = "full AC with offload" if offload else "full AC"
+    what = "the last plan tried measured" if measured else f"{full} on every block needs"
     return NothingFits(
         f"mode 'auto' cannot fit its budget of {budget / 2**30:.2f} GiB per device "
         f"('activation_checkpoint.auto_memory_gib'): {what} {needed / 2**30:.2f} GiB per device{on} "
@@ -609,8 +638,12 @@ def no_planner(estimator: str) -> ConfigError:
     )
 
 
-def _check_offload(config: ActivationCheckpoint, facts: ACFacts) -> None:
-    """Offload runs in eager blocks, through autograd's saved-tensor hooks and SAC's cache."""
+def _check_offload(
+    config: ActivationCheckpoint, facts: ACFacts, what: str = "", undo: str = 'offload = "none"'
+) -> None:  # fmt: skip
+    """Offload runs in eager blocks, through autograd's saved-tensor hooks and SAC's cache.
+    `what` and `undo` name the setting that offloads and its removal in a refusal (mode auto's
+    plan, for its offloading choices)."""
     offloads = ("none", "saved")
     if config.offload not in offloads:
         raise ConfigError(
@@ -618,24 +651,24 @@ def _check_offload(config: ActivationCheckpoint, facts: ACFacts) -> None:
             f"{', '.join(offloads)}."
         )
     parse_offload_blocks(config.offload_blocks)
+    what = what or "'activation_checkpoint.offload' = 'saved'"
     if config.mode == "memory_budget":
         raise ConfigError(
-            "'activation_checkpoint.offload' = 'saved' with mode = 'memory_budget': the compiled "
-            "partitioner decides what is saved inside its graph, where offload cannot reach. Use mode "
-            '"none", "full" or "selective" with offload, or offload = "none".'
+            f"{what} with mode = 'memory_budget': the compiled partitioner decides what is saved inside "
+            'its graph, where offload cannot reach. Use mode "none", "full" or "selective" with '
+            f"offload, or {undo}."
         )
     if facts.compile_enabled:
         raise ConfigError(
-            "'activation_checkpoint.offload' = 'saved' with compile.enable (\"model\" in "
-            "compile.components): a compiled block keeps its saved tensors inside its graph, where "
-            "offload cannot reach. Set "
-            'compile.enable = false (or drop "model" from compile.components), or offload = "none".'
+            f'{what} with compile.enable ("model" in compile.components): a compiled block keeps its '
+            "saved tensors inside its graph, where offload cannot reach. Set compile.enable = false "
+            f'(or drop "model" from compile.components), or {undo}.'
         )
     if facts.split_backward:
         raise ConfigError(
-            "'activation_checkpoint.offload' = 'saved' under a zero-bubble pipeline schedule (its two "
-            "backward passes read the saved tensors twice, out of block order) is not supported. Use "
-            'parallelism.pipeline_parallel_schedule = "1F1B" or "Interleaved1F1B", or offload = "none".'
+            f"{what} under a zero-bubble pipeline schedule (its two backward passes read the saved "
+            "tensors twice, out of block order) is not supported. Use "
+            f'parallelism.pipeline_parallel_schedule = "1F1B" or "Interleaved1F1B", or {undo}.'
         )
 
 
@@ -1095,9 +1128,10 @@ def parse_offload_blocks(spec: str) -> frozenset[int]:
     return frozenset(indices)
 
 
-# What mode "auto" may choose for a block, from the least recompute to the most.
 # What mode "auto" gives a block, from the least memory saved to the most.
-AUTO_PLAN_CHOICES = ("none", "regions", "op", "op_all_mm", "full")
+AUTO_PLAN_CHOICES = ("none", "regions", "op", "op_all_mm", "op_offload", "full", "full_offload")
+# The choices that offload what the block keeps (`ActivationOffloader`).
+OFFLOAD_CHOICES = ("op_offload", "full_offload")
 
 
 # A block range that covers every model's blocks (a plan's blocks past the last are ignored).
@@ -1106,14 +1140,17 @@ EVERY_BLOCK = f"0-{2**16 - 1}"
 
 def fixed_mode(config: ActivationCheckpoint, choice: str) -> ActivationCheckpoint:
     """`config` as the mode that wraps every block as mode "auto"'s `choice` wraps one: the fixed
-    mode ("none", "op", "full"), or for a choice without one ("regions", "op_all_mm"), mode
-    "auto" with that choice on every block. What the planner measures and the preflight builds
-    for that choice."""
+    mode ("none", "op", "full", with `offload = "saved"` on every block for the "_offload"
+    choices), or for a choice without one ("regions", "op_all_mm"), mode "auto" with that choice
+    on every block. What the planner measures and the preflight builds for that choice."""
+    offload = {"offload": "saved", "offload_blocks": "all"}
     modes = {"none": {"mode": "none", "auto_plan": ""},
              "regions": {"mode": "auto", "auto_plan": f"regions:{EVERY_BLOCK}"},
              "op": {"mode": "selective", "selective_ac_option": "op", "auto_plan": ""},
              "op_all_mm": {"mode": "auto", "auto_plan": f"op_all_mm:{EVERY_BLOCK}"},
-             "full": {"mode": "full", "auto_plan": ""}}  # fmt: skip
+             "op_offload": {"mode": "selective", "selective_ac_option": "op", "auto_plan": ""} | offload,
+             "full": {"mode": "full", "auto_plan": ""},
+             "full_offload": {"mode": "full", "auto_plan": ""} | offload}  # fmt: skip
     return dataclasses.replace(config, **modes[choice])
 
 
