@@ -736,25 +736,26 @@ def _with_offloaded(snapshot: dict, model, cfg: JobConfig, parallel_dims: Parall
 @contextlib.contextmanager
 def probing(model: torch.nn.Module, cfg: JobConfig, parallel_dims: ParallelDims, enabled: bool):
     """With `enabled`, measure every block of `model.layers` over the step: yields a dict, filled
-    on exit, block index (a string, as JSON keys are) -> [bytes one forward holds for backward
-    (`held_per_block`), then what the step runs in the block (`RecomputeCost.work_per_block`:
-    FLOPs, element-wise bytes, host ops, region reruns, recomputed FLOPs), then the bytes it
-    offloads (`ActivationOffloader.bytes_total_by_block`)], the step's counts scaled from the
-    measured micro-batches to all of the step's. What the mode "auto" planner needs (`BlockWork`
-    in that order)."""
+    on exit, block index (a string, as JSON keys are) -> {"held": the bytes one forward holds for
+    backward (`held_per_block`), "offloaded": the bytes one forward offloads
+    (`ActivationOffloader.bytes_by_block`), "work": what the step runs in the block
+    (`RecomputeCost.work_per_block`: FLOPs, element-wise bytes, host ops, region reruns,
+    recomputed FLOPs, then the bytes offloaded), the counts scaled from the measured micro-batches
+    to all of the step's}. What the mode "auto" planner needs (`BlockCost`, `BlockWork`)."""
     if not enabled:
         yield None
         return
     blocks = {int(name): block for name, block in model.layers.named_children()}
-    measured: dict[str, list[int]] = {}
+    measured: dict[str, dict] = {}
     with held_per_block(blocks) as held, RecomputeCost(blocks, in_selective_checkpoint) as recompute:
         yield measured
     accum_steps = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
     offloaders = offloaders_in(model)
     for index, work in recompute.work_per_block().items():
+        per_forward = sum(offloader.bytes_by_block.get(index, 0) for offloader in offloaders)
         offloaded = sum(offloader.bytes_total_by_block.get(index, 0) for offloader in offloaders)
         per_step = [n * accum_steps // min(accum_steps, 2) for n in (*work, offloaded)]
-        measured[str(index)] = [held.get(index, 0), *per_step]
+        measured[str(index)] = {"held": held.get(index, 0), "offloaded": per_forward, "work": per_step}
 
 
 def breakdown(snapshot: dict) -> dict[str, int]:
@@ -1075,8 +1076,9 @@ def rank_costs(
         blocks = tuple(
             BlockCost(
                 int(index),
-                held={c: runs[c][BLOCKS][index][0] for c in choices},
-                work={c: BlockWork(*runs[c][BLOCKS][index][1:]) for c in choices},
+                held={c: runs[c][BLOCKS][index]["held"] for c in choices},
+                work={c: BlockWork(*runs[c][BLOCKS][index]["work"]) for c in choices},
+                offloaded={c: runs[c][BLOCKS][index]["offloaded"] for c in choices},
             )
             for index in sorted(runs["none"][BLOCKS], key=int)
         )

@@ -327,8 +327,9 @@ def test_exposed_copy_time_is_what_the_neighbouring_forward_and_backward_do_not_
 
 def _offloading_costs(offload_gbps: float, blocks: int = 4) -> RankCosts:
     """`blocks` equal blocks of 1 s of compute without AC (1 TFLOP at 1 TFLOP/s), with every
-    choice; op-SAC with offload holds what full AC holds, offloads 1 GB, and recomputes op-SAC's
-    0.2 s against full AC's 0.3 s."""
+    choice. op-SAC with offload sends what op-SAC keeps and the block's 1 MiB input to the host
+    (9 MiB a forward, 1 GB a step) and recomputes op-SAC's 0.2 s; full AC recomputes 0.3 s, and
+    with offload sends its input (0.1 GB a step)."""
     g = 10**12
     held = {
         "none": 40,
@@ -337,33 +338,43 @@ def _offloading_costs(offload_gbps: float, blocks: int = 4) -> RankCosts:
         "op_all_mm": 8,
         "op_offload": 2,
         "full": 2,
-        "full_offload": 1,
+        "full_offload": 2,
     }
+    per_forward = {"op_offload": 9 * MiB, "full_offload": MiB}
     flops = {"none": g, "regions": g, "op": 1.2 * g, "op_all_mm": 1.25 * g, "op_offload": 1.2 * g,
              "full": 1.3 * g, "full_offload": 1.3 * g}  # fmt: skip
-    offloaded = {"op_offload": 10**9, "full_offload": 10**8}
-    work = {c: BlockWork(flops=int(f), offloaded_bytes=offloaded.get(c, 0)) for c, f in flops.items()}
-    costs = tuple(BlockCost(i, {c: n * MiB for c, n in held.items()}, work) for i in range(blocks))
-    peak = {c: 100 * MiB + blocks * n * MiB for c, n in held.items()}
+    per_step = {"op_offload": 10**9, "full_offload": 10**8}
+    work = {c: BlockWork(flops=int(f), offloaded_bytes=per_step.get(c, 0)) for c, f in flops.items()}
+    costs = tuple(
+        BlockCost(i, {c: n * MiB for c, n in held.items()}, work, per_forward) for i in range(blocks)
+    )
+    peak = {c: 100 * MiB + blocks * (40 * MiB - costs[0].held_less(c)) for c in held}
     rates = RecomputeRates(1.0, 1.0, host_us_per_op=0.0, host_us_per_rerun=0.0, offload_gbps=offload_gbps)
     return RankCosts("", peak, costs, rates)
 
 
+def test_an_offloading_choice_holds_less_by_all_it_offloads_the_input_included():
+    block = _offloading_costs(offload_gbps=10.0).blocks[0]
+    assert block.held_less("op") == 30 * MiB and block.held_less("full") == 38 * MiB
+    # What op-SAC keeps (8 MiB) and the block's input (1 MiB) leave the device.
+    assert block.held_less("op_offload") == block.held_less("full_offload") == 39 * MiB
+
+
 def test_the_planner_offloads_where_compute_hides_the_copies_and_recomputes_where_it_does_not():
-    budget = 100 * MiB + 4 * 2 * MiB  # full AC's peak
-    # 10 GB/s: the 1 GB takes 0.1 s each way, under the 0.33 s forward and the 0.67 s backward.
     fast = _offloading_costs(offload_gbps=10.0)
+    budget = fast.peak["full"]
+    # 10 GB/s: the 1 GB takes 0.1 s each way, under the 0.33 s forward and the 0.67 s backward.
     assert set(solve(fast, budget).values()) == {"op_offload"}
-    # 1 GB/s: 1 s each way, of which 0.67 + 0.33 s is exposed; full AC with offload holds less
-    # than needed and costs full AC's recompute, with its 0.1 GB hidden.
+    # 1 GB/s: 1 s each way, of which 0.67 + 0.33 s is exposed; full AC with offload costs full
+    # AC's recompute, its 0.1 GB hidden, and the tie goes to full AC, which saves less.
     slow = _offloading_costs(offload_gbps=1.0)
-    assert set(solve(slow, budget).values()) == {"full"}
     assert slow.seconds(slow.blocks[0], "op_offload") == pytest.approx(0.2 + 1.0)
+    assert set(solve(slow, budget).values()) == {"full"}
 
 
 def test_full_ac_with_offload_is_the_floor_and_the_refusal_names_it():
-    costs = _offloading_costs(offload_gbps=10.0)
-    assert costs.floor == "full_offload"
+    costs = _offloading_costs(offload_gbps=1.0)
+    assert costs.floor == "full_offload" and costs.peak["full_offload"] < costs.peak["full"]
     below_full = costs.peak["full"] - MiB
     choices = solve(costs, below_full)
     assert "full_offload" in choices.values() and costs.estimated_peak(choices) <= below_full
@@ -387,6 +398,19 @@ def test_each_choice_saves_what_the_peaks_say_shared_by_the_bytes_each_block_hol
     assert costs.saving(second, "op") == pytest.approx(in_flight * 10 * MiB)
     for choice in costs.choices:
         assert costs.estimated_peak({0: choice, 1: choice}) == costs.peak[choice]
+
+
+def test_a_choice_whose_peak_is_set_outside_the_activations_saves_at_the_rate_of_one_that_is_not():
+    # Activations take 100 MiB + what 4 blocks hold, but the optimizer step peaks at 130 MiB:
+    # op's peak (100 + 40) shows its saving, full AC's (130, not 108) hides 22 MiB of it.
+    costs = _costs([(40, 10, 2, 5, 9)] * 4)
+    peak = {c: max(130 * MiB, p) for c, p in costs.peak.items()}
+    floored = RankCosts("", peak, costs.blocks, costs.rates)
+    block = floored.blocks[0]
+    assert floored.saving(block, "op") == pytest.approx(30 * MiB)
+    assert floored.saving(block, "full") == pytest.approx(38 * MiB)  # not (260 - 130) / 4 = 32.5
+    assert floored.estimated_peak(dict.fromkeys(range(4), "full")) == peak["full"]
+    assert floored.estimated_peak({0: "full", 1: "none", 2: "none", 3: "none"}) == 260 * MiB - 38 * MiB
 
 
 # ----- the saved plan -------------------------------------------------------------------------

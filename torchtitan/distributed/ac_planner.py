@@ -17,9 +17,10 @@ A choice saves, over the whole group, what the peaks say (no AC's peak less that
 is shared among the blocks in proportion to what each holds less under it than under no AC
 (`RankCosts.saving`). So the peaks calibrate the per-block bytes: a pipeline rank that holds
 several microbatches at once saves that many times a block's bytes, and bytes a forward keeps
-that the peak never sees do not count. A plan's peak is modelled as no AC's peak less its
-blocks' savings, never below the least uniform peak (`RankCosts.estimated_peak`); it is exact
-for the uniform plans.
+that the peak never sees do not count. A choice whose uniform peak is set outside the
+activations (at the floor) is calibrated by the nearest choice whose peak is not. A plan's peak
+is modelled as no AC's peak less its blocks' savings, never below the least uniform peak
+(`RankCosts.estimated_peak`); it is exact for the uniform plans.
 
 A choice costs the time it adds to the block's step (`RankCosts.seconds`). A block's time is
 its device's or its host's, whichever is longer (`RecomputeRates.seconds`): the device's from
@@ -36,7 +37,7 @@ at startup (`ac_auto.py`).
 """
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -136,16 +137,27 @@ class BlockCost:
 
     Attributes:
         index: the block's index in the whole model.
-        held: bytes one forward of the block holds for backward.
+        held: bytes one forward of the block makes and holds for backward on the device (its
+            input, made by the block before, is not counted).
         work: what the step runs in the block, all micro-batches included.
+        offloaded: bytes one forward offloads (under the offloading choices).
     """
 
     index: int
     held: dict[str, int]
     work: dict[str, BlockWork]
+    offloaded: dict[str, int] = field(default_factory=dict)
 
     def held_less(self, choice: str) -> int:
-        """Bytes one forward holds less under `choice` than under no AC (never negative)."""
+        """Bytes one forward holds less on the device under `choice` than under no AC (never
+        negative).
+
+        An offloading choice keeps on the device what the choice it offloads from
+        (`OFFLOAD_CHOICES`) keeps, less all it offloads, the block's input included (which
+        `held` does not count)."""
+        if choice in OFFLOAD_CHOICES:
+            kept = OFFLOAD_CHOICES[choice]
+            return max(0, self.held["none"] - self.held[kept] + self.offloaded.get(choice, 0))
         return max(0, self.held["none"] - self.held[choice])
 
     def recompute_flops(self, choice: str) -> int:
@@ -179,13 +191,32 @@ class RankCosts:
     def _held_less(self) -> dict[str, int]:
         return {choice: sum(b.held_less(choice) for b in self.blocks) for choice in self.peak}
 
+    @cached_property
+    def _peak_per_byte(self) -> dict[str, float]:
+        """Per choice, the bytes of peak that one byte held less takes off: no AC's peak less
+        the choice's, over what its blocks hold less.
+
+        A choice whose uniform peak is the floor's (`floor`) shows less than it saves: its peak is
+        set outside the activations (the optimizer step, the loss head), not by them. It takes the
+        larger of its own rate and that of the choice that holds the least while its peak is
+        still above the floor."""
+        rates = {
+            c: max(0, self.peak["none"] - self.peak[c]) / self._held_less[c]
+            if self._held_less[c] > 0
+            else 0.0
+            for c in self.choices
+        }
+        floor = self.peak[self.floor]
+        above = [c for c in self.choices if c != "none" and self.peak[c] > floor and self._held_less[c] > 0]
+        if above:
+            nearest = rates[max(above, key=self._held_less.__getitem__)]
+            rates |= {c: max(rates[c], nearest) for c in self.choices if self.peak[c] <= floor}
+        return rates
+
     def saving(self, block: BlockCost, choice: str) -> float:
-        """The bytes `choice` on `block` takes off the step's peak: the group's saving under
-        `choice` (no AC's peak less that choice's), shared by the blocks' `held_less`."""
-        held_less = self._held_less[choice]
-        if held_less <= 0:
-            return 0.0
-        return max(0, self.peak["none"] - self.peak[choice]) * block.held_less(choice) / held_less
+        """The bytes `choice` on `block` takes off the step's peak: what it holds less than
+        under no AC, at `_peak_per_byte`'s rate for `choice`."""
+        return self._peak_per_byte[choice] * block.held_less(choice)
 
     def estimated_peak(self, choices: dict[int, str]) -> int:
         """The modelled step peak of `choices` (block index -> choice)."""

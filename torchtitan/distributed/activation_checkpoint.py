@@ -1130,8 +1130,9 @@ def parse_offload_blocks(spec: str) -> frozenset[int]:
 
 # What mode "auto" gives a block, from the least memory saved to the most.
 AUTO_PLAN_CHOICES = ("none", "regions", "op", "op_all_mm", "op_offload", "full", "full_offload")
-# The choices that offload what the block keeps (`ActivationOffloader`).
-OFFLOAD_CHOICES = ("op_offload", "full_offload")
+# The choices that offload what the block keeps (`ActivationOffloader`), and the choice whose
+# wrapping each offloads from.
+OFFLOAD_CHOICES = {"op_offload": "op", "full_offload": "full"}
 
 
 # A block range that covers every model's blocks (a plan's blocks past the last are ignored).
