@@ -23,8 +23,9 @@ unsharded copies, in `training.mixed_precision_param`, that FSDP all-gathers for
 selective 2). A config mistake prints one message and exits with code 2.
 
 With `--plan --budget-gib GIB` it plans AC mode "auto" instead: per block none, cheap regions,
-op-SAC or full AC, the least modelled recompute time whose peak fits GIB per rank
-(`plan_to_budget`; docs/ac_auto.md).
+op-SAC or full AC, and (for a GPU: `activation_checkpoint.auto_offload`) op-SAC or full AC with
+offload, the least modelled added time whose peak fits GIB per rank (`plan_to_budget`;
+docs/ac_auto.md).
 
 With `--max-seq-len GIB` it searches instead, per AC mode, the longest `training.seq_len` whose
 peak fits GIB per rank (`longest_seq_len`). Under context parallelism each rank runs its share of
@@ -247,7 +248,7 @@ def parse_cli(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
     parser.add_argument(
         "--plan",
         action="store_true",
-        help='instead of one estimate, plan mode "auto": the per-block AC choices with the least recompute '
+        help='instead of one estimate, plan mode "auto": the per-block AC choices with the least added time '
         "whose peak fits --budget-gib (or activation_checkpoint.auto_memory_gib)",
     )
     parser.add_argument(

@@ -2,6 +2,7 @@
 real step of that plan, the pipeline ranks' plans, the refusal when nothing fits, and the
 trainer planning at startup. The solver and the plan class: tests/unit/test_ac_planner.py."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 from tests.conftest import load_script
 from tests.parity import assert_parity, reference, train_for_parity
 from torchtitan.config import parse_args
+from torchtitan.distributed.ac_planner import RecomputeRates
 
 pytestmark = pytest.mark.integration
 
@@ -56,18 +58,15 @@ def test_a_real_step_of_the_plan_fits_the_budget_and_its_estimate(argv, request)
         assert abs(real - planned) <= 0.10 * planned, (fraction, real, planned)
 
 
-# Prices under which recompute is dear and copies cost nothing: the planner offloads where it can.
-CHEAP_COPIES = [
-    "--activation_checkpoint.auto_tflops", "0.001", "--activation_checkpoint.auto_host_us_per_op", "0",
-    "--activation_checkpoint.auto_host_us_per_rerun", "0", "--activation_checkpoint.auto_offload_gbps", "1e6",
-    "--activation_checkpoint.offload_min_bytes", "4096",
-]  # fmt: skip
-
-
-def test_a_real_step_of_a_plan_that_offloads_fits_the_budget_and_its_estimate():
-    cfg = parse_args(LLAMA + CHEAP_COPIES, env={})
-    costs = em.rank_costs(cfg, 1)[0]
+def test_a_real_step_of_a_plan_that_offloads_fits_the_budget_and_its_estimate(llama_costs):
+    # Prices under which recompute is dear and copies cost nothing: the planner offloads where
+    # it can. The measurements do not depend on the prices.
+    rates = RecomputeRates(
+        tflops=0.001, memory_gbps=2000, host_us_per_op=0, host_us_per_rerun=0, offload_gbps=1e6
+    )
+    costs = dataclasses.replace(llama_costs, rates=rates)
     budget = _between(costs, 0.3)
+    cfg = parse_args(LLAMA, env={})
     plan = em.plan_to_budget(cfg, 1, budget, costs=[costs])
     assert "op_offload" in plan.choices.values(), plan.spec
     planned = plan.ranks[""]["measured"]

@@ -71,19 +71,18 @@ def budget_bytes(cfg: JobConfig, device: torch.device) -> int:
 
 
 def recompute_rates(ac: ActivationCheckpoint, device: torch.device | None = None) -> RecomputeRates:
-    """The planner's prices (`RecomputeRates`): the `auto_*` keys; where `auto_tflops` or
-    `auto_memory_gbps` is 0, a fraction of `device`'s peak (`RECOMPUTE_MFU`,
-    `ELEMENTWISE_BANDWIDTH_SHARE`), or the defaults where it is unknown (no device: the memory
-    estimator, planning for any)."""
+    """The planner's prices (`RecomputeRates`): the `auto_*` keys, with no copy price without
+    `auto_offload`; where `auto_tflops` or `auto_memory_gbps` is 0, a fraction of `device`'s
+    peak (`RECOMPUTE_MFU`, `ELEMENTWISE_BANDWIDTH_SHARE`), or the defaults where it is unknown
+    (no device: the memory estimator, planning for any)."""
     peak_flops = peak_bf16_flops(device) if device is not None else None
     peak_bandwidth = peak_memory_bandwidth(device) if device is not None else None
     tflops = ac.auto_tflops or (RECOMPUTE_MFU * peak_flops / 1e12 if peak_flops else DEFAULT_TFLOPS)
     gbps = ac.auto_memory_gbps or (
         ELEMENTWISE_BANDWIDTH_SHARE * peak_bandwidth / 1e9 if peak_bandwidth else DEFAULT_MEMORY_GBPS
     )
-    return RecomputeRates(
-        tflops, gbps, ac.auto_host_us_per_op, ac.auto_host_us_per_rerun, ac.auto_offload_gbps
-    )
+    offload_gbps = ac.auto_offload_gbps if ac.auto_offload else 0.0
+    return RecomputeRates(tflops, gbps, ac.auto_host_us_per_op, ac.auto_host_us_per_rerun, offload_gbps)
 
 
 def with_rates_of(cfg: JobConfig, device: torch.device) -> JobConfig:

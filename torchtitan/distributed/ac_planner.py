@@ -91,7 +91,8 @@ class RecomputeRates:
             taken to be read once too.
         host_us_per_op: host time per op dispatched, µs.
         host_us_per_rerun: host time per region rerun (the checkpoint's own work), µs.
-        offload_gbps: the host-device bandwidth per direction of offload copies, GB/s.
+        offload_gbps: the host-device bandwidth per direction of offload copies, GB/s; 0
+            where the plan does not offload.
     """
 
     tflops: float
@@ -120,14 +121,17 @@ class RecomputeRates:
         taken as a third of `compute_seconds`, and its copy back the backward of the block after
         it, the other two thirds (a backward costs about twice its forward). What a copy takes
         beyond its window is exposed."""
+        if not work.offloaded_bytes:
+            return 0.0
         copy = work.offloaded_bytes / (self.offload_gbps * 1e9)
         forward = compute_seconds / 3
         return max(0.0, copy - forward) + max(0.0, copy - 2 * forward)
 
     def describe(self) -> str:
+        copies = f", copies at {self.offload_gbps:g} GB/s" if self.offload_gbps else ""
         return (
             f"{self.tflops:g} TFLOP/s, {self.memory_gbps:g} GB/s, host {self.host_us_per_op:g} µs per op "
-            f"and {self.host_us_per_rerun:g} µs per region rerun, copies at {self.offload_gbps:g} GB/s"
+            f"and {self.host_us_per_rerun:g} µs per region rerun{copies}"
         )
 
 

@@ -32,6 +32,8 @@ class _StorageRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
+            # A DTensor's own storage has its global size; this rank holds its local shard's.
+            t = t._local_tensor if isinstance(t, DTensor) else t
             if isinstance(t, torch.Tensor):
                 ref = StorageWeakRef(t.untyped_storage())
                 if ref.cdata not in self.excluded:
