@@ -48,9 +48,17 @@ AC_ARGV = {
     "full replay": [_AC + "mode", "full", _AC + "full_ac_all_to_all", "replay"],
     "selective 2": [_AC + "mode", "selective", _AC + "selective_ac_option", "2"],
     "op-SAC": [_AC + "mode", "selective", _AC + "selective_ac_option", "op"],
-    # Mode "auto" with its plan given: every choice on some block (blocks past a model's last
-    # are not there to wrap).
-    "auto plan": [_AC + "mode", "auto", _AC + "auto_plan", "none:0; regions:1; op:2; op_all_mm:3; full:4-63"],
+    # Mode "auto" with its plan given: each choice on blocks of its own, as far as the model has
+    # blocks (the debug Llama 3's 6 end before "full", which the other rows run); the offloading
+    # ones move every tensor of 4 KiB and more.
+    "auto plan": [
+        _AC + "mode",
+        "auto",
+        _AC + "offload_min_bytes",
+        "4096",
+        _AC + "auto_plan",
+        "none:0; regions:1; op:2; op_all_mm:3; op_offload:4; full_offload:5; full:6-63",
+    ],
 }
 
 
