@@ -27,7 +27,14 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig, model_compile_enabled
 from torchtitan.config.toml_writer import to_toml
 from torchtitan.distributed.ac_planner import BLOCK_CHOICES, BlockPlan, GiB, RecomputeRates
-from torchtitan.distributed.activation_checkpoint import OFFLOAD_CHOICES, auto_budget, no_planner
+from torchtitan.distributed.activation_checkpoint import (
+    OFFLOAD_CHOICES,
+    ACFacts,
+    auto_budget,
+    check_offload,
+    fixed_mode,
+    no_planner,
+)
 from torchtitan.distributed.pipeline_parallel import splits_backward
 from torchtitan.distributed.rank_agreement import agree_on_config_errors
 from torchtitan.tools.device_info import capacity_bytes, peak_bf16_flops, peak_memory_bandwidth
@@ -101,12 +108,15 @@ def with_rates_of(cfg: JobConfig, device: torch.device) -> JobConfig:
 
 def planned_choices(cfg: JobConfig) -> tuple[str, ...]:
     """What mode "auto" chooses among for `cfg`: every choice, less the offloading ones where
-    `auto_offload` is off or the layout cannot offload (compiled blocks, a zero-bubble schedule:
-    see `activation_checkpoint._check_offload`)."""
-    offloads = (
-        cfg.activation_checkpoint.auto_offload and not model_compile_enabled(cfg) and not splits_backward(cfg)
-    )
-    return tuple(c for c in BLOCK_CHOICES if offloads or c not in OFFLOAD_CHOICES)
+    `auto_offload` is off or the layout cannot offload (`activation_checkpoint.check_offload`
+    refuses it: compiled blocks, a zero-bubble schedule)."""
+    ac = cfg.activation_checkpoint
+    facts = ACFacts(compile_enabled=model_compile_enabled(cfg), split_backward=splits_backward(cfg))
+    try:
+        check_offload(fixed_mode(ac, "op_offload"), facts)
+    except ConfigError:
+        return tuple(c for c in BLOCK_CHOICES if c not in OFFLOAD_CHOICES)
+    return tuple(c for c in BLOCK_CHOICES if ac.auto_offload or c not in OFFLOAD_CHOICES)
 
 
 def layout_fingerprint(cfg: JobConfig, world_size: int, budget: int) -> str:

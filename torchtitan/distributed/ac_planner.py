@@ -27,8 +27,8 @@ its device's or its host's, whichever is longer (`RecomputeRates.seconds`): the 
 its FLOPs at the math throughput and its element-wise bytes at the memory's, the host's per op
 dispatched and per region rerun. The host term is what makes op-SAC dear where kernels are
 short: its Python dispatch mode sees every op of the block twice. An offloading choice adds the
-copy time that compute does not hide (`RecomputeRates.exposed_copy_seconds`). `solve` finds the plan with
-the least added time whose modelled peak fits (a multiple-choice knapsack by dynamic
+copy time that compute does not hide (`RecomputeRates.exposed_copy_seconds`). `solve` finds the
+plan with the least added time whose modelled peak fits (a multiple-choice knapsack by dynamic
 programming over the bytes to save, in units of 1/`RESOLUTION` of them; see `solve` for how
 rounding is kept from costing a plan).
 The memory estimator (`scripts/estimate_memory.py --plan`) measures the chosen plan's peak on
@@ -200,10 +200,10 @@ class RankCosts:
         """Per choice, the bytes of peak that one byte held less takes off: no AC's peak less
         the choice's, over what its blocks hold less.
 
-        A choice whose uniform peak is the floor's (`floor`) shows less than it saves: its peak is
-        set outside the activations (the optimizer step, the loss head), not by them. It takes the
-        larger of its own rate and that of the choice that holds the least while its peak is
-        still above the floor."""
+        A choice whose uniform peak is the floor's (`floor`) may show less than it saves: the
+        floor can be set outside the activations (by the optimizer step, the loss head). It
+        takes the larger of its own rate and that of the choice that holds the least while its
+        peak is still above the floor."""
         rates = {
             c: max(0, self.peak["none"] - self.peak[c]) / self._held_less[c]
             if self._held_less[c] > 0

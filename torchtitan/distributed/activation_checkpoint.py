@@ -507,7 +507,7 @@ def plan_activation_checkpointing(config: ActivationCheckpoint, facts: ACFacts) 
     if config.mode == "auto":
         _check_auto(config, facts)
     if config.offload != "none":
-        _check_offload(config, facts)
+        check_offload(config, facts)
     if config.debug and config.mode != "none":
         _check_debug(config, facts)
     if facts.compile_enabled and facts.compiles and config.mode != "none":
@@ -581,7 +581,7 @@ def _check_auto(config: ActivationCheckpoint, facts: ACFacts) -> None:
             f"'activation_checkpoint.auto_plan' = '{config.auto_plan}' (its {' and '.join(OFFLOAD_CHOICES)})"
         )
         undo = f"a plan without {' and '.join(OFFLOAD_CHOICES)}"
-        _check_offload(dataclasses.replace(config, offload="saved"), facts, what, undo)
+        check_offload(dataclasses.replace(config, offload="saved"), facts, what, undo)
 
 
 class NothingFits(ConfigError):
@@ -638,12 +638,20 @@ def no_planner(estimator: str) -> ConfigError:
     )
 
 
-def _check_offload(
+def check_offload(
     config: ActivationCheckpoint, facts: ACFacts, what: str = "", undo: str = 'offload = "none"'
 ) -> None:  # fmt: skip
-    """Offload runs in eager blocks, through autograd's saved-tensor hooks and SAC's cache.
-    `what` and `undo` name the setting that offloads and its removal in a refusal (mode auto's
-    plan, for its offloading choices)."""
+    """Refuse offload (`config.offload = "saved"`) where it cannot run: it works in eager blocks,
+    through autograd's saved-tensor hooks and SAC's cache. The planner of mode auto asks it too.
+
+    Args:
+        what: the setting that offloads, as the refusal names it (default: the offload key).
+        undo: how to turn it off, as the refusal says.
+
+    Raises:
+        ConfigError: for an unknown value, bad `offload_blocks`, memory_budget, compiled blocks or
+            a zero-bubble schedule.
+    """
     offloads = ("none", "saved")
     if config.offload not in offloads:
         raise ConfigError(
