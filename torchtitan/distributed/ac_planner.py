@@ -18,7 +18,7 @@ is shared among the blocks in proportion to what each holds less under it than u
 (`RankCosts.saving`). So the peaks calibrate the per-block bytes: a pipeline rank that holds
 several microbatches at once saves that many times a block's bytes, and bytes a forward keeps
 that the peak never sees do not count. A choice whose uniform peak is set outside the
-activations (at the floor) is calibrated by the nearest choice whose peak is not. A plan's peak
+activations (by the optimizer step, say) takes the rate of a choice whose peak is higher. A plan's peak
 is modelled as no AC's peak less its blocks' savings, never below the least uniform peak
 (`RankCosts.estimated_peak`); it is exact for the uniform plans.
 
@@ -198,24 +198,21 @@ class RankCosts:
     @cached_property
     def _peak_per_byte(self) -> dict[str, float]:
         """Per choice, the bytes of peak that one byte held less takes off: no AC's peak less
-        the choice's, over what its blocks hold less.
+        the choice's, over what its blocks hold less; or, where larger, the rate of a choice whose
+        uniform peak is higher.
 
-        A choice whose uniform peak is the floor's (`floor`) may show less than it saves: the
-        floor can be set outside the activations (by the optimizer step, the loss head). It
-        takes the larger of its own rate and that of the choice that holds the least while its
-        peak is still above the floor."""
-        rates = {
+        Why: a uniform run's peak can be set outside the activations, by the optimizer step or
+        the loss head, and then shows less than the choice saves. The higher a choice's peak,
+        the more surely its activations set it; a choice that saves more is only clipped more."""
+        own = {
             c: max(0, self.peak["none"] - self.peak[c]) / self._held_less[c]
-            if self._held_less[c] > 0
-            else 0.0
+            for c in self.choices
+            if c != "none" and self._held_less[c] > 0
+        }
+        return {
+            c: max((rate for other, rate in own.items() if self.peak[other] >= self.peak[c]), default=0.0)
             for c in self.choices
         }
-        floor = self.peak[self.floor]
-        above = [c for c in self.choices if c != "none" and self.peak[c] > floor and self._held_less[c] > 0]
-        if above:
-            nearest = rates[max(above, key=self._held_less.__getitem__)]
-            rates |= {c: max(rates[c], nearest) for c in self.choices if self.peak[c] <= floor}
-        return rates
 
     def saving(self, block: BlockCost, choice: str) -> float:
         """The bytes `choice` on `block` takes off the step's peak: what it holds less than
