@@ -1051,18 +1051,29 @@ def rank_costs(
 ) -> list[RankCosts]:  # fmt: skip
     """The planner's measurements (`RankCosts`), one per pipeline rank (one without pipelining),
     from probed fake-mode steps (`probing`) with every block at each of the layout's choices
-    (`planned_choices`), full AC (and full AC with offload) first. Their work is priced at the
-    config's `auto_*` rates (`recompute_rates`).
+    (`planned_choices`), full AC first. Their work is priced at the config's `auto_*` rates
+    (`recompute_rates`).
+
+    With a `budget` that full AC fits on every rank, full AC with offload is left out: it costs
+    full AC's recompute and more, and pays only where full AC cannot reach the budget. That
+    spares one estimate (about 20 s for Llama 3 70B on 64 ranks).
 
     Raises:
-        NothingFits: with a `budget` that the least of those first peaks exceeds on some rank
-            (checked before the other choices are measured).
+        NothingFits: with a `budget` that full AC's peak, and full AC with offload's where
+            measured, exceed on some rank (checked before the other choices are measured).
     """
     ac = cfg.activation_checkpoint
     choices = planned_choices(cfg)
     configs = {c: dataclasses.replace(cfg, activation_checkpoint=fixed_mode(ac, c)) for c in choices}
+    probed = estimate_configs({"full": configs["full"]}, ngpu, ep_imbalance, probe=True)
+    full_fits = budget is not None and all(
+        probed[_column("full", r)][TOTAL] <= budget for r in _pp_labels(cfg)
+    )
+    if full_fits:
+        choices = tuple(c for c in choices if c != "full_offload")
+    elif "full_offload" in choices:
+        probed |= estimate_configs({"full_offload": configs["full_offload"]}, ngpu, ep_imbalance, probe=True)
     least = [c for c in ("full", "full_offload") if c in choices]
-    probed = estimate_configs({c: configs[c] for c in least}, ngpu, ep_imbalance, probe=True)
     for label in _pp_labels(cfg):
         floor = min(least, key=lambda c: probed[_column(c, label)][TOTAL])
         needed = probed[_column(floor, label)][TOTAL]
