@@ -120,7 +120,7 @@ def test_the_plan_command_prints_the_plan_string_and_its_table():
     assert 'auto_plan = "' in done.stdout
     assert "| block | choice | off the peak, MiB |" in done.stdout
     assert "budget 0.150 GiB" in done.stdout
-    # Full AC fits 0.15 GiB, so full AC with offload is not measured: no block can need it.
+    # Full AC fits 0.15 GiB, so full AC with offload is neither measured nor chosen.
     assert "op_offload on" in done.stdout and "full_offload" not in done.stdout
 
 
