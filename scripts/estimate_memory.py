@@ -104,6 +104,7 @@ from torchtitan.distributed.ac_planner import (
     BlockPlan,
     BlockWork,
     RankCosts,
+    floor_of,
     plan_of,
     solve,
 )  # fmt: skip
@@ -1075,7 +1076,7 @@ def rank_costs(
         probed |= estimate_configs({"full_offload": configs["full_offload"]}, ngpu, ep_imbalance, probe=True)
     least = [c for c in ("full", "full_offload") if c in choices]
     for label in _pp_labels(cfg):
-        floor = min(least, key=lambda c: probed[_column(c, label)][TOTAL])
+        floor = floor_of({c: probed[_column(c, label)][TOTAL] for c in least})
         needed = probed[_column(floor, label)][TOTAL]
         if budget is not None and needed > budget:
             raise nothing_fits(budget, needed, label, offload=floor in OFFLOAD_CHOICES)

@@ -92,14 +92,14 @@ class RecomputeRates:
         host_us_per_op: host time per op dispatched, µs.
         host_us_per_rerun: host time per region rerun (the checkpoint's own work), µs.
         offload_gbps: the host-device bandwidth per direction of offload copies, GB/s; 0
-            where the plan does not offload.
+            (the default) where the plan does not offload.
     """
 
     tflops: float
     memory_gbps: float
     host_us_per_op: float
     host_us_per_rerun: float
-    offload_gbps: float = 50.0
+    offload_gbps: float = 0.0
 
     def device_seconds(self, work: BlockWork) -> float:
         return work.flops / (self.tflops * 1e12) + 2 * work.memory_bytes / (self.memory_gbps * 1e9)
@@ -169,6 +169,12 @@ class BlockCost:
         return self.work[choice].recompute_flops
 
 
+def floor_of(peak: dict[str, int]) -> str:
+    """Of full AC and full AC with offload, those `peak` (choice -> uniform peak) holds, the one
+    of the lower peak; full AC on a tie."""
+    return min((c for c in ("full", "full_offload") if c in peak), key=peak.__getitem__)
+
+
 @dataclass(frozen=True)
 class RankCosts:
     """The measurements of one device's blocks: `peak[choice]` is the step's peak with every
@@ -187,9 +193,9 @@ class RankCosts:
 
     @property
     def floor(self) -> str:
-        """Full AC, or full AC with offload where measured and lower: the least uniform peak
-        that a plan can reach. No plan is modelled below it."""
-        return min((c for c in ("full", "full_offload") if c in self.peak), key=self.peak.__getitem__)
+        """The choice of the least uniform peak a plan can reach (`floor_of`). No plan is
+        modelled below it."""
+        return floor_of(self.peak)
 
     @cached_property
     def _held_less(self) -> dict[str, int]:

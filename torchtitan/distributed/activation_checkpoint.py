@@ -31,10 +31,10 @@ full AC with "replay"), it skips the matmul that makes that all-to-all's input (
 `all_to_all_input`).
 
 Blocks that offload (eager blocks only: with `offload = "saved"` under modes none, full and
-selective, those `offload_blocks` names; under mode auto, those whose choice ends in "_offload")
-run their forward under the plan's `ActivationOffloader` (`activation_offload.py`): what autograd saves
-there (for a checkpoint, its inputs) and what SAC's cache keeps (`_OffloadingSACCache`) wait in
-host memory until backward.
+selective, those `offload_blocks` names; under mode auto, those whose choice ends in
+"_offload") run their forward under the plan's `ActivationOffloader` (`activation_offload.py`):
+what autograd saves there (for a checkpoint, its inputs) and what SAC's cache keeps
+(`_OffloadingSACCache`) wait in host memory until backward.
 """
 
 import contextlib

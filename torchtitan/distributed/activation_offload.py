@@ -197,9 +197,9 @@ class ActivationOffloader:
             ("prefetch", block) when a block's copies back start. `new_pass()` clears it unless
             `keep_log` is set.
         bytes_by_block: the bytes each block offloaded in the latest forward.
-        bytes_total: the bytes offloaded since this offloader was made (each crosses the bus
-            twice: out in forward, back in backward).
-        bytes_total_by_block: `bytes_total` per block (the mode "auto" planner's copy time).
+        bytes_total_by_block: the bytes each block offloaded since this offloader was made
+            (each crosses the bus twice: out in forward, back in backward); `bytes_total` sums
+            them.
 
     Pitfalls: a tensor is offloaded only when it is a plain tensor (or a DTensor of one) that
     owns its whole storage, is not a parameter or a view of one, and has at least `min_bytes`;
@@ -216,8 +216,12 @@ class ActivationOffloader:
         self.log: list[tuple] = []
         self.keep_log = False
         self.bytes_by_block: dict[int, int] = defaultdict(int)
-        self.bytes_total = 0
         self.bytes_total_by_block: dict[int, int] = defaultdict(int)
+
+    @property
+    def bytes_total(self) -> int:
+        """The bytes offloaded since this offloader was made, all blocks."""
+        return sum(self.bytes_total_by_block.values())
 
     # ----- forward ---------------------------------------------------------------------------
 
@@ -283,7 +287,6 @@ class ActivationOffloader:
             group.packing[identity] = (local, copy)
             group.copies.add(copy)
             self.bytes_by_block[group.block] += copy.nbytes
-            self.bytes_total += copy.nbytes
             self.bytes_total_by_block[group.block] += copy.nbytes
             self.log.append(("offload", group.block, copy.nbytes))
         return OffloadedTensor(tensor, group.packing[identity][1])
